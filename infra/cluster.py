@@ -1,0 +1,37 @@
+"""Ray runtime: join RAY_ADDRESS (or a configured cluster), or start a local one bound to loopback."""
+from __future__ import annotations
+
+import os
+
+import ray
+
+# Without these Ray binds every interface and phones home; see MACHINE-NOTES.
+LOCAL_RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # makes every Ray listener use 127.0.0.1
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+def set_loopback_env() -> None:
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> dict:
+    """Connect to `address` / RAY_ADDRESS, or start a local Ray on 127.0.0.1. Idempotent.
+
+    Never uses address="auto": other Ray instances may run on the same machine.
+    """
+    if ray.is_initialized():
+        return ray.get_runtime_context().get_node_id() and {"address": "existing"}
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        info = ray.init(address=address, log_to_driver=False)
+    else:
+        set_loopback_env()
+        # Logical CPUs: engines and learners are mostly waiting on each other, so over-subscribe a bit
+        # to keep fractional-CPU actors from starving plain tasks.
+        info = ray.init(num_cpus=num_cpus or max(4, 2 * (os.cpu_count() or 1)), include_dashboard=False,
+                        log_to_driver=False, _node_ip_address="127.0.0.1")
+    return {"address": info.address_info.get("address") if hasattr(info, "address_info") else str(info)}

@@ -1,0 +1,258 @@
+"""The run configuration: one nested pydantic model, loaded from YAML with key=value overrides.
+
+Each section is handed only to the code that needs it (engines get `EnginesConfig`, the learner
+`GRPOConfig` and `OptimizerConfig`, ...). The same model is the Prefect flow's parameter, so the UI
+renders it as a form and validates it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(_Section):
+    num_layers: int = Field(2, ge=1, description="Transformer layers of the tiny Qwen2 model.")
+    hidden_size: int = Field(64, ge=8, description="Hidden size of the tiny model.")
+    num_heads: int = Field(4, ge=1, description="Attention heads (hidden_size must divide by it).")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (num_heads must divide by it).")
+    intermediate_size: int = Field(128, ge=8, description="MLP width of the tiny model.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError("model.tiny.hidden_size must be a multiple of model.tiny.num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("model.tiny.num_heads must be a multiple of model.tiny.num_kv_heads")
+        return self
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(
+        None, description="HF checkpoint folder of the policy (and reference). Empty: build the tiny model "
+        "into <run_dir>/tiny_model.")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Shape of the built tiny model.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
+    seed: int = Field(0, description="Seed for model init, sampling and data order.")
+
+
+class DataConfig(_Section):
+    prompts_path: str | None = Field(
+        None, description="JSONL file of prompts (one object per line). Empty: generate the built-in "
+        "repeat task into <run_dir>/data/train.jsonl.")
+    prompt_key: str = Field("prompt", description="JSON key of the prompt text.")
+    label_key: str = Field("label", description="JSON key of the label handed to the reward function.")
+    num_prompts: int = Field(4096, ge=1, description="Prompts generated for the built-in task.")
+    eval_paths: dict[str, str] = Field(default_factory=dict, description="Eval data sets: key -> JSONL path.")
+    over_long_prompts: Literal["refuse", "truncate"] = Field(
+        "refuse", description="What to do with a prompt longer than rollout.max_model_len - rollout.max_tokens: "
+        "refuse the file, or keep the prompt's last tokens (counted in metrics).")
+    shuffle: bool = Field(True, description="Shuffle prompt order (seeded by model.seed).")
+
+
+class RolloutConfig(_Section):
+    global_batch_size: int = Field(16, ge=1, description="GBS: prompt groups trained per iteration.")
+    n_samples_per_prompt: int = Field(8, description="Responses per prompt (group size n). GRPO needs >= 2.")
+    max_tokens: int = Field(32, ge=1, description="Most response tokens per sample, over all its rounds.")
+    max_model_len: int = Field(64, ge=2, description="Most prompt + response tokens per sample.")
+    max_split: int = Field(
+        2, description="Partial rollout: a response is generated in up to max_split rounds of "
+        "max_tokens // max_split tokens. 1 = plain GRPO (no partial rollout).")
+    max_age: int | None = Field(
+        None, description="Most iterations a row may be carried over; empty = max_split.")
+    require_max_age_all_finished: bool = Field(
+        False, description="Hold the update until every row at max age has finished.")
+    mode: Literal["sync", "async"] = Field("sync", description="sync: chunked rounds; async: stop signal + abort.")
+    async_check_steps: int = Field(20, ge=1, description="Async mode: engine steps between stop checks.")
+    over_sampling_groups: int = Field(0, ge=0, description="Extra groups dispatched beyond GBS (APRIL).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (the learner uses the same).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, description="Top-k sampling; -1 = off.")
+    rollout_function_path: str = Field(
+        "rollout.partial.generate_rollout", description="Import path of the rollout function.")
+    eval_function_path: str | None = Field(None, description="Import path of the eval function (empty = rollout's).")
+
+    @property
+    def partial(self) -> bool:
+        return self.max_split > 1
+
+    @property
+    def effective_max_age(self) -> int:
+        return self.max_split if self.max_age is None else self.max_age
+
+    @model_validator(mode="after")
+    def _check(self) -> "RolloutConfig":
+        if self.n_samples_per_prompt < 2:
+            raise ValueError("rollout.n_samples_per_prompt must be >= 2 for GRPO (group-normalised advantages "
+                             f"need a group); got {self.n_samples_per_prompt}")
+        if self.max_split < 1:
+            raise ValueError(f"rollout.max_split must be >= 1 (1 = no partial rollout); got {self.max_split}")
+        if self.max_tokens < self.max_split:
+            raise ValueError(f"rollout.max_tokens ({self.max_tokens}) must be >= rollout.max_split "
+                             f"({self.max_split}): each round generates max_tokens // max_split tokens")
+        if self.max_model_len <= self.max_tokens:
+            raise ValueError(f"rollout.max_model_len ({self.max_model_len}) must exceed rollout.max_tokens "
+                             f"({self.max_tokens}) to leave room for the prompt")
+        if self.max_age is not None and self.max_age < 1:
+            raise ValueError(f"rollout.max_age must be >= 1; got {self.max_age}")
+        return self
+
+
+class GRPOConfig(_Section):
+    micro_batch_size: int = Field(32, ge=1, description="Samples per forward/backward pass.")
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip range (low).")
+    clip_eps_high: float | None = Field(None, description="PPO clip range (high); empty = clip_eps.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference model.")
+    kl_estimator: Literal["k3", "low_var_kl", "k1"] = Field("low_var_kl", description="KL estimator.")
+    loss_agg: Literal["token_mean", "seq_mean"] = Field("token_mean", description="Loss aggregation.")
+    tis: bool = Field(True, description="Truncated importance sampling against rollout logprobs.")
+    tis_cap: float = Field(2.0, gt=0, description="C in min(exp(old - rollout), C).")
+    skip_old_logprob: bool = Field(
+        True, description="Take old logprobs from rollout logprobs when all tokens came from current weights.")
+    reward_function_path: str = Field("rollout.toy_task.reward", description="Import path of the rule reward.")
+    reward_model_path: str | None = Field(None, description="HF sequence classifier scoring prompt+response.")
+    rule_reward_weight: float = Field(1.0, description="Weight of the rule reward in the total.")
+    reward_model_weight: float = Field(0.0, description="Weight of the reward model score in the total.")
+
+
+class OptimizerConfig(_Section):
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+
+
+class EnginesConfig(_Section):
+    backend: Literal["torch", "sglang"] = Field("torch", description="torch: CPU/GPU engine of ours; sglang: GPU.")
+    rollout_num_gpus: int = Field(2, ge=1, description="Accelerators (or CPU slots) for rollout in all.")
+    gpus_per_engine: int = Field(1, ge=1, description="Accelerators per engine (tensor parallel size).")
+    num_cpus_per_engine: float = Field(0.0, ge=0, description="Ray CPUs reserved per CPU engine actor.")
+    max_running_requests: int = Field(128, ge=1, description="Decode slots per engine.")
+    router_address: str | None = Field(None, description="External sglang-router URL; empty = start one.")
+    health_timeout_s: float = Field(30.0, gt=0, description="A /health_generate slower than this is dead.")
+    ray_address: str | None = Field(None, description="Ray cluster address; empty = RAY_ADDRESS or local.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EnginesConfig":
+        if self.rollout_num_gpus % self.gpus_per_engine:
+            raise ValueError(f"engines.rollout_num_gpus ({self.rollout_num_gpus}) must be a multiple of "
+                             f"engines.gpus_per_engine ({self.gpus_per_engine})")
+        return self
+
+    @property
+    def num_engines(self) -> int:
+        return self.rollout_num_gpus // self.gpus_per_engine
+
+
+class StorageConfig(_Section):
+    url: str | None = Field(None, description="Checkpoint/debug-data location (file:// or s3://); empty = "
+                            "<run_dir>/checkpoints.")
+    endpoint_url: str | None = Field(None, description="S3 endpoint (e.g. http://127.0.0.1:8333).")
+    region: str | None = Field(None, description="S3 region.")
+    access_key_id: SecretStr | None = Field(None, description="S3 key id; empty = AWS_ACCESS_KEY_ID.")
+    secret_access_key: SecretStr | None = Field(None, description="S3 secret; empty = AWS_SECRET_ACCESS_KEY.")
+    checkpoint_interval: int = Field(1, ge=1, description="Checkpoint every k iterations.")
+    keep_checkpoints: int = Field(2, ge=1, description="Verified checkpoints kept; older ones are pruned.")
+    save_debug_rollout_data: str | None = Field(None, description="Path template with {rollout_id}.")
+    load_debug_rollout_data: str | None = Field(None, description="Path template with {rollout_id}.")
+
+
+class TrackingConfig(_Section):
+    wandb_mode: Literal["offline", "online", "disabled"] = Field("offline", description="wandb mode.")
+    project: str = Field("spillover", description="wandb project.")
+    run_name: str | None = Field(None, description="wandb run name; empty = generated.")
+    progress: bool = Field(True, description="Rich progress bar in the terminal.")
+
+
+class ScheduleConfig(_Section):
+    num_iterations: int = Field(60, ge=1, description="Training iterations (rollouts) of the run.")
+    eval_interval: int | None = Field(None, ge=1, description="Run eval every k iterations; empty = never.")
+    cron: str | None = Field(None, description="Cron schedule of the deployment (e.g. '0 3 * * *').")
+    debug_train_only: bool = Field(False, description="No engines: train on debug rollout data.")
+    debug_rollout_only: bool = Field(False, description="Generate without updates.")
+
+
+class RunConfig(_Section):
+    run_dir: str = Field("runs/tiny", description="Run directory: metrics, summary, tiny model, checkpoints.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    engines: EnginesConfig = Field(default_factory=EnginesConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> "RunConfig":
+        rows = self.rollout.global_batch_size * self.rollout.n_samples_per_prompt
+        if rows % self.grpo.micro_batch_size:
+            raise ValueError(
+                f"grpo.micro_batch_size ({self.grpo.micro_batch_size}) must divide the global batch in samples "
+                f"(rollout.global_batch_size x rollout.n_samples_per_prompt = {rows})")
+        if self.schedule.debug_train_only and not self.storage.load_debug_rollout_data:
+            raise ValueError("schedule.debug_train_only needs storage.load_debug_rollout_data (a path template)")
+        return self
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field and the fix."""
+
+
+def _parse_value(text: str) -> Any:
+    return yaml.safe_load(text) if text != "" else None
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Set dotted keys from `key=value` strings (values parsed as YAML: 3, 1e-3, true, [a, b])."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. rollout.max_split=4)")
+        key, value = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key!r}: {part!r} is a value, not a section")
+        node[parts[-1]] = _parse_value(value)
+    return data
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(msg if msg.startswith(field.split(".")[0] + ".") or not e["loc"] else f"{field}: {msg}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def build_config(data: dict | None = None, overrides: list[str] | None = None) -> RunConfig:
+    try:
+        return RunConfig.model_validate(apply_overrides(dict(data or {}), overrides or []))
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML config (or the defaults when path is None) and apply `key=value` overrides."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist (pass --config configs/tiny.yaml)")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+    return build_config(data, overrides)

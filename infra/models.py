@@ -1,0 +1,91 @@
+"""HF model and tokenizer loading, and the tiny Qwen2 + char-level tokenizer used on CPU.
+
+The tokenizer is loaded with `PreTrainedTokenizerFast` on purpose: `AutoTokenizer` on a qwen2 folder
+returns Qwen2Tokenizer, which silently drops spaces and newlines from a char-level vocab.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+from infra.config import TinyModelConfig
+
+PAD, EOS = "<pad>", "<eos>"
+TINY_ALPHABET = " \n0123456789abcdefghijklmnopqrstuvwxyz:=+-*.,?!"
+TINY_MARKER = "spillover_tiny.json"
+
+
+def build_char_tokenizer(alphabet: str = TINY_ALPHABET) -> PreTrainedTokenizerFast:
+    """A fast tokenizer with one token per character of `alphabet`, plus <pad> (0) and <eos> (1)."""
+    vocab = {PAD: 0, EOS: 1}
+    for ch in alphabet:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=PAD, padding_side="left",
+    )
+
+
+def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None, seed: int = 0,
+                     max_position: int = 512) -> Path:
+    """Write a randomly initialised tiny Qwen2 causal LM and its char tokenizer to `out_dir` (HF format).
+
+    Idempotent: an existing tiny model with the same shape and seed is kept.
+    """
+    cfg = cfg or TinyModelConfig()
+    out = Path(out_dir)
+    marker = {"tiny": cfg.model_dump(), "seed": seed, "max_position": max_position}
+    if (out / TINY_MARKER).is_file() and json.loads((out / TINY_MARKER).read_text()) == marker:
+        return out
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=max_position,
+        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id, torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / TINY_MARKER).write_text(json.dumps(marker))
+    return out
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """Load a tokenizer offline; fast tokenizers load as PreTrainedTokenizerFast to keep whitespace."""
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"model.path {str(p)!r} is not a folder holding an HF checkpoint")
+    if (p / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(p, local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(p, local_files_only=True)
+
+
+def load_causal_lm(path: str | Path, dtype: str = "float32", device: str | None = None):
+    """Load any HF causal LM from a local folder (eager attention: fastest for tiny models on CPU)."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model.path {str(p)!r} has no config.json: point it at an HF checkpoint folder")
+    model = AutoModelForCausalLM.from_pretrained(
+        p, dtype=getattr(torch, dtype), local_files_only=True, attn_implementation="eager")
+    if device:
+        model.to(device)
+    return model
+
+
+def resolve_model_path(model_cfg, run_dir: str | Path, max_position: int = 512) -> Path:
+    """The HF folder a run uses: `model.path`, or the tiny model built into `<run_dir>/tiny_model`."""
+    if model_cfg.path:
+        return Path(model_cfg.path)
+    return build_tiny_model(Path(run_dir) / "tiny_model", model_cfg.tiny, model_cfg.seed, max_position)

@@ -1,0 +1,37 @@
+"""Session-wide services for the suite: the tiny model, Ray on loopback, and (via the plugins
+listed below) the sglang router, CPU engines, the S3 server and Prefect. Each is started once on
+127.0.0.1 and stopped even when a test fails."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from infra.cluster import set_loopback_env
+
+set_loopback_env()
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Fixture modules of each area; add yours here.
+pytest_plugins: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from infra.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    from infra.cluster import init_ray
+
+    init_ray(num_cpus=8)
+    yield ray
+    ray.shutdown()
