@@ -1,0 +1,57 @@
+import pytest
+
+from infra.config import ConfigError, RunConfig, build_config, load_config
+
+
+def test_tiny_config_loads_and_partial_is_on():
+    cfg = load_config("configs/tiny.yaml")
+    assert cfg.rollout.partial and cfg.rollout.effective_max_age == cfg.rollout.max_split
+    assert cfg.engines.num_engines == 2
+
+
+def test_overrides_parse_yaml_values():
+    cfg = load_config("configs/tiny.yaml", ["rollout.max_split=4", "optimizer.lr=3e-4", "run_dir=/tmp/x",
+                                            "tracking.wandb_mode=disabled"])
+    assert cfg.rollout.max_split == 4 and cfg.optimizer.lr == pytest.approx(3e-4)
+    assert cfg.run_dir == "/tmp/x" and cfg.tracking.wandb_mode == "disabled"
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["grpo.micro_batch_size=7"], "grpo.micro_batch_size"),
+    (["rollout.max_split=0"], "rollout.max_split"),
+    (["rollout.max_tokens=2", "rollout.max_split=4"], "rollout.max_tokens"),
+    (["rollout.n_samples_per_prompt=1"], "rollout.n_samples_per_prompt"),
+    (["rollout.max_model_len=32"], "rollout.max_model_len"),
+    (["engines.rollout_num_gpus=3", "engines.gpus_per_engine=2"], "engines.rollout_num_gpus"),
+    (["rollout.temperature=0"], "rollout.temperature"),
+    (["rollout.no_such_field=1"], "rollout.no_such_field"),
+    (["schedule.debug_train_only=true"], "storage.load_debug_rollout_data"),
+])
+def test_impossible_values_name_the_field(overrides, field):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/tiny.yaml", overrides)
+    assert field in str(err.value)
+
+
+def test_bad_override_syntax_and_missing_file():
+    with pytest.raises(ConfigError, match="key=value"):
+        build_config({}, ["rollout.max_split"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("configs/nope.yaml")
+
+
+def test_every_field_has_a_description():
+    def walk(model):
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, RunConfig.__mro__[1]) and name != "tiny":
+                walk(ann)
+            elif name not in ("model", "data", "rollout", "grpo", "optimizer", "engines", "storage",
+                              "tracking", "schedule", "tiny"):
+                assert f.description, f"{model.__name__}.{name} has no description"
+    walk(RunConfig)
+
+
+def test_secrets_are_hidden_in_repr():
+    cfg = build_config({"storage": {"secret_access_key": "hunter2"}})
+    assert "hunter2" not in repr(cfg) and "hunter2" not in cfg.model_dump_json()
