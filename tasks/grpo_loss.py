@@ -1,0 +1,134 @@
+"""GRPO loss pieces as pure functions: advantages, KL estimators, clipped policy loss, TIS weights,
+loss aggregation. Shapes: G groups of n samples; B samples x T response tokens (right-padded, with a
+0/1 `mask` marking the tokens that count).
+
+Everything here is stateless and unit-tested against hand-computed values; the learner composes it.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+
+KLEstimator = Literal["k1", "k3", "low_var_kl"]
+LossAgg = Literal["token_mean", "seq_mean"]
+
+
+def group_advantages(rewards, eps: float = 1e-6, scale_by_std: bool = True) -> np.ndarray:
+    """advantages(rewards[G, n]) -> [G, n]: (r - group mean) / (group std + eps).
+
+    std is the unbiased (n - 1) sample std, as in DeepSeekMath's GRPO and verl. A group whose rewards
+    are all equal has no signal: its advantages are exactly 0 (no division by a zero std).
+    `scale_by_std=False` gives Dr. GRPO's mean-only centring.
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 2 or r.shape[1] < 2:
+        raise ValueError(f"rewards must be [groups, n] with n >= 2 (GRPO needs a group); got shape {r.shape}")
+    if not np.all(np.isfinite(r)):
+        bad = np.argwhere(~np.isfinite(r))[0]
+        raise ValueError(f"reward of group {bad[0]} sample {bad[1]} is {r[tuple(bad)]}; rewards must be finite")
+    centred = r - r.mean(axis=1, keepdims=True)
+    if not scale_by_std:
+        return centred.astype(np.float32)
+    std = r.std(axis=1, ddof=1, keepdims=True)
+    flat = np.isclose(std, 0.0, atol=1e-12)
+    adv = np.where(flat, 0.0, centred / np.where(flat, 1.0, std + eps))
+    return adv.astype(np.float32)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
+    """Per-token KL(policy || ref) estimate from sampled tokens: ([B, T], [B, T]) -> [B, T].
+
+    k1 = logp - ref (unbiased, high variance, can be negative); k3 = exp(ref - logp) - (ref - logp) - 1
+    (unbiased, >= 0, Schulman's estimator); low_var_kl = k3 with the log-ratio clamped to [-20, 20] and
+    the result to [-10, 10] (verl's numerically safe k3).
+    """
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    log_ratio = ref_logprobs - logprobs
+    if estimator == "k3":
+        return torch.exp(log_ratio) - log_ratio - 1.0
+    if estimator == "low_var_kl":
+        log_ratio = torch.clamp(log_ratio, -20.0, 20.0)
+        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
+    raise ValueError(f"grpo.kl_estimator must be one of k1, k3, low_var_kl; got {estimator!r}")
+
+
+def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling weights ([B, T], [B, T]) -> [B, T] = min(exp(old - rollout), cap).
+
+    Corrects for tokens sampled by the engine (possibly older weights, different kernels) while the loss
+    is taken against the learner's old policy. Detached: it scales the gradient, it is not optimised.
+    """
+    if cap <= 0:
+        raise ValueError(f"grpo.tis_cap must be > 0; got {cap}")
+    return torch.clamp(torch.exp(old_logprobs.detach() - rollout_logprobs.detach()), max=cap)
+
+
+def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                        clip_eps: float, clip_eps_high: float | None = None,
+                        dual_clip_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO-clipped surrogate per token -> (loss[B, T], clipped[B, T] as 0/1 float).
+
+    ratio = exp(logp - old); loss = max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps_high)).
+    `advantages` broadcasts ([B, 1] for GRPO's per-sample advantage). clip_eps_high (DAPO's
+    clip-higher) defaults to clip_eps. dual_clip_c (> 1, Ye et al. 2020) caps the loss of negative
+    advantage tokens at -A * c so a huge ratio cannot blow it up.
+    """
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = (clipped > unclipped).float()
+    if dual_clip_c is not None:
+        if dual_clip_c <= 1.0:
+            raise ValueError(f"dual_clip_c must be > 1; got {dual_clip_c}")
+        capped = torch.minimum(loss, -advantages * dual_clip_c)
+        negative = (advantages < 0).expand_as(loss)
+        was_clipped = torch.where(negative & (capped < loss), torch.ones_like(was_clipped), was_clipped)
+        loss = torch.where(negative, capped, loss)
+    return loss, was_clipped
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: LossAgg,
+              total_tokens: float | None = None, total_seqs: float | None = None) -> torch.Tensor:
+    """Masked reduction [B, T] -> scalar.
+
+    token_mean: sum(values * mask) / total_tokens (every token weighs the same);
+    seq_mean: sum over samples of (each sample's token mean) / total_seqs (every sample weighs the same).
+    With micro-batches, pass the whole batch's totals so the micro-batch losses add up to the batch loss;
+    they default to this micro-batch's own. Samples with no masked token contribute 0.
+    """
+    mask = mask.to(values.dtype)
+    if mode == "token_mean":
+        denom = mask.sum() if total_tokens is None else torch.tensor(float(total_tokens), dtype=values.dtype)
+        return (values * mask).sum() / torch.clamp(denom, min=1.0)
+    if mode == "seq_mean":
+        per_seq = (values * mask).sum(dim=1) / torch.clamp(mask.sum(dim=1), min=1.0)
+        if total_seqs is None:
+            total_seqs = float((mask.sum(dim=1) > 0).sum())
+        return per_seq.sum() / max(float(total_seqs), 1.0)
+    raise ValueError(f"grpo.loss_agg must be token_mean or seq_mean; got {mode!r}")
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` over tokens where mask is 1 (0 when none): ([B, T], [B, T]) -> scalar."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / torch.clamp(mask.sum(), min=1.0)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / T) at the target ids: (logits[B, T, V], targets[B, T]) -> [B, T].
+
+    Matches SGLang's returned logprobs (taken after temperature scaling).
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return torch.gather(logp, -1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / T) per position: [B, T, V] -> [B, T]."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)

@@ -1,0 +1,133 @@
+"""GRPO loss pieces against hand-computed values."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tasks.grpo_loss import (aggregate, clipped_policy_loss, entropy_from_logits, group_advantages, kl_penalty,
+                             masked_mean, tis_weights, token_logprobs)
+
+T = torch.tensor
+
+
+# ----- advantages -----
+def test_advantages_hand_computed():
+    # mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = sqrt(1/3) -> +-0.5 / 0.57735 = +-0.866025
+    adv = group_advantages([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 2.0, 1.0]])
+    np.testing.assert_allclose(adv[0], [0.866025, -0.866025, -0.866025, 0.866025], atol=1e-5)
+    # mean 1, std sqrt((1 + 0 + 1 + 0) / 3) = 0.816497
+    np.testing.assert_allclose(adv[1], [-1.224745, 0.0, 1.224745, 0.0], atol=1e-5)
+    assert adv.shape == (2, 4) and adv.dtype == np.float32
+
+
+def test_all_equal_group_gets_zero_advantage_without_nan():
+    with np.errstate(all="raise"):  # any division by zero would raise here
+        adv = group_advantages([[0.5, 0.5, 0.5], [0.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    assert np.all(adv[:2] == 0.0) and np.all(np.isfinite(adv))
+    assert adv[2, 1] > 0 > adv[2, 0]
+
+
+def test_advantages_mean_only_and_bad_input():
+    np.testing.assert_allclose(group_advantages([[0.0, 1.0, 2.0]], scale_by_std=False), [[-1.0, 0.0, 1.0]])
+    with pytest.raises(ValueError, match="n >= 2"):
+        group_advantages([1.0, 2.0])
+    with pytest.raises(ValueError, match="group 0 sample 1"):
+        group_advantages([[0.0, float("nan")]])
+
+
+# ----- KL estimators -----
+def test_kl_estimators_hand_computed():
+    logp, ref = T([math.log(0.5)]), T([math.log(0.25)])
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(math.log(2), abs=1e-6)
+    # k3: r = ref - logp = -log 2 -> exp(r) - r - 1 = 0.5 + 0.693147 - 1
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(0.193147, abs=1e-6)
+    assert kl_penalty(logp, ref, "low_var_kl").item() == pytest.approx(0.193147, abs=1e-6)
+    assert kl_penalty(logp, logp, "k3").item() == 0.0
+
+
+def test_low_var_kl_clamps_where_k3_does_not():
+    logp, ref = T([0.0]), T([-30.0])
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(29.0, abs=1e-4)
+    assert kl_penalty(logp, ref, "low_var_kl").item() == 10.0
+    with pytest.raises(ValueError, match="kl_estimator"):
+        kl_penalty(logp, ref, "k2")
+
+
+# ----- TIS -----
+def test_tis_weights_truncate_and_detach():
+    old = T([-1.0, -2.0, -1.5], requires_grad=True)
+    rollout = T([-2.0, -1.0, -1.5])
+    w = tis_weights(old, rollout, cap=2.0)
+    np.testing.assert_allclose(w.numpy(), [2.0, math.exp(-1.0), 1.0], rtol=1e-6)  # e^1 = 2.718 -> capped at 2
+    assert not w.requires_grad
+    with pytest.raises(ValueError, match="tis_cap"):
+        tis_weights(old, rollout, cap=0.0)
+
+
+# ----- policy loss -----
+def test_clipped_policy_loss_four_quadrants():
+    ratios = T([[1.5, 0.5, 1.5, 0.5]])
+    adv = T([[1.0, 1.0, -1.0, -1.0]])
+    logp = torch.log(ratios).requires_grad_(True)
+    loss, clipped = clipped_policy_loss(logp, torch.zeros_like(logp), adv, clip_eps=0.2)
+    # A>0, r=1.5: max(-1.5, -1.2) = -1.2 (clipped); A>0, r=0.5: max(-0.5, -0.8) = -0.5
+    # A<0, r=1.5: max(1.5, 1.2) = 1.5;               A<0, r=0.5: max(0.5, 0.8) = 0.8 (clipped)
+    np.testing.assert_allclose(loss.detach().numpy(), [[-1.2, -0.5, 1.5, 0.8]], rtol=1e-6)
+    assert clipped.tolist() == [[1.0, 0.0, 0.0, 1.0]]
+    loss.sum().backward()
+    # d(-A r)/d logp = -A r where unclipped; 0 where clipped
+    np.testing.assert_allclose(logp.grad.numpy(), [[0.0, -0.5, 1.5, 0.0]], rtol=1e-6)
+
+
+def test_clip_higher_and_dual_clip():
+    logp = torch.log(T([[1.5, 5.0]]))
+    old = torch.zeros_like(logp)
+    loss, _ = clipped_policy_loss(logp, old, T([[1.0, 1.0]]), clip_eps=0.2, clip_eps_high=0.28)
+    np.testing.assert_allclose(loss.numpy(), [[-1.28, -1.28]], rtol=1e-6)
+    loss, clipped = clipped_policy_loss(logp, old, T([[-1.0, -1.0]]), clip_eps=0.2, dual_clip_c=3.0)
+    np.testing.assert_allclose(loss.numpy(), [[1.5, 3.0]], rtol=1e-6)  # -A r = 5 capped at -A c = 3
+    assert clipped.tolist() == [[0.0, 1.0]]
+
+
+def test_grpo_broadcasts_sample_advantage_over_tokens():
+    logp = torch.zeros(2, 3)
+    loss, _ = clipped_policy_loss(logp, logp, T([[2.0], [-1.0]]), clip_eps=0.2)
+    assert loss.tolist() == [[-2.0] * 3, [1.0] * 3]
+
+
+# ----- aggregation -----
+VALUES = T([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+MASK = T([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+
+
+def test_token_and_seq_mean():
+    assert aggregate(VALUES, MASK, "token_mean").item() == pytest.approx(10 / 4)
+    assert aggregate(VALUES, MASK, "seq_mean").item() == pytest.approx((2 + 4) / 2)
+    assert aggregate(VALUES, MASK, "token_mean", total_tokens=8).item() == pytest.approx(10 / 8)
+    assert masked_mean(VALUES, MASK).item() == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="loss_agg"):
+        aggregate(VALUES, MASK, "sum")
+
+
+def test_micro_batch_parts_add_up_to_the_batch_loss():
+    for mode in ("token_mean", "seq_mean"):
+        whole = aggregate(VALUES, MASK, mode)
+        parts = sum(aggregate(VALUES[i:i + 1], MASK[i:i + 1], mode, total_tokens=4, total_seqs=2) for i in range(2))
+        assert parts.item() == pytest.approx(whole.item())
+
+
+def test_empty_mask_gives_zero_not_nan():
+    zero = torch.zeros_like(MASK)
+    assert aggregate(VALUES, zero, "token_mean").item() == 0.0
+    assert aggregate(VALUES, zero, "seq_mean").item() == 0.0
+
+
+# ----- logprobs and entropy -----
+def test_token_logprobs_with_temperature():
+    logits = T([[[math.log(1.0), math.log(3.0)]]])  # softmax = [0.25, 0.75]
+    assert token_logprobs(logits, T([[1]]), 1.0).item() == pytest.approx(math.log(0.75), abs=1e-6)
+    # T = 2: softmax of log([1, 3]) / 2 = [1, sqrt 3] / (1 + sqrt 3)
+    expect = math.log(math.sqrt(3) / (1 + math.sqrt(3)))
+    assert token_logprobs(logits, T([[1]]), 2.0).item() == pytest.approx(expect, abs=1e-6)
+    assert entropy_from_logits(torch.zeros(1, 1, 4)).item() == pytest.approx(math.log(4), abs=1e-6)
