@@ -1,0 +1,70 @@
+"""Build and tear down what a training run needs: Ray, model, prompts, dock, engines, learners."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from infra.cluster import init_ray
+from infra.config import RunConfig
+from infra.imports import load_function
+from infra.models import load_tokenizer, resolve_model_path
+from rollout import toy_task
+from rollout.data_source import PromptCursor, read_prompts
+from rollout.dock import TransferDock
+from tasks.run_state import RunState
+
+log = logging.getLogger(__name__)
+BUILTIN_TASK_REWARD = "rollout.toy_task.reward"
+
+
+def prepare_data(cfg: RunConfig, run_dir: Path) -> Path:
+    """The prompt file of the run: data.prompts_path, or the built-in task generated into the run dir."""
+    if cfg.data.prompts_path:
+        return Path(cfg.data.prompts_path)
+    return toy_task.generate_dataset(run_dir / "data" / "train.jsonl", cfg.data.num_prompts, cfg.model.seed)
+
+
+def build_run(cfg: RunConfig, with_engines: bool = True) -> RunState:
+    """Everything the seven tasks need, in one explicit object. Fails early on bad config or input."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    reward_fn = load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
+                              required_params=("response", "label"))
+    model_path = resolve_model_path(cfg.model, run_dir, max_position=max(512, cfg.rollout.max_model_len))
+    tokenizer = load_tokenizer(model_path)
+    max_prompt = cfg.rollout.max_model_len - cfg.rollout.max_tokens
+    prompts = read_prompts(prepare_data(cfg, run_dir), tokenizer, max_prompt, cfg.data.prompt_key,
+                           cfg.data.label_key, cfg.data.over_long_prompts)
+    needed = cfg.schedule.num_iterations * cfg.rollout.global_batch_size
+    if needed > len(prompts):
+        log.warning("%d prompts for %d groups: the run goes over the data more than once", len(prompts), needed)
+    stop_ids = sorted({int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set())
+    cursor = PromptCursor(len(prompts), seed=cfg.model.seed, shuffle=cfg.data.shuffle)
+    dock = TransferDock.from_config(cfg.rollout, stop_ids)
+    init_ray(cfg.engines.ray_address)
+    from tasks.learner import create_learners
+
+    policy, ref = create_learners(model_path, cfg)
+    engine = None
+    if with_engines and not cfg.schedule.debug_train_only:
+        from rollout.manager import RolloutManager
+
+        engine = RolloutManager(cfg.engines, str(model_path), seed=cfg.model.seed)
+    run = RunState(cfg, run_dir, tokenizer, prompts, cursor, dock, engine, policy, ref, reward_fn, stop_ids)
+    run.model_path = model_path
+    run.exact_match_fn = toy_task.exact_match if cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD else None
+    run.baseline = (toy_task.prompt_independent_baseline(prompts.labels)[1]
+                    if run.exact_match_fn is not None else None)
+    return run
+
+
+def shutdown_run(run: RunState | None) -> None:
+    import ray
+
+    if run is None:
+        return
+    if run.engine is not None:
+        run.engine.shutdown()
+    for actor in (run.policy, run.ref):
+        if actor is not None:
+            ray.kill(actor)

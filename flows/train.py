@@ -1,0 +1,75 @@
+"""The GRPO training flow: one Prefect subflow per iteration, seven tasks inside, reading like the algorithm."""
+from __future__ import annotations
+
+import logging
+import time
+
+from prefect import flow
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+from flows.setup import build_run, shutdown_run
+from infra.config import RunConfig
+from infra.tracking import append_metrics, one_line, read_metrics, summarize, write_summary
+from tasks.clear import clear_and_age_sort
+from tasks.generate import generate_until_ready
+from tasks.logprob import compute_old_logprob, compute_ref_logprob
+from tasks.prompts import load_prompts
+from tasks.reward import compute_reward
+from tasks.run_state import RunState
+from tasks.update import update
+
+log = logging.getLogger("spillover")
+
+
+def _timed(it, name: str, task, *args, **kwargs):
+    start = time.perf_counter()
+    out = task(*args, **kwargs)
+    it.task_s[name] = time.perf_counter() - start
+    return out
+
+
+def run_iteration(run: RunState, iteration: int, on_round=None) -> dict:
+    """One GRPO iteration as seven tasks; returns the iteration's metrics (small, JSON-able)."""
+    it = run.start_iteration(iteration)
+    start = time.perf_counter()
+    it.metrics["loaded_groups"] = _timed(it, "load_prompts", load_prompts, run, iteration)
+    it.metrics.update(_timed(it, "generate_until_ready", generate_until_ready, run, iteration, on_round))
+    _timed(it, "compute_reward", compute_reward, run)
+    _timed(it, "compute_ref_logprob", compute_ref_logprob, run)
+    _timed(it, "compute_old_logprob", compute_old_logprob, run)
+    if not run.cfg.schedule.debug_rollout_only:
+        _timed(it, "update", update, run)
+    _timed(it, "clear_and_age_sort", clear_and_age_sort, run)
+    it.metrics["time_s"] = time.perf_counter() - start
+    it.metrics["task_s"] = dict(it.task_s)
+    return it.metrics
+
+
+def make_iteration_flow(run: RunState, on_round=None):
+    """A subflow bound to this run: its only parameter is the iteration, so the UI shows `iteration-0007`."""
+    @flow(name="grpo-iteration", flow_run_name="iteration-{iteration:04d}", validate_parameters=False)
+    def grpo_iteration(iteration: int) -> dict:
+        return run_iteration(run, iteration, on_round)
+    return grpo_iteration
+
+
+@flow(name="grpo-train", log_prints=True)
+def grpo_train(config: RunConfig) -> dict:
+    """Train `config.schedule.num_iterations` GRPO iterations with partial rollout; returns the run summary."""
+    run = None
+    try:
+        run = build_run(config)
+        iteration_flow = make_iteration_flow(run)
+        (run.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        # Heartbeats stay on for this outer flow (crash detection); per-iteration subflows skip them,
+        # which saves ~1 s of fixed cost per iteration.
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            for iteration in range(config.schedule.num_iterations):
+                metrics = iteration_flow(iteration)
+                append_metrics(run.run_dir, metrics)
+                print(one_line(metrics))
+        summary = summarize(read_metrics(run.run_dir), run.baseline)
+        write_summary(run.run_dir, summary)
+        return summary
+    finally:
+        shutdown_run(run)

@@ -1,0 +1,122 @@
+"""Partial-rollout generation over the dock: the sync driver (rounds of max_tokens // max_split).
+
+The engine side is anything with `generate(requests) -> list[response]` speaking SGLang's /generate
+shapes (RolloutManager through the router, or a simulated engine).
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+
+class Generator(Protocol):
+    def generate(self, requests: list[dict]) -> list[dict]: ...
+
+
+@dataclass
+class SamplingSettings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: Sequence[int] = ()
+
+    @classmethod
+    def from_rollout(cls, rollout_cfg, stop_token_ids: Sequence[int]) -> "SamplingSettings":
+        return cls(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k, tuple(stop_token_ids))
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0
+    requests: int = 0
+    tokens_generated: int = 0
+    time_s: float = 0.0
+    ready_groups: int = 0
+    weight_versions: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"rounds": self.rounds, "requests": self.requests, "tokens_generated": self.tokens_generated,
+                "generate_time_s": self.time_s, "ready_groups": self.ready_groups}
+
+
+def make_rid() -> str:
+    # SGLang matches request ids by prefix: fixed-length random hex never prefixes another id.
+    return secrets.token_hex(16)
+
+
+def build_requests(inputs: list[list[int]], max_new_tokens: np.ndarray, sampling: SamplingSettings) -> list[dict]:
+    """Dock inputs -> SGLang /generate payloads (one per row)."""
+    return [{
+        "input_ids": list(map(int, ids)),
+        "sampling_params": {"max_new_tokens": int(m), "temperature": sampling.temperature, "top_p": sampling.top_p,
+                            "top_k": sampling.top_k, "stop_token_ids": list(sampling.stop_token_ids)},
+        "return_logprob": True,
+        "rid": make_rid(),
+    } for ids, m in zip(inputs, max_new_tokens)]
+
+
+def parse_responses(responses: list[dict], default_version: int) -> tuple[list[list[int]], list[list[float]],
+                                                                          np.ndarray, int]:
+    """SGLang responses -> (tokens per row, logprobs per row, finished_by_stop[bool], weight_version)."""
+    tokens, logprobs, stopped, versions = [], [], [], []
+    for resp in responses:
+        meta = resp["meta_info"]
+        ids = list(resp.get("output_ids") or [])
+        lps = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+        if len(lps) != len(ids):
+            raise ValueError(f"engine response {meta.get('id')}: {len(ids)} output_ids but {len(lps)} logprobs")
+        tokens.append(ids)
+        logprobs.append(lps)
+        stopped.append((meta.get("finish_reason") or {}).get("type") == "stop")
+        versions.append(_as_version(meta.get("weight_version"), default_version))
+    version = min(versions) if versions else default_version
+    return tokens, logprobs, np.asarray(stopped, dtype=bool), version
+
+
+def _as_version(value, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def generate_until_ready_sync(dock, engine: Generator, rollout_cfg, sampling: SamplingSettings,
+                              weight_version: int, drain: bool = False,
+                              on_round: Callable[[dict], None] | None = None) -> GenerationStats:
+    """Rounds of max_tokens // max_split new tokens per row until >= GBS groups are ready (drain: all rows).
+
+    Each round takes up to GBS x n rows from the dock (carried-over rows first, oldest first).
+    With max_split = 1 a round generates whole responses: plain GRPO.
+    """
+    round_tokens = rollout_cfg.max_tokens // rollout_cfg.max_split
+    rows_per_round = rollout_cfg.global_batch_size * rollout_cfg.n_samples_per_prompt
+    dock.set_drain(drain)
+    stats = GenerationStats()
+    start = time.perf_counter()
+    while not dock.update_ready():
+        rows = dock.take_rows(limit=rows_per_round)
+        if len(rows) == 0:
+            raise RuntimeError(f"generation cannot finish: no row left to generate but only "
+                               f"{dock.ready_group_count()} groups are ready (need {rollout_cfg.global_batch_size})")
+        inputs, max_new = dock.generation_inputs(rows, round_tokens)
+        try:
+            responses = engine.generate(build_requests(inputs, max_new, sampling))
+            tokens, logprobs, stopped, version = parse_responses(responses, weight_version)
+        except BaseException:
+            dock.release(rows)  # the rows go back untouched: nothing half-written
+            raise
+        dock.put_generation(rows, tokens, logprobs, version, stopped)
+        stats.rounds += 1
+        stats.requests += len(rows)
+        stats.tokens_generated += sum(len(t) for t in tokens)
+        stats.ready_groups = dock.ready_group_count()
+        if on_round:
+            on_round({"round": stats.rounds, "ready_groups": stats.ready_groups,
+                      "target_groups": rollout_cfg.global_batch_size, "tokens": stats.tokens_generated,
+                      "elapsed_s": time.perf_counter() - start})
+    stats.time_s = time.perf_counter() - start
+    return stats

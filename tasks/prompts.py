@@ -1,0 +1,36 @@
+"""load-2GBS: put the next prompt groups into the dock's free slots (2 x GBS first, GBS after)."""
+from __future__ import annotations
+
+import numpy as np
+from prefect import task
+from prefect.cache_policies import NONE
+
+from rollout.data_source import PromptCursor, PromptSet
+
+
+def groups_for_iteration(dock, iteration: int, num_iterations: int) -> int:
+    """2 x GBS groups in the first iteration (partial rollout), GBS after, none in the last one (it drains).
+
+    Over a run exactly num_iterations x GBS groups are loaded, so every loaded group is trained once.
+    """
+    if dock.partial and iteration == num_iterations - 1:
+        return 0 if iteration > 0 else dock.gbs
+    return dock.groups_to_load(first_iteration=iteration == 0)
+
+
+def load_prompt_groups(dock, cursor: PromptCursor, prompts: PromptSet, iteration: int, count: int) -> int:
+    """Load `count` groups for `iteration` once; a retry of the same iteration loads nothing twice."""
+    if iteration in cursor.loaded_iterations or count == 0:
+        return 0
+    group_ids = np.arange(cursor.position, cursor.position + count, dtype=np.int64)
+    indices = cursor.dataset_indices(group_ids)
+    dock.load_groups(group_ids, [prompts.tokens[i] for i in indices], [prompts.labels[i] for i in indices])
+    cursor.position += count  # only after the dock took them: a failed load leaves the cursor as it was
+    cursor.loaded_iterations = cursor.loaded_iterations[-7:] + [iteration]
+    return count
+
+
+@task(name="load_prompts", retries=2, retry_delay_seconds=1, cache_policy=NONE)
+def load_prompts(run, iteration: int) -> int:
+    count = groups_for_iteration(run.dock, iteration, run.cfg.schedule.num_iterations)
+    return load_prompt_groups(run.dock, run.cursor, run.prompts, iteration, count)

@@ -1,0 +1,24 @@
+"""update: one GRPO step in the policy actor, then the new weights go to every engine.
+
+Never retried: a half-applied update must not be applied twice.
+"""
+from __future__ import annotations
+
+import ray
+from prefect import task
+from prefect.cache_policies import NONE
+
+
+@task(name="update", retries=0, cache_policy=NONE)
+def update(run) -> dict:
+    it = run.current
+    metrics = ray.get(run.policy.update.remote(it.train_batch_ref, it.old_logprobs, it.ref_logprobs))
+    run.weight_version = int(metrics["weight_version"])
+    if not run.cfg.schedule.debug_rollout_only and run.engine is not None:
+        weights = run.policy.state_dict_ref.remote()
+        run.engine.update_weights(weights, run.weight_version)
+    metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}
+    it.metrics.update({k: metrics[k] for k in ("loss", "pg_loss", "kl", "clip_fraction", "grad_norm",
+                                               "tis_weight_mean", "tis_weight_max", "stale_token_share",
+                                               "entropy", "old_logprob_source", "weight_version") if k in metrics})
+    return metrics
