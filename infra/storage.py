@@ -1,0 +1,293 @@
+"""Object storage behind one small interface: `open_store(url, cfg) -> Store`.
+
+A URL is a plain path, `file:///abs/path`, or `s3://bucket/prefix` (s3fs; endpoint, region and credentials
+from StorageConfig or the standard AWS_* environment variables). Every call retries transient errors
+(connection refused, timeouts, 5xx) with exponential backoff under a total deadline. Credentials are never
+part of a URL, repr, log line or error message. File writes are atomic (temp file + rename).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Sequence
+from urllib.parse import urlsplit
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from infra.config import StorageConfig
+from infra.storage_errors import (Fixes, ObjectMissing, Redactor, RetryPolicy, StorageAuthError, StorageError,
+                                  StorageUnreachable, log, with_retries)
+
+__all__ = ["Store", "ObjectInfo", "open_store", "check_storage", "StorageError", "StorageAuthError",
+           "StorageUnreachable", "ObjectMissing", "RetryPolicy"]
+
+CHUNK_BYTES = 16 << 20  # hashing/reading granularity
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    size: int
+    sha256: str
+
+
+class _OrderedHasher:
+    """sha256 over chunks fed in order, computed on a helper thread (hashlib releases the GIL) so hashing
+    overlaps the I/O of the next chunk."""
+
+    def __init__(self):
+        self._hash = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._pending = []
+        self.size = 0
+
+    def update(self, chunk: memoryview) -> None:
+        self.size += len(chunk)
+        self._pending.append(self._pool.submit(self._hash.update, chunk))
+        if len(self._pending) > 4:  # bound the memory pinned by queued chunks
+            self._pending.pop(0).result()
+
+    def result(self) -> ObjectInfo:
+        for fut in self._pending:
+            fut.result()
+        self._pool.shutdown()
+        return ObjectInfo(self.size, self._hash.hexdigest())
+
+
+def _chunks(buffers: Sequence) -> list[memoryview]:
+    out = []
+    for buf in buffers:
+        mv = memoryview(buf).cast("B")
+        out.extend(mv[i:i + CHUNK_BYTES] for i in range(0, len(mv), CHUNK_BYTES))
+    return out
+
+
+def _plain_url(url: str) -> str:
+    """The URL without user:password@ (never echo credentials a user pasted into a URL)."""
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        return url.replace(parts.netloc, parts.hostname or "", 1)
+    return url
+
+
+class Store:
+    """An fsspec filesystem and a root; keys are '/'-separated paths below the root."""
+
+    def __init__(self, fs, root: str, url: str, redact: Redactor, retry: RetryPolicy, fixes: Fixes):
+        self.fs, self.root, self.url, self.retry = fs, root.rstrip("/"), url, retry
+        self._redact, self._fixes = redact, fixes
+        self.is_local = isinstance(fs, LocalFileSystem)
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    def path(self, key: str = "") -> str:
+        return f"{self.root}/{key.strip('/')}" if key.strip("/") else self.root
+
+    def key_url(self, key: str = "") -> str:
+        return f"{self.url.rstrip('/')}/{key.strip('/')}" if key else self.url
+
+    def contains_secret(self, text: str) -> bool:
+        return self._redact.contains_secret(text)
+
+    def _retry(self, what: str, key: str, fn):
+        return with_retries(fn, what=what, url=self.key_url(key), policy=self.retry, redact=self._redact,
+                            fixes=self._fixes)
+
+    # ---- writes
+    def put_buffers(self, key: str, buffers: Sequence) -> ObjectInfo:
+        """Write the concatenation of `buffers` (bytes-like, e.g. numpy/tensor memory) as one object,
+        hashing while writing. Returns its size and sha256."""
+        return self._retry("write", key, lambda: self._put_once(key, buffers))
+
+    def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
+        return self.put_buffers(key, [data])
+
+    def _put_once(self, key: str, buffers: Sequence) -> ObjectInfo:
+        path, hasher = self.path(key), _OrderedHasher()
+        if self.is_local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            try:
+                with open(tmp, "wb") as f:
+                    for chunk in _chunks(buffers):
+                        hasher.update(chunk)
+                        f.write(chunk)
+                info = hasher.result()
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+            return info
+        chunks = _chunks(buffers)
+        if len(buffers) == 1 and isinstance(buffers[0], (bytes, bytearray)):
+            body = buffers[0]
+            for chunk in chunks:
+                hasher.update(chunk)
+        else:
+            body = bytearray(sum(len(c) for c in chunks))
+            offset = 0
+            for chunk in chunks:
+                body[offset:offset + len(chunk)] = chunk
+                hasher.update(memoryview(body)[offset:offset + len(chunk)])
+                offset += len(chunk)
+        info = hasher.result()
+        self.fs.pipe_file(path, body)
+        return info
+
+    # ---- reads
+    def get_bytes(self, key: str) -> bytes:
+        return self._retry("read", key, lambda: self.fs.cat_file(self.path(key)))
+
+    def get_buffer(self, key: str) -> tuple[bytearray, ObjectInfo]:
+        """The whole object in a writable buffer (tensors may view it without copying), hashed while read."""
+        return self._retry("read", key, lambda: self._get_once(key))
+
+    def _get_once(self, key: str) -> tuple[bytearray, ObjectInfo]:
+        path, hasher = self.path(key), _OrderedHasher()
+        if self.is_local:
+            with open(path, "rb") as f:
+                buf = bytearray(os.fstat(f.fileno()).st_size)
+                view = memoryview(buf)
+                for start in range(0, len(buf), CHUNK_BYTES):
+                    chunk = view[start:start + CHUNK_BYTES]
+                    got = f.readinto(chunk)
+                    if got != len(chunk):
+                        raise OSError(f"short read of {path}: {got} of {len(chunk)} bytes")
+                    hasher.update(chunk)
+            return buf, hasher.result()
+        size = self.fs.info(path)["size"]
+        buf = bytearray(size)
+        view = memoryview(buf)
+        starts = list(range(0, size, CHUNK_BYTES))
+        batch = max(1, getattr(self.fs, "max_concurrency", 8))
+        for i in range(0, len(starts), batch):
+            group = starts[i:i + batch]
+            datas = self.fs.cat_ranges([path] * len(group), group, [min(s + CHUNK_BYTES, size) for s in group],
+                                       on_error="raise")
+            for start, data in zip(group, datas):
+                if isinstance(data, BaseException):
+                    raise data
+                view[start:start + len(data)] = data
+                hasher.update(view[start:start + len(data)])
+        return buf, hasher.result()
+
+    # ---- listing and deletion
+    def exists(self, key: str) -> bool:
+        return self._retry("check", key, lambda: self.fs.exists(self.path(key)))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Names of the direct children (objects and 'directories') under `prefix`; [] if none."""
+        def ls():
+            try:
+                entries = self.fs.ls(self.path(prefix), detail=False, **({} if self.is_local else {"refresh": True}))
+            except FileNotFoundError:
+                return []
+            here = self.path(prefix).rstrip("/")
+            return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != here})
+        return self._retry("list", prefix, ls)
+
+    def delete(self, key: str) -> None:
+        """Delete an object or everything under a prefix; missing is fine."""
+        self._retry("delete", key, lambda: self._delete_once(self.path(key)))
+
+    def _delete_once(self, path: str) -> None:
+        markers: list[str] = []
+        if not self.is_local:  # SeaweedFS lists emptied "directories" until their markers are deleted too
+            try:
+                found = self.fs.find(path, withdirs=True, detail=True)
+            except FileNotFoundError:
+                found = {}
+            markers = [p for p, d in found.items() if d.get("type") == "directory"]
+            if any(p.rstrip("/") != path for p in found):
+                markers.append(path)
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        for marker in sorted(set(markers), key=lambda p: -p.count("/")):  # deepest first
+            bucket, _, prefix = marker.partition("/")
+            if prefix:
+                self.fs.call_s3("delete_object", Bucket=bucket, Key=prefix.rstrip("/") + "/")
+
+
+def _env(*names: str) -> str | None:
+    return next((os.environ[n] for n in names if os.environ.get(n)), None)
+
+
+def _secret(value) -> str | None:
+    return value.get_secret_value() if value is not None else None
+
+
+def open_store(url: str, cfg: StorageConfig | None = None, *, retry: RetryPolicy | None = None,
+               connect_timeout_s: float = 5.0, read_timeout_s: float = 60.0) -> Store:
+    """A Store for a plain path, file:// URL or s3://bucket/prefix. Nothing is contacted yet."""
+    cfg = cfg or StorageConfig()
+    retry = retry or RetryPolicy()
+    shown = _plain_url(url)
+    scheme = urlsplit(url).scheme if "://" in url else ""
+    if scheme in ("", "file"):
+        root = os.path.abspath(os.path.expanduser(url[len("file://"):] if scheme else url))
+        fix = f"make {root} a writable directory or point storage.url elsewhere"
+        return Store(LocalFileSystem(), root, f"file://{root}", Redactor([]), retry, Fixes(fix, fix, fix))
+    if scheme not in ("s3", "s3a"):
+        raise StorageError(f"storage.url {shown!r}: unsupported scheme {scheme!r}; use a path, file:///abs/path "
+                           "or s3://bucket/prefix")
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        raise StorageError(f"storage.url {shown!r} carries credentials; put them in storage.access_key_id / "
+                           "storage.secret_access_key or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY instead")
+    bucket, prefix = parts.netloc, parts.path.strip("/")
+    if not bucket:
+        raise StorageError(f"storage.url {shown!r} names no bucket; use s3://bucket/prefix")
+    key = _secret(cfg.access_key_id) or _env("AWS_ACCESS_KEY_ID")
+    secret = _secret(cfg.secret_access_key) or _env("AWS_SECRET_ACCESS_KEY")
+    token = _env("AWS_SESSION_TOKEN")
+    endpoint = cfg.endpoint_url or _env("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+    region = cfg.region or _env("AWS_REGION", "AWS_DEFAULT_REGION") or "us-east-1"
+    redact = Redactor([key, secret, token])
+    import s3fs  # noqa: PLC0415 - only S3 users need it loaded
+
+    fs = s3fs.S3FileSystem(
+        key=key, secret=secret, token=token, endpoint_url=endpoint, skip_instance_cache=True,
+        use_listings_cache=False, client_kwargs={"region_name": region},
+        config_kwargs={"connect_timeout": connect_timeout_s, "read_timeout": read_timeout_s,
+                       "retries": {"total_max_attempts": 1},
+                       # sha256 of every object is checked at load; skip botocore's extra CRC pass
+                       "request_checksum_calculation": "when_required",
+                       "response_checksum_validation": "when_required"})
+    fs.retries = 2  # s3fs's own quick retries; the deadline-bounded retries are ours
+    server = f"the S3 server at {_plain_url(endpoint)}" if endpoint else "AWS S3 (no endpoint set)"
+    fixes = Fixes(
+        auth=f"give credentials that {server} accepts for bucket {bucket!r}: storage.access_key_id and "
+             "storage.secret_access_key, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+        unreachable=f"start {server}, or set storage.endpoint_url (or AWS_ENDPOINT_URL_S3) to a reachable one")
+    root = f"{bucket}/{prefix}" if prefix else bucket
+    return Store(fs, root, f"s3://{root}", redact, retry, fixes)
+
+
+def check_storage(url: str, cfg: StorageConfig | None = None, *, deadline_s: float = 10.0) -> Store:
+    """Fail early, with one clear message naming the URL and the fix, when `url` cannot be written and read
+    back (unreachable endpoint, wrong credentials, missing bucket, unwritable directory). Returns the Store."""
+    probe_store = open_store(url, cfg, retry=RetryPolicy(deadline_s=deadline_s, max_backoff_s=2.0),
+                             connect_timeout_s=min(5.0, deadline_s), read_timeout_s=min(30.0, deadline_s))
+    key = f".spillover-probe-{uuid.uuid4().hex[:12]}"
+    data = b"spillover storage probe"
+    try:
+        probe_store.put_bytes(key, data)
+        if probe_store.get_bytes(key) != data:
+            raise StorageError(f"storage {probe_store.url} returned different bytes than written; "
+                               "check the S3 endpoint (storage.endpoint_url)")
+        probe_store.delete(key)
+    except StorageError as err:
+        if isinstance(err, ObjectMissing):
+            what = "the directory cannot be made" if probe_store.is_local else "the bucket does not exist"
+            raise StorageError(f"storage check of {probe_store.url} failed: {what} ({err}). Fix: "
+                               f"{'create it' if not probe_store.is_local else 'use a writable path'} or correct "
+                               "storage.url") from None
+        raise type(err)(f"storage check of {probe_store.url} failed: {err}") from None
+    log.info("storage %s is reachable and writable", probe_store.url)
+    return open_store(url, cfg)

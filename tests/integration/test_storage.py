@@ -1,0 +1,144 @@
+"""infra/storage.py against file:// and a real S3 server (SeaweedFS): round trips, clear errors for wrong
+credentials and unreachable endpoints (never echoing a secret), credentials from the environment, and
+retries with backoff under a deadline."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import time
+
+import pytest
+from pydantic import SecretStr
+
+from infra.config import StorageConfig
+from infra.seaweed import free_ports
+from infra.storage import (ObjectMissing, StorageAuthError, StorageError, StorageUnreachable, check_storage,
+                           open_store)
+from infra.storage_errors import Fixes, Redactor, RetryPolicy, is_transient, with_retries
+
+
+def test_round_trip_list_delete(storage_target):
+    store = check_storage(storage_target.url, storage_target.cfg)
+    payload = [b"header", bytearray(b"x" * 100_000), memoryview(b"tail")]
+    info = store.put_buffers("a/b.bin", payload)
+    whole = b"header" + b"x" * 100_000 + b"tail"
+    assert (info.size, info.sha256) == (len(whole), hashlib.sha256(whole).hexdigest())
+    assert store.get_bytes("a/b.bin") == whole
+    buf, got = store.get_buffer("a/b.bin")
+    assert isinstance(buf, bytearray) and buf == whole and got == info
+    store.put_bytes("c.json", b"{}")
+    assert store.list() == ["a", "c.json"] and store.list("a") == ["b.bin"] and store.list("nope") == []
+    assert store.exists("a/b.bin") and not store.exists("a/zz")
+    store.delete("a")
+    assert store.list() == ["c.json"] and not store.exists("a/b.bin")
+    store.delete("a")  # deleting what is gone is fine
+    with pytest.raises(ObjectMissing, match="a/b.bin"):
+        store.get_bytes("a/b.bin")
+
+
+def test_plain_paths_and_file_urls_are_the_same_store(tmp_path):
+    assert open_store(str(tmp_path / "s")).url == open_store(f"file://{tmp_path}/s").url == f"file://{tmp_path}/s"
+
+
+def test_wrong_credentials_clear_error_no_secret_anywhere(s3_server, caplog):
+    caplog.set_level(logging.DEBUG)  # botocore/s3fs debug logs included
+    wrong_secret = "WrongSecret-" + "q7Zp3xVb9"
+    cfg = s3_server.storage_config(secret_access_key=SecretStr(wrong_secret))
+    url = s3_server.url("auth-test")
+    with pytest.raises(StorageAuthError) as err:
+        check_storage(url, cfg, deadline_s=5)
+    msg = str(err.value)
+    assert url in msg and "storage.secret_access_key" in msg and "AWS_SECRET_ACCESS_KEY" in msg
+    assert wrong_secret not in msg and s3_server.secret_key not in msg
+    assert wrong_secret not in repr(open_store(url, cfg)) and wrong_secret not in repr(cfg)
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    # the right credentials in a full round trip never reach the logs either
+    store = check_storage(url, s3_server.storage_config())
+    store.put_bytes("x", b"1")
+    store.get_bytes("x")
+    assert caplog.records, "debug logging was captured"
+    assert wrong_secret not in caplog.text and s3_server.secret_key not in caplog.text
+    assert s3_server.secret_key not in repr(s3_server) and s3_server.secret_key not in repr(store)
+
+
+def test_unreachable_endpoint_fails_fast_with_the_fix():
+    (port,) = free_ports(1)
+    cfg = StorageConfig(endpoint_url=f"http://127.0.0.1:{port}", access_key_id=SecretStr("AKID0001"),
+                        secret_access_key=SecretStr("SuperSecretValue99"))
+    start = time.monotonic()
+    with pytest.raises(StorageUnreachable) as err:
+        check_storage("s3://bucket/run1", cfg, deadline_s=2)
+    assert time.monotonic() - start < 6
+    msg = str(err.value)
+    assert "s3://bucket/run1" in msg and f"127.0.0.1:{port}" in msg and "storage.endpoint_url" in msg
+    assert "SuperSecretValue99" not in msg
+
+
+def test_credentials_and_endpoint_from_standard_env(s3_server, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint_url)
+    store = check_storage(s3_server.url("env-test"), StorageConfig())
+    store.put_bytes("k", b"v")
+    assert store.get_bytes("k") == b"v"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "EnvWrongSecret123")
+    with pytest.raises(StorageAuthError) as err:
+        check_storage(s3_server.url("env-test"), StorageConfig(), deadline_s=5)
+    assert "EnvWrongSecret123" not in str(err.value)
+
+
+def test_bad_urls_are_refused_clearly(tmp_path):
+    with pytest.raises(StorageError) as err:
+        open_store("s3://AKID:TopSecret42@bucket/x")
+    assert "TopSecret42" not in str(err.value) and "storage.access_key_id" in str(err.value)
+    with pytest.raises(StorageError, match="unsupported scheme 'gs'"):
+        open_store("gs://bucket/x")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(StorageError, match="a_file") as err:
+        check_storage(str(tmp_path / "a_file" / "store"))
+    assert "storage.url" in str(err.value)
+
+
+def test_transient_classification():
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    def client_error(code, status):
+        return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                           "PutObject")
+    assert is_transient(ConnectionRefusedError(errno.ECONNREFUSED, "refused"))
+    assert is_transient(TimeoutError("read timed out"))
+    assert is_transient(EndpointConnectionError(endpoint_url="http://x"))
+    assert is_transient(OSError(errno.EREMOTEIO, "InternalError"))
+    assert is_transient(client_error("ServiceUnavailable", 503)) and is_transient(client_error("Weird", 502))
+    wrapped = OSError(errno.EIO, "wrapped")
+    wrapped.__cause__ = ConnectionResetError()
+    assert is_transient(wrapped)
+    assert not is_transient(PermissionError("SignatureDoesNotMatch"))
+    assert not is_transient(client_error("AccessDenied", 403))
+    assert not is_transient(FileNotFoundError("nope")) and not is_transient(ValueError("bad"))
+
+
+def test_retries_back_off_until_success_or_deadline(caplog):
+    calls = []
+
+    def flaky():
+        calls.append(time.monotonic())
+        if len(calls) < 4:
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "refused by key=SecretXYZ1")
+        return "ok"
+    redact, fixes = Redactor(["SecretXYZ1"]), Fixes("auth fix", "start the server")
+    policy = RetryPolicy(deadline_s=10, first_backoff_s=0.05, max_backoff_s=1)
+    assert with_retries(flaky, what="write", url="s3://b/k", policy=policy, redact=redact, fixes=fixes) == "ok"
+    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    assert gaps[2] > gaps[0] * 2  # exponential (0.05, 0.1, 0.2 with +-25% jitter)
+    assert "SecretXYZ1" not in caplog.text and "retrying" in caplog.text
+
+    start = time.monotonic()
+    with pytest.raises(StorageUnreachable) as err:
+        with_retries(lambda: flaky() and (_ for _ in ()).throw(TimeoutError("SecretXYZ1 timed out")),
+                     what="read", url="s3://b/k", policy=RetryPolicy(deadline_s=0.5, first_backoff_s=0.05),
+                     redact=redact, fixes=fixes)
+    assert 0.4 < time.monotonic() - start < 2
+    assert "s3://b/k" in str(err.value) and "start the server" in str(err.value)
+    assert "SecretXYZ1" not in str(err.value)
