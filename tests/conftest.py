@@ -16,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Fixture modules of each area; add yours here.
-pytest_plugins: list[str] = ["fixtures_s3"]  # tests/ is on sys.path (rootdir conftest)
+pytest_plugins: list[str] = ["fixtures_engines", "fixtures_s3"]  # tests/ is on sys.path (rootdir conftest)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,301 @@
+"""Continuous batching over a fixed-slot KV cache, run by one engine thread.
+
+Each running request owns a cache slot (the lowest free one, so active slots stay packed at the front).
+Every step: handle commands (new requests, aborts, control calls), prefill waiting requests into free
+slots in one padded batch, then one decode step for all running requests. A decode step runs the
+contiguous slot range [0, hi) as a view when at least half of it is active, else gathers the active
+rows. Finished requests free their slot at once, so new ones join without waiting for the batch.
+
+Callers talk to the thread through `submit`, `abort` and `call` (all thread-safe); results come back as
+`concurrent.futures.Future`s holding the SGLang-shaped /generate answer (a dict).
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from rollout.engines.lean_forward import KVCache, LeanDecoder
+from rollout.engines.protocol import SamplingParams
+from rollout.engines.sampling import GREEDY_EPS, sample_tokens
+
+log = logging.getLogger(__name__)
+IDLE_TICK_S = 0.05
+
+
+@dataclass
+class EngineRequest:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    max_output: int  # max_new_tokens capped by the context length
+    stop_ids: frozenset[int]
+    future: Future = field(default_factory=Future)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    slot: int = -1
+
+
+class ContinuousBatcher:
+    """The engine loop. `decoder` computes logits; the batcher owns the cache and the slots."""
+
+    def __init__(self, decoder: LeanDecoder, max_running_requests: int, max_len: int, seed: int = 0,
+                 weight_version: int | str = 0, prefill_token_budget: int = 8192):
+        self.decoder, self.device = decoder, decoder.device
+        self.num_slots, self.max_len = max_running_requests, max_len
+        self.prefill_token_budget = prefill_token_budget
+        self.weight_version = weight_version
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.cache: KVCache | None = None
+        self._alloc_cache()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.waiting: list[EngineRequest] = []
+        self.running: dict[int, EngineRequest] = {}
+        self._free: list[int] = list(range(self.num_slots))
+        self._pending_drain: list[tuple[Callable[[], Any], Future]] = []  # run once no request runs
+        self.paused = False
+        self.heartbeat = time.monotonic()
+        self.generated_tokens = 0
+        n, dev = self.num_slots, self.device
+        self.slot_len = torch.zeros(n, dtype=torch.long, device=dev)  # tokens in the cache per slot
+        self.slot_token = torch.zeros(n, dtype=torch.long, device=dev)  # next token to feed per slot
+        self.temperature = torch.zeros(n, device=dev)
+        self.top_p = torch.ones(n, device=dev)
+        self.top_k = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.min_p = torch.zeros(n, device=dev)
+
+    # ---- thread-safe API -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, request: EngineRequest) -> Future:
+        self._inbox.put(("submit", request))
+        self._wake.set()
+        return request.future
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        self._inbox.put(("abort", rid, abort_all))
+        self._wake.set()
+
+    def call(self, fn: Callable[[], Any], when_idle: bool = False) -> Future:
+        """Run fn on the engine thread between steps; with when_idle, once no request is running
+        (admission stops meanwhile, so the running ones drain)."""
+        fut: Future = Future()
+        self._inbox.put(("call", fn, fut, when_idle))
+        self._wake.set()
+        return fut
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests; waiting includes submissions not yet seen by the loop."""
+        return len(self.running), len(self.waiting) + self._inbox.qsize()
+
+    # ---- engine thread -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            self.heartbeat = time.monotonic()
+            self._drain_inbox()
+            if self._pending_drain and not self.running:
+                self._run_drain_calls()
+            can_step = not self.paused and self.cache is not None
+            admitting = can_step and not self._pending_drain and self.waiting and self._free
+            if not admitting and not (can_step and self.running):
+                self._wake.wait(IDLE_TICK_S)
+                continue
+            try:
+                if admitting:
+                    self._prefill()
+                if self.running:
+                    self._decode()
+            except Exception as err:  # a failed step fails its requests, not the engine
+                log.exception("engine step failed")
+                for req in list(self.running.values()):
+                    self._release(req)
+                    req.future.set_exception(err)
+        for req in list(self.running.values()) + self.waiting:
+            self._finish(req, {"type": "abort", "message": "engine stopped", "status_code": 503, "err_type": None})
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            kind = item[0]
+            if kind == "submit":
+                self.waiting.append(item[1])
+            elif kind == "abort":
+                self._abort(item[1], item[2])
+            elif kind == "call":
+                _, fn, fut, when_idle = item
+                if when_idle:
+                    self._pending_drain.append((fn, fut))
+                else:
+                    self._run_call(fn, fut)
+
+    @staticmethod
+    def _run_call(fn: Callable[[], Any], fut: Future) -> None:
+        try:
+            fut.set_result(fn())
+        except Exception as err:
+            fut.set_exception(err)
+
+    def _run_drain_calls(self) -> None:
+        calls, self._pending_drain = self._pending_drain, []
+        for fn, fut in calls:
+            self._run_call(fn, fut)
+
+    def _abort(self, rid: str, abort_all: bool) -> None:
+        hit = (lambda r: True) if abort_all else (lambda r: r.rid.startswith(rid))
+        if not abort_all and not rid:
+            return
+        reason = {"type": "abort", "message": "Abort by user request", "status_code": None, "err_type": None}
+        keep = []
+        for req in self.waiting:
+            (self._finish(req, reason) if hit(req) else keep.append(req))
+        self.waiting = keep
+        for req in [r for r in self.running.values() if hit(r)]:
+            self._finish(req, reason)
+
+    def _release(self, req: EngineRequest) -> None:
+        if req.slot >= 0:
+            self.running.pop(req.slot, None)
+            self.slot_len[req.slot] = 0
+            self.slot_token[req.slot] = 0
+            heapq.heappush(self._free, req.slot)
+            req.slot = -1
+
+    def _finish(self, req: EngineRequest, reason: dict) -> None:
+        self._release(req)
+        if req.future.done():
+            return
+        meta = {
+            "id": req.rid, "finish_reason": reason, "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids), "cached_tokens": 0, "weight_version": self.weight_version,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids)]
+        req.future.set_result({"output_ids": req.output_ids, "meta_info": meta})
+
+    def _alloc_cache(self) -> None:
+        d = self.decoder
+        self.cache = KVCache(d.shape, self.num_slots, self.max_len, d.dtype, d.device)
+
+    def release_cache(self) -> None:
+        """Engine thread only, when idle: drop the KV cache (release_memory_occupation)."""
+        self.cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_cache(self) -> None:
+        if self.cache is None:
+            self._alloc_cache()
+
+    def _admit(self) -> list[EngineRequest]:
+        batch: list[EngineRequest] = []
+        longest = 0
+        while self.waiting and self._free:
+            req = self.waiting[0]
+            if req.max_output == 0:  # nothing to generate: answer at once, no slot needed
+                self.waiting.pop(0)
+                self._finish(req, {"type": "length", "length": 0})
+                continue
+            longest_if = max(longest, len(req.input_ids))
+            if batch and longest_if * (len(batch) + 1) > self.prefill_token_budget:
+                break
+            self.waiting.pop(0)
+            longest = longest_if
+            req.slot = heapq.heappop(self._free)
+            self.running[req.slot] = req
+            batch.append(req)
+        return batch
+
+    def _set_slot_params(self, batch: list[EngineRequest], slots: torch.Tensor) -> None:
+        p = [r.params for r in batch]
+        dev = self.device
+        self.temperature[slots] = torch.tensor([x.temperature for x in p], device=dev)
+        self.top_p[slots] = torch.tensor([x.top_p for x in p], device=dev)
+        self.top_k[slots] = torch.tensor([x.top_k for x in p], dtype=torch.long, device=dev)
+        self.min_p[slots] = torch.tensor([x.min_p for x in p], device=dev)
+
+    def _prefill(self) -> None:
+        batch = self._admit()
+        if not batch:
+            return
+        dev = self.device
+        lengths = [len(r.input_ids) for r in batch]
+        T = max(lengths)
+        tokens = torch.zeros(len(batch), T, dtype=torch.long)
+        for i, r in enumerate(batch):
+            tokens[i, :lengths[i]] = torch.tensor(r.input_ids)
+        slots = torch.tensor([r.slot for r in batch], device=dev)
+        positions = torch.arange(T, device=dev).expand(len(batch), T)
+        last = torch.tensor(lengths, device=dev) - 1
+        logits = self.decoder.forward(tokens.to(dev), positions, self.cache, slots, T, fresh=True, last_index=last)
+        self._set_slot_params(batch, slots)
+        self.slot_len[slots] = torch.tensor(lengths, device=dev)
+        self._sample_and_append(batch, slots, logits)
+
+    def _decode(self) -> None:
+        batch = list(self.running.values())
+        active = sorted(r.slot for r in batch)
+        hi = active[-1] + 1
+        kv_len = max(len(r.input_ids) + len(r.output_ids) for r in batch)
+        if len(active) * 2 >= hi:
+            rows: torch.Tensor | slice = slice(0, hi)
+            tokens, positions = self.slot_token[:hi], self.slot_len[:hi]
+        else:
+            rows = torch.tensor(active, device=self.device)
+            tokens, positions = self.slot_token[rows], self.slot_len[rows]
+        B = tokens.shape[0]
+        logits = self.decoder.forward(tokens.view(B, 1), positions.view(B, 1), self.cache, rows, kv_len,
+                                      fresh=False, last_index=torch.zeros(B, dtype=torch.long, device=self.device))
+        slots = torch.tensor(active, device=self.device)
+        if isinstance(rows, slice) and len(active) < hi:
+            logits = logits[slots]
+        batch = [self.running[s] for s in active]
+        self.slot_len[slots] += 1
+        self._sample_and_append(batch, slots, logits)
+
+    def _sample_and_append(self, batch: list[EngineRequest], slots: torch.Tensor, logits: torch.Tensor) -> None:
+        all_greedy = all(r.params.temperature <= GREEDY_EPS for r in batch)
+        needs_filter = any(r.params.top_p < 1 or r.params.top_k > 0 or r.params.min_p > 0 for r in batch)
+        tokens, logprobs = sample_tokens(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
+                                         self.min_p[slots], all_greedy, needs_filter, self.generator)
+        self.slot_token[slots] = tokens
+        want_logprobs = any(r.return_logprob for r in batch)
+        token_list = tokens.tolist()
+        logprob_list = logprobs.tolist() if want_logprobs else None
+        self.generated_tokens += len(batch)
+        for i, req in enumerate(batch):
+            tok = token_list[i]
+            req.output_ids.append(tok)
+            if req.return_logprob:
+                req.logprobs.append(logprob_list[i])
+            n = len(req.output_ids)
+            if n >= req.max_output:
+                self._finish(req, {"type": "length", "length": n})
+            elif tok in req.stop_ids:
+                self._finish(req, {"type": "stop", "matched": tok})

@@ -1,0 +1,225 @@
+"""A lean torch forward of Qwen2 / Llama-style decoders over the HF weights, with a fixed-slot KV cache.
+
+Why not the HF forward: on small models the per-step Python overhead of HF's modules dominates, and
+the engine needs per-slot positions into one preallocated cache. This forward fuses q/k/v and
+gate/up into single matmuls and computes exactly what HF's eager Qwen2 computes (fp32 softmax,
+rotate-half RoPE, RMSNorm), so logits match HF's to float rounding.
+
+Weights stay keyed by their HF names (`model.layers.0.self_attn.q_proj.weight`, ...) so weight
+updates from a learner's `state_dict()` or from safetensors files apply by name.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The shape numbers of a decoder-only model, read from an HF config.json."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, config: dict) -> "DecoderShape":
+        model_type = config.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"torch engine: model_type {model_type!r} is not supported (supported: "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)}); use the sglang backend for other models")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ValueError(f"torch engine: rope type {rope.get('rope_type')!r} is not supported (default only)")
+        heads = config["num_attention_heads"]
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type, num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+            num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads, vocab_size=config["vocab_size"],
+            max_position=config.get("max_position_embeddings", 2048), rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), eos_token_ids=eos_ids,
+        )
+
+
+def read_shape(model_path: str | Path) -> DecoderShape:
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model_path {str(model_path)!r} has no config.json: point it at an HF folder")
+    return DecoderShape.from_config(json.loads(path.read_text()))
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file, or of every *.safetensors file in a folder (CPU tensors)."""
+    p = Path(path)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    if not files or not all(f.is_file() for f in files):
+        raise FileNotFoundError(f"model_path {str(p)!r} holds no *.safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+class KVCache:
+    """Per-layer key/value tensors `[slots, kv_heads, max_len, head_dim]`; a slot holds one sequence."""
+
+    def __init__(self, shape: DecoderShape, slots: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        size = (slots, shape.num_kv_heads, max_len, shape.head_dim)
+        self.k = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.v = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.slots, self.max_len = slots, max_len
+
+
+class LeanDecoder:
+    """Fused-weight decoder forward. `weights` is the HF-named state dict (updated in place by name)."""
+
+    def __init__(self, shape: DecoderShape, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device):
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.weights: dict[str, torch.Tensor] = {}
+        self.load(weights, strict=True)
+        inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim))
+        freqs = torch.outer(torch.arange(shape.max_position, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+
+    def load(self, tensors: dict[str, torch.Tensor], strict: bool = False) -> None:
+        """Copy HF-named tensors in; unknown names raise, and with `strict` so do missing ones."""
+        expected = set(self.expected_names())
+        tensors = {("model.embed_tokens.weight" if k == "lm_head.weight" and self.shape.tie_word_embeddings else k): v
+                   for k, v in tensors.items()}
+        unknown = sorted(set(tensors) - expected - {"lm_head.weight"} - {k for k in tensors if "rotary_emb" in k})
+        if unknown:
+            raise ValueError(f"weights: unknown tensor names {unknown[:5]} (expected HF names like "
+                             f"'model.layers.0.self_attn.q_proj.weight')")
+        missing = sorted(expected - set(tensors) - set(self.weights))
+        if strict and missing:
+            raise ValueError(f"weights: missing tensors {missing[:5]}")
+        for name, value in tensors.items():
+            if name not in expected:
+                continue
+            old = self.weights.get(name)
+            if old is not None and tuple(old.shape) != tuple(value.shape):
+                raise ValueError(f"weights: {name} has shape {tuple(value.shape)}, the model needs {tuple(old.shape)}")
+            self.weights[name] = value.detach().to(self.device, self.dtype, copy=True)
+        self._fuse()
+
+    def expected_names(self) -> list[str]:
+        s = self.shape
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not s.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            names += [p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                      "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                      "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                      "mlp.down_proj.weight")]
+            if s.model_type == "qwen2":
+                names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+            if s.model_type == "qwen3":
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        return names
+
+    def _fuse(self) -> None:
+        w, s = self.weights, self.shape
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = self.embed if s.tie_word_embeddings else w["lm_head.weight"]
+        self.final_norm = w["model.norm.weight"]
+        self.layers = []
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            qkv_b = (torch.cat([w[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+                     if s.model_type == "qwen2" else None)
+            self.layers.append(dict(
+                ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
+                qkv_w=torch.cat([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]), qkv_b=qkv_b,
+                o_w=w[p + "self_attn.o_proj.weight"],
+                gate_up_w=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+                down_w=w[p + "mlp.down_proj.weight"],
+                q_norm=w.get(p + "self_attn.q_norm.weight"), k_norm=w.get(p + "self_attn.k_norm.weight"),
+            ))
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.shape.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: torch.Tensor | slice,
+                kv_len: int, fresh: bool, last_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of a step over cache rows.
+
+        tokens, positions: [B, T]; rows: B cache slots (a LongTensor, or a slice for a contiguous range);
+        the step's keys/values are written at cache[rows, :, positions]. fresh: the rows start at
+        position 0 (prefill), so attention uses the step's own keys/values; otherwise it reads
+        cache[rows, :, :kv_len]. last_index: [B] position in T whose logits to return -> [B, V];
+        None -> [B, T, V].
+        """
+        s = self.shape
+        B, T = tokens.shape
+        H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
+        G = H // Hkv
+        cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # [B, T, 1, D]
+        key_pos = torch.arange(T if fresh else kv_len, device=self.device)
+        allowed = key_pos.view(1, 1, -1) <= positions.unsqueeze(-1)  # [B, T, K]
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device)
+        bias.masked_fill_(~allowed, float("-inf"))
+        bias = bias.view(B, 1, 1, T, -1)
+        if isinstance(rows, slice):
+            write_rows = torch.arange(rows.start, rows.start + B, device=self.device).view(B, 1)
+        else:
+            write_rows = rows.view(B, 1)
+        scale = 1.0 / math.sqrt(D)
+        h = F.embedding(tokens, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = self._rms(h, layer["ln1"])
+            qkv = F.linear(x, layer["qkv_w"], layer["qkv_b"]).view(B, T, H + 2 * Hkv, D)
+            q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
+            if layer["q_norm"] is not None:
+                q, k = self._rms(q, layer["q_norm"]), self._rms(k, layer["k_norm"])
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            cache_k, cache_v = cache.k[i], cache.v[i]
+            cache_k[write_rows, :, positions] = k
+            cache_v[write_rows, :, positions] = v
+            if fresh:
+                keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
+            else:  # a slice reads a view; a LongTensor gathers a copy
+                keys, values = cache_k[rows, :, :kv_len], cache_v[rows, :, :kv_len]
+            qh = q.transpose(1, 2).reshape(B, Hkv, G * T, D)
+            scores = torch.matmul(qh, keys.transpose(-1, -2)).mul_(scale)  # [B, Hkv, G*T, K]
+            scores = (scores.view(B, Hkv, G, T, -1).float() + bias).softmax(-1).to(q.dtype)
+            attn = torch.matmul(scores.view(B, Hkv, G * T, -1), values)  # [B, Hkv, G*T, D]
+            attn = attn.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+            h = h + F.linear(attn, layer["o_w"])
+            x = self._rms(h, layer["ln2"])
+            gate, up = F.linear(x, layer["gate_up_w"]).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer["down_w"])
+        if last_index is not None:
+            h = h[torch.arange(B, device=self.device), last_index]
+        return F.linear(self._rms(h, self.final_norm), self.lm_head).float()

@@ -1,0 +1,214 @@
+"""The engine contract: request/response models of the SGLang native HTTP API subset we speak.
+
+Field names and shapes follow SGLang 0.5.x (`GenerateReqInput`, `SamplingParams`, the `meta_info` of a
+/generate answer, `AbortReq`, `UpdateWeightFromDiskReqInput`, /v1/loads). The torch engine server, the
+sglang backend and the client all use these models, so a field renamed here is renamed everywhere.
+
+Deliberate gaps: one request per /generate call (no batched `input_ids` lists), no streaming, no
+`text` input (callers always send token ids; partial samples are continued from ids, never re-tokenised
+text).
+"""
+from __future__ import annotations
+
+import secrets
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+RID_HEX_CHARS = 32  # SGLang matches abort rids by prefix: fixed-length random hex keeps them unambiguous
+
+
+def new_rid() -> str:
+    """A fixed-length random hex request id."""
+    return secrets.token_hex(RID_HEX_CHARS // 2)
+
+
+def _normalise_version(value: Any) -> Any:
+    """SGLang reports weight_version as a string ("default", "3"); ours is an int. Digits -> int."""
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return value
+
+
+class SamplingParams(BaseModel):
+    """SGLang's sampling_params subset. temperature 0 = greedy; top_k -1 = off; top_p 1 = off."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    max_new_tokens: int = Field(128, description="Most tokens to generate (SGLang's default is 128).")
+    temperature: float = Field(1.0, ge=0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="-1 (or 0) disables top-k.")
+    min_p: float = Field(0.0, ge=0, le=1)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _non_negative(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"must be >= 0; got {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v < -1:
+            raise ValueError(f"must be -1 (off) or >= 1; got {v}")
+        return v
+
+
+class GenerateRequest(BaseModel):
+    """POST /generate body (one request)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input_ids: list[int] = Field(..., min_length=1, description="Prompt (+ partial response) token ids.")
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    rid: str | None = None
+    stream: bool = False
+
+    @field_validator("input_ids", mode="before")
+    @classmethod
+    def _flat_ids(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and isinstance(v[0], list):
+            raise ValueError("input_ids must be one flat list of token ids (batched requests are not supported: "
+                             "send one /generate call per sample)")
+        return v
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("stream=true is not supported by this engine; send stream=false")
+        return v
+
+
+FinishType = Literal["stop", "length", "abort"]
+
+
+class FinishReason(BaseModel):
+    """SGLang's finish_reason: stop {matched}, length {length}, abort {message, status_code, err_type}."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: FinishType
+    matched: int | str | list[int] | None = None
+    length: int | None = None
+    message: str | None = None
+
+
+class MetaInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: int | str | None = None
+    output_token_logprobs: list[list[Any]] | None = None  # [[logprob, token_id, None], ...]
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _version(cls, v: Any) -> Any:
+        return _normalise_version(v)
+
+    @property
+    def logprobs(self) -> list[float]:
+        return [float(entry[0]) for entry in self.output_token_logprobs or []]
+
+
+class GenerateResponse(BaseModel):
+    """The /generate answer: output_ids include the stop token; completion_tokens == len(output_ids)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str | None = None
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+
+class AbortRequest(BaseModel):
+    """POST /abort_request: `rid` aborts every request whose id starts with it; `abort_all` aborts all."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+class UpdateWeightsFromDiskRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model_path: str
+    load_format: str | None = None
+    weight_version: int | str | None = None
+    abort_all_requests: bool = False
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _version(cls, v: Any) -> Any:
+        return _normalise_version(v)
+
+
+class UpdateWeightsResponse(BaseModel):
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+
+
+class LoadEntry(BaseModel):
+    """One data-parallel rank of /v1/loads (the core fields SGLang reports)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    dp_rank: int = 0
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_total_reqs: int
+    num_used_tokens: int = 0
+    num_total_tokens: int = 0
+    token_usage: float = 0.0
+    gen_throughput: float = 0.0
+    utilization: float = 0.0
+
+
+class LoadsResponse(BaseModel):
+    """GET /v1/loads: {timestamp, version, dp_rank_count, loads: [...], aggregate: {...}}."""
+
+    model_config = ConfigDict(extra="allow")
+
+    timestamp: str | None = None
+    version: str | None = None
+    dp_rank_count: int = 1
+    loads: list[LoadEntry]
+    aggregate: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def running(self) -> int:
+        return sum(entry.num_running_reqs for entry in self.loads)
+
+    @property
+    def waiting(self) -> int:
+        return sum(entry.num_waiting_reqs for entry in self.loads)
+
+    @property
+    def idle(self) -> bool:
+        return self.running == 0 and self.waiting == 0
+
+
+class ModelInfo(BaseModel):
+    """GET /model_info (SGLang also serves it as /get_model_info)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model_path: str
+    tokenizer_path: str | None = None
+    is_generation: bool = True
+    weight_version: int | str | None = None
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _version(cls, v: Any) -> Any:
+        return _normalise_version(v)

@@ -1,0 +1,236 @@
+"""The torch engine server over real HTTP: correctness against HF, abort/continue, weight updates,
+bad requests, control endpoints, and requests through the real sglang-router (session fixtures)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import torch
+
+from rollout.engines.client import EngineClient, EngineError
+from rollout.engines.torch_server import TorchEngineServer
+
+PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 3], [40, 2, 2, 11, 30, 31, 12], [17], [33, 34, 35, 36], [9, 8, 7]]
+
+
+@pytest.fixture(scope="module")
+def varied_engine(varied_model_dir):
+    server = TorchEngineServer(str(varied_model_dir), max_running_requests=8, seed=0)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def varied_hf(varied_model_dir):
+    from infra.models import load_causal_lm
+
+    return load_causal_lm(varied_model_dir).eval()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def generate_all(url: str, prompts, params: dict, return_logprob: bool = True):
+    async with EngineClient(url) as client:
+        return await asyncio.gather(*[client.generate(p, params, return_logprob=return_logprob) for p in prompts])
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int = 1) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    tokens = out[0, len(prompt):].tolist()
+    return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def test_greedy_matches_hf_generate(varied_engine, varied_hf):
+    results = run(generate_all(varied_engine.url, PROMPTS, {"max_new_tokens": 24, "temperature": 0}))
+    saw_stop = False
+    for prompt, res in zip(PROMPTS, results):
+        expected = hf_greedy(varied_hf, prompt, 24)
+        assert res.output_ids == expected
+        assert res.meta_info.completion_tokens == len(res.output_ids)
+        assert res.meta_info.prompt_tokens == len(prompt)
+        if res.meta_info.finish_reason.type == "stop":
+            saw_stop = True
+            assert res.output_ids[-1] == 1 and res.meta_info.finish_reason.matched == 1
+        else:
+            assert res.meta_info.finish_reason.type == "length" and len(res.output_ids) == 24
+    assert saw_stop, "the varied model should hit EOS on some prompt"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_match_forward(varied_engine, varied_hf, temperature):
+    params = {"max_new_tokens": 16, "temperature": temperature, "ignore_eos": True}
+    results = run(generate_all(varied_engine.url, PROMPTS[:4], params))
+    for prompt, res in zip(PROMPTS, results):
+        ids = torch.tensor([prompt + res.output_ids])
+        with torch.no_grad():
+            logits = varied_hf(ids).logits[0, len(prompt) - 1:-1].float()
+        expected = torch.log_softmax(logits / (temperature or 1.0), -1).gather(
+            1, torch.tensor(res.output_ids).unsqueeze(1)).squeeze(1)
+        got = torch.tensor(res.meta_info.logprobs)
+        assert [e[1] for e in res.meta_info.output_token_logprobs] == res.output_ids
+        assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+
+
+def test_eos_on_last_allowed_position_reports_length(varied_engine, varied_hf):
+    prompt = next(p for p in PROMPTS if 1 in hf_greedy(varied_hf, p, 24))
+    n = hf_greedy(varied_hf, prompt, 24).index(1) + 1
+    res = run(generate_all(varied_engine.url, [prompt], {"max_new_tokens": n, "temperature": 0}))[0]
+    assert res.output_ids[-1] == 1 and res.meta_info.finish_reason.type == "length"
+
+
+def test_abort_mid_generation_then_continue_matches_uninterrupted(varied_engine):
+    prompt, total = [5, 6, 7, 8, 9], 400
+    params = {"max_new_tokens": total, "temperature": 0, "ignore_eos": True}
+
+    async def scenario():
+        async with EngineClient(varied_engine.url) as client:
+            full = await client.generate(prompt, params)
+            rid = "ab" * 16
+            task = asyncio.create_task(client.generate(prompt, params, rid=rid))
+            while not varied_engine.batcher.running or len(next(iter(varied_engine.batcher.running.values())).output_ids) < 20:
+                await asyncio.sleep(0.002)
+            await client.abort(rid[:8])  # prefix match, as SGLang
+            partial = await task
+            rest = await client.generate(prompt + partial.output_ids,
+                                         {**params, "max_new_tokens": total - len(partial.output_ids)})
+            return full, partial, rest
+
+    full, partial, rest = run(scenario())
+    assert partial.meta_info.finish_reason.type == "abort"
+    assert 20 <= len(partial.output_ids) < total
+    assert len(partial.meta_info.output_token_logprobs) == len(partial.output_ids)
+    assert partial.output_ids + rest.output_ids == full.output_ids
+
+
+def test_abort_queued_request_returns_no_tokens(varied_engine):
+    async def scenario():
+        async with EngineClient(varied_engine.url) as client:
+            await client.post("/pause_generation", json={"mode": "in_place"})
+            task = asyncio.create_task(client.generate([5, 6], {"max_new_tokens": 8}))
+            while varied_engine.batcher.counts()[1] == 0:
+                await asyncio.sleep(0.002)
+            await client.abort(abort_all=True)
+            res = await task
+            await client.post("/continue_generation")
+            after = await client.generate([5, 6], {"max_new_tokens": 3})
+            return res, after
+
+    res, after = run(scenario())
+    assert res.output_ids == [] and res.meta_info.finish_reason.type == "abort"
+    assert res.meta_info.completion_tokens == 0
+    assert after.meta_info.completion_tokens == 3
+
+
+def test_weight_update_from_disk_and_in_process(varied_engine, tiny_model_dir, varied_model_dir):
+    from rollout.engines.lean_forward import read_safetensors
+
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    before = run(generate_all(varied_engine.url, PROMPTS[:3], params))
+    varied_engine.load_weights(read_safetensors(tiny_model_dir), weight_version=7)
+    tiny = run(generate_all(varied_engine.url, PROMPTS[:3], params))
+    assert [r.output_ids for r in tiny] != [r.output_ids for r in before]
+    assert all(r.meta_info.weight_version == 7 for r in tiny)
+
+    async def from_disk():
+        async with EngineClient(varied_engine.url) as client:
+            resp = await client.update_weights_from_disk(str(varied_model_dir), weight_version=8)
+            return resp, await client.weight_version(), (await client.get("/get_weight_version")).json()
+
+    resp, version, raw = run(from_disk())
+    assert resp.success and version == 8 and raw["weight_version"] == 8
+    after = run(generate_all(varied_engine.url, PROMPTS[:3], params))
+    assert [r.output_ids for r in after] == [r.output_ids for r in before]
+    assert all(r.meta_info.weight_version == 8 for r in after)
+    bad = httpx.post(varied_engine.url + "/update_weights_from_disk", json={"model_path": "/nonexistent/x"})
+    assert bad.status_code == 400 and bad.json()["success"] is False
+
+
+BAD_REQUESTS = [
+    ({"sampling_params": {"max_new_tokens": 4}}, "input_ids"),
+    ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens"),
+    ({"input_ids": [5] * 600}, "context length"),
+    ({"input_ids": [5, 99999]}, "vocabulary"),
+]
+
+
+def test_bad_requests_get_400_and_do_not_disturb_others(sglang_router, torch_engines):
+    """Engines answer 400 naming the field; through the router the same body gets a 4xx (the router
+    itself refuses some bodies, e.g. a negative max_new_tokens, with 422 before any engine sees them)."""
+    params = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    engine_urls = [s.url for s in torch_engines]
+
+    async def scenario():
+        async with EngineClient(sglang_router.url) as client, httpx.AsyncClient() as raw:
+            good = [asyncio.create_task(client.generate(p, params)) for p in PROMPTS]
+            await asyncio.sleep(0.05)
+            direct = await asyncio.gather(*[raw.post(url + "/generate", json=body)
+                                            for url in engine_urls for body, _ in BAD_REQUESTS])
+            routed = await asyncio.gather(*[raw.post(sglang_router.url + "/generate", json=body)
+                                            for body, _ in BAD_REQUESTS])
+            return await asyncio.gather(*good), direct, routed
+
+    good, direct, routed = run(scenario())
+    for resp, (_, needle) in zip(direct, BAD_REQUESTS * len(engine_urls)):
+        assert resp.status_code == 400, resp.text
+        assert needle in resp.json()["message"]
+    for resp, (_, needle) in zip(routed, BAD_REQUESTS):
+        assert resp.status_code in (400, 422) and needle in resp.text, resp.text
+    assert all(r.meta_info.completion_tokens == 200 for r in good)
+    assert all(s.batcher.alive for s in torch_engines)
+
+
+def test_requests_through_router_reach_both_engines(sglang_router, torch_engines, tiny_model_dir):
+    from infra.models import load_causal_lm
+
+    before = [s.batcher.generated_tokens for s in torch_engines]
+    results = run(generate_all(sglang_router.url, PROMPTS * 2, {"max_new_tokens": 8, "temperature": 0}))
+    assert all(s.batcher.generated_tokens > b for s, b in zip(torch_engines, before))
+    model = load_causal_lm(tiny_model_dir).eval()
+    for prompt, res in zip(PROMPTS * 2, results):
+        assert res.output_ids == hf_greedy(model, prompt, 8)
+
+
+def test_control_endpoints(varied_engine):
+    url = varied_engine.url
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/health_generate").status_code == 200
+    assert httpx.post(url + "/flush_cache").status_code == 200
+    assert httpx.post(url + "/release_memory_occupation", json={}).status_code == 200
+    assert varied_engine.batcher.cache is None
+    assert httpx.post(url + "/resume_memory_occupation", json={}).status_code == 200
+    loads = httpx.get(url + "/v1/loads").json()
+    assert loads["loads"][0]["num_running_reqs"] == 0 and loads["aggregate"]["total_reqs"] == 0
+    info = httpx.get(url + "/model_info").json()
+    assert info["model_path"] and "weight_version" in info
+    res = run(generate_all(url, [[5, 6]], {"max_new_tokens": 2}))[0]
+    assert res.meta_info.completion_tokens == 2
+
+    async def busy_release():
+        async with EngineClient(url) as client:
+            task = asyncio.create_task(client.generate([5], {"max_new_tokens": 300, "ignore_eos": True}))
+            while not varied_engine.batcher.running:
+                await asyncio.sleep(0.002)
+            with pytest.raises(EngineError) as err:
+                await client.post("/release_memory_occupation", json={})
+            await task
+            return err.value
+
+    err = run(busy_release())
+    assert err.status == 400 and "idle" in err.message
+
+
+def test_sampling_is_seeded_and_respects_top_k(varied_engine):
+    params = {"max_new_tokens": 16, "temperature": 1.0, "top_k": 1, "ignore_eos": True}
+    sampled = run(generate_all(varied_engine.url, PROMPTS[:3], params))
+    greedy = run(generate_all(varied_engine.url, PROMPTS[:3], {**params, "temperature": 0}))
+    assert [r.output_ids for r in sampled] == [r.output_ids for r in greedy]
+    start = time.monotonic()
+    free = run(generate_all(varied_engine.url, PROMPTS[:3] * 4, {**params, "top_k": -1, "top_p": 0.9}))
+    assert time.monotonic() - start < 10
+    assert len({tuple(r.output_ids) for r in free}) > 3
