@@ -1,0 +1,238 @@
+"""Checkpoints as objects under `<store root>/ckpt-<iteration:08d>/`, made to survive crashes and bit rot.
+
+Layout of one checkpoint:
+    tensors/<group>-<shard:05d>.safetensors   e.g. policy weights, flattened optimizer state
+    arrays/<group>-<shard:05d>.safetensors    e.g. the dock snapshot (numpy arrays)
+    meta.json                                 JSON-able dict: iteration, versions, cursor, RNG, config...
+    manifest.json                             written LAST: size and sha256 of every object above
+
+A checkpoint without a readable manifest whose objects all match it does not exist: loading skips it
+(with a warning naming the bad object) and falls back to the previous one. Nothing is pickled.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from infra import tensor_codec as codec
+from infra.storage import ObjectInfo, ObjectMissing, Store
+
+log = logging.getLogger("spillover.checkpoint")
+
+FORMAT = "spillover-checkpoint/1"
+MANIFEST = "manifest.json"
+META = "meta.json"
+MAX_OBJECT_BYTES = 512 << 20  # shard size: bounds retry cost and memory per in-flight object
+_NAME = re.compile(r"^ckpt-(\d{8,})$")
+_GROUP = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the object."""
+
+
+@dataclass
+class CheckpointState:
+    """Everything needed to resume. tensors: group -> name -> tensor (e.g. {"policy": ..., "optimizer": ...});
+    arrays: group -> name -> ndarray (e.g. {"dock": ...}); meta: JSON-able (RNG, cursor, config, ...)."""
+    iteration: int
+    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    arrays: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    iteration: int
+    name: str       # "ckpt-00000012"
+    complete: bool  # has a manifest (its objects are verified only when loaded)
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"ckpt-{iteration:08d}"
+
+
+def list_checkpoints(store: Store) -> list[CheckpointInfo]:
+    """Checkpoint prefixes under the store root, oldest first."""
+    out = []
+    for name in store.list():
+        match = _NAME.match(name)
+        if match:
+            out.append(CheckpointInfo(int(match.group(1)), name, store.exists(f"{name}/{MANIFEST}")))
+    return sorted(out, key=lambda info: info.iteration)
+
+
+def _delete_checkpoint(store: Store, name: str) -> None:
+    store.delete(f"{name}/{MANIFEST}")  # first, so a half-deleted checkpoint never looks complete
+    store.delete(name)
+
+
+def prune(store: Store, keep: int) -> list[str]:
+    """Keep the newest `keep` complete checkpoints; delete older ones and incomplete leftovers older than the
+    newest complete one. Returns the deleted names."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 (storage.keep_checkpoints); got {keep}")
+    infos = list_checkpoints(store)
+    complete = [i for i in infos if i.complete]
+    if not complete:
+        return []
+    kept = {i.name for i in complete[-keep:]}
+    newest = complete[-1].iteration
+    doomed = [i.name for i in infos if i.name not in kept and (i.complete or i.iteration < newest)]
+    for name in doomed:
+        _delete_checkpoint(store, name)
+        log.info("pruned checkpoint %s", store.key_url(name))
+    return doomed
+
+
+def _first_non_json(value, path: str = "meta") -> str | None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return f"{path} key {k!r} (keys must be strings)"
+            bad = _first_non_json(v, f"{path}.{k}")
+            if bad:
+                return bad
+        return None
+    if isinstance(value, (list, tuple)):
+        return next((b for i, v in enumerate(value) if (b := _first_non_json(v, f"{path}[{i}]"))), None)
+    ok = value is None or isinstance(value, (str, int, float, bool))
+    return None if ok else f"{path} ({type(value).__name__})"
+
+
+def _plan_objects(state: CheckpointState, max_object_bytes: int) -> tuple[dict[str, list], dict]:
+    """key -> buffers to write, and the manifest's group index: kind -> group -> [keys]."""
+    objects: dict[str, list] = {}
+    groups: dict = {"tensors": {}, "arrays": {}}
+    for kind, groups_in, to_entry in (("tensors", state.tensors, codec.tensor_entry),
+                                      ("arrays", state.arrays, codec.array_entry)):
+        for group, values in groups_in.items():
+            if not _GROUP.match(group):
+                raise CheckpointError(f"{kind} group name {group!r} must match {_GROUP.pattern}")
+            entries = {name: to_entry(f"{group}.{name}", v) for name, v in values.items()}
+            keys = []
+            for i, shard in enumerate(codec.split_shards(entries, max_object_bytes)):
+                key = f"{kind}/{group}-{i:05d}.safetensors"
+                objects[key] = codec.encode(shard)
+                keys.append(key)
+            groups[kind][group] = keys
+    return objects, groups
+
+
+def _run_all(calls: dict, workers: int) -> dict:
+    """{key: (fn, *args)} -> {key: fn(*args)} on `workers` threads; the first error cancels what has not
+    started (so a storage outage fails once, not once per object) and is raised."""
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    try:
+        futures = {key: pool.submit(*call) for key, call in calls.items()}
+        return {key: fut.result() for key, fut in futures.items()}
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def save_checkpoint(store: Store, state: CheckpointState, keep: int | None = None, *,
+                    max_object_bytes: int = MAX_OBJECT_BYTES, workers: int = 2) -> str:
+    """Write `state` as ckpt-<iteration>/ (objects first, manifest last), then prune to `keep` complete
+    checkpoints when given. Returns the checkpoint's URL. Raises StorageError when storage stays down past
+    the retry deadline; the partial prefix is then not a checkpoint."""
+    bad = _first_non_json(state.meta)
+    if bad:
+        raise CheckpointError(f"checkpoint meta must be JSON-able; {bad} is not (convert it, e.g. tensors to lists)")
+    meta_bytes = json.dumps(state.meta).encode()
+    if store.contains_secret(meta_bytes.decode()):
+        raise CheckpointError("checkpoint meta holds a storage credential; pass the config as "
+                              "config.model_dump(mode='json') so secrets are masked")
+    name = checkpoint_name(state.iteration)
+    if store.list(name):
+        log.warning("checkpoint prefix %s exists already (an earlier attempt); replacing it", store.key_url(name))
+        _delete_checkpoint(store, name)
+    start = time.perf_counter()
+    objects, groups = _plan_objects(state, max_object_bytes)
+    objects[META] = [meta_bytes]
+    infos: dict[str, ObjectInfo] = _run_all(
+        {key: (store.put_buffers, f"{name}/{key}", bufs) for key, bufs in objects.items()}, workers)
+    manifest = {"format": FORMAT, "iteration": state.iteration, "created_unix": time.time(), "groups": groups,
+                "meta": META, "objects": {k: {"size": i.size, "sha256": i.sha256} for k, i in infos.items()}}
+    store.put_bytes(f"{name}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+    total = sum(i.size for i in infos.values())
+    log.info("checkpoint %s written: %d objects, %.1f MB in %.2f s", store.key_url(name), len(infos), total / 1e6,
+             time.perf_counter() - start)
+    if keep is not None:
+        prune(store, keep)
+    return store.key_url(name)
+
+
+def _read_manifest(store: Store, name: str) -> dict:
+    url = store.key_url(f"{name}/{MANIFEST}")
+    try:
+        manifest = json.loads(store.get_bytes(f"{name}/{MANIFEST}"))
+        objects, groups = manifest["objects"], manifest["groups"]
+        if manifest.get("format") != FORMAT:
+            raise CheckpointError(f"manifest {url} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+        for key, spec in objects.items():
+            if key.startswith("/") or ".." in key.split("/") or not isinstance(spec.get("size"), int):
+                raise CheckpointError(f"manifest {url} lists a bad object {key!r}")
+        for kind in ("tensors", "arrays"):
+            for keys in groups.get(kind, {}).values():
+                if any(k not in objects for k in keys):
+                    raise CheckpointError(f"manifest {url} groups name an object it does not list")
+        return manifest
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"manifest {url} is unreadable (truncated or corrupt): {err}") from None
+
+
+def _read_object(store: Store, name: str, key: str, spec: dict) -> bytearray:
+    url = store.key_url(f"{name}/{key}")
+    try:
+        buf, info = store.get_buffer(f"{name}/{key}")
+    except ObjectMissing:
+        raise CheckpointError(f"object {url} listed in the manifest is missing") from None
+    if info.size != spec["size"] or info.sha256 != spec["sha256"]:
+        raise CheckpointError(f"object {url} is corrupt: {info.size} bytes with sha256 {info.sha256[:12]}..., "
+                              f"manifest says {spec['size']} bytes with sha256 {str(spec['sha256'])[:12]}...")
+    return buf
+
+
+def load_checkpoint(store: Store, iteration: int, *, workers: int = 2) -> CheckpointState:
+    """Load and verify one checkpoint; CheckpointError if it is incomplete or any object does not match."""
+    name = checkpoint_name(iteration)
+    manifest = _read_manifest(store, name)
+    if manifest.get("iteration") != iteration:
+        raise CheckpointError(f"manifest {store.key_url(name + '/' + MANIFEST)} is for iteration "
+                              f"{manifest.get('iteration')}, not {iteration}")
+    objects = manifest["objects"]
+    bufs = _run_all({key: (_read_object, store, name, key, spec) for key, spec in objects.items()}, workers)
+    try:
+        state = CheckpointState(iteration=iteration, meta=json.loads(bufs[manifest["meta"]]))
+        for group, keys in manifest["groups"].get("tensors", {}).items():
+            state.tensors[group] = {n: t for k in keys for n, t in codec.decode_tensors(bufs[k])[0].items()}
+        for group, keys in manifest["groups"].get("arrays", {}).items():
+            state.arrays[group] = {n: a for k in keys for n, a in codec.decode_arrays(bufs[k])[0].items()}
+    except (ValueError, KeyError) as err:  # FormatError is a ValueError
+        raise CheckpointError(f"checkpoint {store.key_url(name)} does not decode: {err}") from None
+    return state
+
+
+def load_latest_checkpoint(store: Store, *, workers: int = 2) -> CheckpointState | None:
+    """The newest checkpoint that verifies, or None. Corrupt or incomplete ones are reported and skipped;
+    storage that cannot be reached raises (an outage must not silently roll the run back)."""
+    for info in reversed(list_checkpoints(store)):
+        if not info.complete:
+            log.info("checkpoint %s has no manifest (an interrupted write); skipping", store.key_url(info.name))
+            continue
+        try:
+            state = load_checkpoint(store, info.iteration, workers=workers)
+        except CheckpointError as err:
+            log.warning("checkpoint %s is unusable, falling back to the previous one: %s",
+                        store.key_url(info.name), err)
+            continue
+        log.info("loaded checkpoint %s", store.key_url(info.name))
+        return state
+    return None

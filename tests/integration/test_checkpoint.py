@@ -1,0 +1,226 @@
+"""infra/checkpoint.py against file:// and a real S3 server: round trip of model + AdamW + dock + meta,
+corrupt/truncated/incomplete checkpoints skipped with a warning, pruning, and an S3 outage during a write."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from infra.checkpoint import (CheckpointError, CheckpointState, list_checkpoints, load_checkpoint,
+                              load_latest_checkpoint, prune, save_checkpoint)
+from infra.config import RunConfig
+from infra.models import load_causal_lm
+from infra.storage import StorageUnreachable, open_store
+from infra.storage_errors import RetryPolicy
+from infra.train_state import (capture_rng_states, flatten_optimizer_state, restore_rng_states,
+                               unflatten_optimizer_state)
+
+
+def _train_step(model, opt, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=gen)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _state(iteration, model, opt, extra=0) -> CheckpointState:
+    opt_tensors, opt_index = flatten_optimizer_state(opt.state_dict())
+    dock = {"tokens": np.arange(40, dtype=np.int32).reshape(4, 10) + extra,
+            "logprobs": np.linspace(-3, 0, 40, dtype=np.float32).reshape(4, 10),
+            "age": np.array([0, 1, 2, 0], dtype=np.int8), "done": np.array([True, False, True, True])}
+    meta = {"weight_version": iteration + 1, "wandb_run_id": "abc123", "optimizer_index": opt_index,
+            "data_cursor": {"epoch": 0, "position": 17 + extra, "buffer": [[3, 4], [5]]},
+            "rng": capture_rng_states(), "config": RunConfig().model_dump(mode="json")}
+    return CheckpointState(iteration, {"policy": model.state_dict(), "optimizer": opt_tensors}, {"dock": dock}, meta)
+
+
+@pytest.fixture
+def model_and_opt(tiny_model_dir):
+    torch.manual_seed(0)
+    model = load_causal_lm(tiny_model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train_step(model, opt, seed=1)
+    return model, opt
+
+
+def test_round_trip_restores_model_optimizer_dock_meta(storage_target, model_and_opt, tiny_model_dir):
+    model, opt = model_and_opt
+    store = open_store(storage_target.url, storage_target.cfg)
+    assert load_latest_checkpoint(store) is None
+    state = _state(3, model, opt)
+    url = save_checkpoint(store, state, keep=2, max_object_bytes=64 << 10)  # small shards: several objects
+    assert url == f"{storage_target.url}/ckpt-00000003"
+    manifest = json.loads(store.get_bytes("ckpt-00000003/manifest.json"))
+    assert len(manifest["groups"]["tensors"]["policy"]) > 1
+
+    got = load_latest_checkpoint(store)
+    assert got.iteration == 3 and got.meta == json.loads(json.dumps(state.meta))
+    for group in ("policy", "optimizer"):
+        assert got.tensors[group].keys() == state.tensors[group].keys()
+        for name, t in state.tensors[group].items():
+            assert got.tensors[group][name].dtype == t.dtype and torch.equal(got.tensors[group][name], t), name
+    for name, a in state.arrays["dock"].items():
+        assert got.arrays["dock"][name].dtype == a.dtype and np.array_equal(got.arrays["dock"][name], a)
+
+    # resume: a fresh model + optimizer from the checkpoint takes exactly the same next step
+    model2 = load_causal_lm(tiny_model_dir)
+    model2.load_state_dict(got.tensors["policy"])
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    opt2.load_state_dict(unflatten_optimizer_state(got.tensors["optimizer"], got.meta["optimizer_index"]))
+    _train_step(model, opt, seed=2)
+    _train_step(model2, opt2, seed=2)
+    for (name, p), p2 in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(p, p2), name
+
+
+def test_objects_are_standard_safetensors(tmp_path, model_and_opt):
+    model, opt = model_and_opt
+    store = open_store(str(tmp_path))
+    save_checkpoint(store, _state(1, model, opt))
+    loaded = safetensors.torch.load_file(str(tmp_path / "ckpt-00000001/tensors/policy-00000.safetensors"))
+    for name, t in model.state_dict().items():
+        assert torch.equal(loaded[name], t)
+
+
+def _flip_bytes(store, key):
+    data = bytearray(store.get_bytes(key))
+    data[len(data) // 2] ^= 0xFF
+    store.put_bytes(key, bytes(data))
+
+
+def test_corrupt_truncated_or_missing_objects_fall_back(storage_target, model_and_opt, caplog):
+    model, opt = model_and_opt
+    store = open_store(storage_target.url, storage_target.cfg)
+    for it in (1, 2, 3, 4):
+        save_checkpoint(store, _state(it, model, opt, extra=it))
+    _flip_bytes(store, "ckpt-00000004/tensors/optimizer-00000.safetensors")
+    manifest = store.get_bytes("ckpt-00000003/manifest.json")
+    store.put_bytes("ckpt-00000003/manifest.json", manifest[: len(manifest) // 2])
+    store.delete("ckpt-00000002/arrays/dock-00000.safetensors")
+    caplog.set_level(logging.INFO, logger="spillover.checkpoint")
+    got = load_latest_checkpoint(store)
+    assert got.iteration == 1 and got.meta["data_cursor"]["position"] == 18
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3
+    assert "ckpt-00000004/tensors/optimizer-00000.safetensors is corrupt" in warnings[0]
+    assert "ckpt-00000003/manifest.json is unreadable" in warnings[1]
+    assert "ckpt-00000002/arrays/dock-00000.safetensors listed in the manifest is missing" in warnings[2]
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_checkpoint(store, 4)
+
+
+def test_checkpoint_without_manifest_does_not_exist(storage_target, model_and_opt):
+    model, opt = model_and_opt
+    store = open_store(storage_target.url, storage_target.cfg)
+    save_checkpoint(store, _state(1, model, opt))
+    save_checkpoint(store, _state(2, model, opt))
+    store.delete("ckpt-00000002/manifest.json")  # as if the writer died before the manifest
+    assert [(i.iteration, i.complete) for i in list_checkpoints(store)] == [(1, True), (2, False)]
+    assert load_latest_checkpoint(store).iteration == 1
+    save_checkpoint(store, _state(2, model, opt))  # the same iteration again replaces the leftover
+    assert load_latest_checkpoint(store).iteration == 2
+
+
+def test_prune_keeps_the_newest_complete(storage_target, model_and_opt):
+    model, opt = model_and_opt
+    store = open_store(storage_target.url, storage_target.cfg)
+    small = CheckpointState(0, {"policy": {"w": torch.ones(3)}}, {}, {})
+    for it in range(5):
+        small.iteration = it
+        save_checkpoint(store, small, keep=2)
+    assert [i.iteration for i in list_checkpoints(store)] == [3, 4]
+    store.put_bytes("ckpt-00000001/tensors/policy-00000.safetensors", b"leftover")  # a crashed old write
+    small.iteration = 5
+    save_checkpoint(store, small)
+    assert prune(store, 1) == ["ckpt-00000001", "ckpt-00000003", "ckpt-00000004"]
+    assert [i.iteration for i in list_checkpoints(store)] == [5]
+    assert store.list() == ["ckpt-00000005"]
+
+
+def test_bad_meta_refused_clearly(s3_server):
+    store = open_store(s3_server.url("meta-test"), s3_server.storage_config())
+    with pytest.raises(CheckpointError, match=r"meta\.cursor\.pos \(Tensor\)"):
+        save_checkpoint(store, CheckpointState(1, meta={"cursor": {"pos": torch.tensor(1)}}))
+    leaked = {"storage": {"secret_access_key": s3_server.secret_key}}
+    with pytest.raises(CheckpointError, match="model_dump") as err:
+        save_checkpoint(store, CheckpointState(1, meta=leaked))
+    assert s3_server.secret_key not in str(err.value)
+    cfg = RunConfig(storage=s3_server.storage_config()).model_dump(mode="json")
+    save_checkpoint(store, CheckpointState(1, meta={"config": cfg}))  # SecretStr dumps masked
+    assert s3_server.secret_key not in store.get_bytes("ckpt-00000001/meta.json").decode()
+    assert list_checkpoints(store)[0].complete
+
+
+def test_rng_states_round_trip_through_json():
+    states = json.loads(json.dumps(capture_rng_states()))
+    a = (torch.rand(3), np.random.rand(2), __import__("random").random())
+    restore_rng_states(states)
+    b = (torch.rand(3), np.random.rand(2), __import__("random").random())
+    assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
+
+
+def _outage_after(store, n_objects, start_outage):
+    """Make the store start an outage right after its n-th object write (deterministically mid-checkpoint)."""
+    put, count, lock = store.put_buffers, [0], threading.Lock()
+
+    def put_then_outage(key, buffers):
+        info = put(key, buffers)
+        with lock:
+            count[0] += 1
+            if count[0] == n_objects:
+                start_outage()
+        return info
+    store.put_buffers = put_then_outage
+
+
+_BIG = {f"w{i}": torch.full((64, 1024), float(i)) for i in range(8)}  # 8 objects of 256 KiB at 300 kB shards
+
+
+def _outage_store(s3_server, name, deadline_s):
+    url = s3_server.url(name)
+    return open_store(url, s3_server.storage_config(), connect_timeout_s=1, read_timeout_s=2,
+                      retry=RetryPolicy(deadline_s=deadline_s, first_backoff_s=0.2, max_backoff_s=2))
+
+
+def test_s3_down_past_the_deadline_fails_and_the_half_checkpoint_is_ignored(s3_server):
+    store = _outage_store(s3_server, "outage-deadline", deadline_s=2)
+    store.delete("")
+    save_checkpoint(store, CheckpointState(1, {"policy": _BIG}, {}, {"v": 1}))
+    _outage_after(store, 3, s3_server.kill)
+    try:
+        with pytest.raises(StorageUnreachable, match="ckpt-00000002"):
+            save_checkpoint(store, CheckpointState(2, {"policy": _BIG}, {}, {"v": 2}), max_object_bytes=300_000)
+    finally:
+        s3_server.start()
+    assert [(i.iteration, i.complete) for i in list_checkpoints(store)] == [(1, True), (2, False)]
+    assert load_latest_checkpoint(store).meta == {"v": 1}
+
+
+@pytest.mark.parametrize("how", ["killed", "paused"])
+def test_s3_down_10s_during_write_retries_with_backoff(s3_server, how, caplog):
+    """weed SIGKILLed (connection refused) or SIGSTOPped (timeouts) for 10 s mid-checkpoint, then back."""
+    store = _outage_store(s3_server, f"outage-{how}", deadline_s=60)
+    store.delete("")
+    save_checkpoint(store, CheckpointState(1, {"policy": _BIG}, {}, {"v": 1}))
+    stop, restart = (s3_server.kill, s3_server.start) if how == "killed" else (s3_server.pause, s3_server.resume)
+    timer = threading.Timer(10.0, restart)
+    _outage_after(store, 3, lambda: (stop(), timer.start()))
+    caplog.set_level(logging.WARNING, logger="spillover.storage")
+    start = time.monotonic()
+    try:
+        save_checkpoint(store, CheckpointState(2, {"policy": _BIG}, {}, {"v": 2}), max_object_bytes=300_000)
+    finally:
+        timer.join()
+        s3_server.start()  # a no-op when it is up
+    assert time.monotonic() - start >= 9.5
+    assert any("retrying" in r.getMessage() for r in caplog.records)
+    got = load_latest_checkpoint(store)
+    assert got.iteration == 2 and got.meta == {"v": 2}
+    assert all(torch.equal(got.tensors["policy"][k], v) for k, v in _BIG.items())
