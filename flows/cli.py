@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
 from infra.config import ConfigError, load_config
+from infra.prefect_env import apply_process_defaults
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -17,13 +17,6 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="configs/tiny.yaml", help="YAML run config (default: configs/tiny.yaml)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides, e.g. rollout.max_split=4 run_dir=runs/exp1")
-
-
-def _quiet_environment() -> None:
-    os.environ.setdefault("WANDB_MODE", "offline")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def cmd_train(args) -> int:
@@ -45,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _quiet_environment()
+    apply_process_defaults()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:

@@ -1,0 +1,31 @@
+"""Prefect settings for a training process, applied before Prefect starts (env vars, defaults only).
+
+The task-run recorder of a SQLite-backed Prefect server writes each task event in its own transaction;
+a subflow created meanwhile hits "database is locked" and the client retries after 1-3 s. Batching the
+recorder's writes (flushed every 2 s) makes that collision rare: a subflow then costs ~0.1-0.5 s instead
+of ~2.5 s on these machines. These settings matter for the server process: the ephemeral server that
+`spillover train` starts inherits them; for `prefect server start`, export them there too (README).
+"""
+from __future__ import annotations
+
+import os
+
+PREFECT_SERVER_DEFAULTS = {
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "2",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+}
+RUNTIME_DEFAULTS = {
+    "WANDB_MODE": "offline",
+    "WANDB_SILENT": "true",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+def apply_process_defaults() -> None:
+    """Set the defaults above where the user has not set them."""
+    for key, value in {**PREFECT_SERVER_DEFAULTS, **RUNTIME_DEFAULTS}.items():
+        os.environ.setdefault(key, value)
