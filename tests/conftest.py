@@ -7,7 +7,10 @@ import os
 
 import pytest
 
-from infra.cluster import set_loopback_env
+# Ray reads this once, when it is imported (infra.cluster imports it): set it first, or the driver, the
+# actors and the engines they start take the host's address and Ray listens on every interface.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+from infra.cluster import set_loopback_env  # noqa: E402
 
 set_loopback_env()
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -16,7 +19,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Fixture modules of each area; add yours here.
-pytest_plugins: list[str] = ["fixtures_engines", "fixtures_s3"]  # tests/ is on sys.path (rootdir conftest)
+pytest_plugins: list[str] = ["fixtures_engines", "fixtures_s3", "fixtures_manager"]  # tests/ is on sys.path (rootdir conftest)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,214 @@
+"""RolloutManager with real parts: Ray actors holding torch engines, the real sglang-router, real HTTP.
+
+The shared `rollout_manager` (two engines) is put back after each test that changes it; the shutdown test
+starts its own one-engine manager.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from rollout.engines.client import EngineClient
+
+PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 3], [40, 2, 2, 11, 30, 31, 12], [17], [33, 34, 35, 36], [9, 8, 7],
+           [12, 13], [44, 45, 46]]
+GREEDY = {"max_new_tokens": 12, "temperature": 0}
+LONG = {"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True}
+
+
+def batch(params: dict, prompts=PROMPTS) -> list[dict]:
+    return [{"input_ids": p, "sampling_params": dict(params)} for p in prompts]
+
+
+def loads(url: str) -> tuple[int, int]:
+    entry = httpx.get(url + "/v1/loads", timeout=10).json()["loads"][0]
+    return entry["num_running_reqs"], entry["num_waiting_reqs"]
+
+
+def wait_until(predicate, timeout_s: float, step_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return False
+
+
+def in_background(fn, *args):
+    """Run fn(*args) in a thread; returns (thread, box) where box holds 'result' or 'error'."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = fn(*args)
+        except BaseException as err:  # surfaced by the test
+            box["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def test_generate_through_router_in_order_with_callbacks(rollout_manager):
+    m = rollout_manager
+    assert sorted(m.router.workers()) == sorted(m.urls) and len(m.urls) == 2
+    assert all(url.startswith("http://127.0.0.1:") for url in [*m.urls, m.router_url])
+    seen: list[int] = []
+    items = batch(GREEDY)
+    items[0]["rid"] = "ab" * 16
+    results = m.generate(items, on_result=lambda i, r: seen.append(i))
+    assert sorted(seen) == list(range(len(PROMPTS)))
+    assert results[0]["meta_info"]["id"] == "ab" * 16
+    for prompt, res in zip(PROMPTS, results):
+        meta = res["meta_info"]
+        assert meta["prompt_tokens"] == len(prompt)
+        assert meta["completion_tokens"] == len(res["output_ids"]) == len(meta["output_token_logprobs"])
+        assert meta["finish_reason"]["type"] in ("stop", "length")
+    # Greedy through the router equals greedy straight from each engine: same weights everywhere.
+    for url in m.urls:
+        direct = httpx.post(url + "/generate", json={"input_ids": PROMPTS[2], "sampling_params": GREEDY}).json()
+        assert direct["output_ids"] == results[2]["output_ids"]
+
+
+def test_async_generate_from_another_event_loop(rollout_manager):
+    import asyncio
+
+    results = asyncio.run(rollout_manager.async_generate(batch(GREEDY, PROMPTS[:3])))
+    assert [r["meta_info"]["prompt_tokens"] for r in results] == [len(p) for p in PROMPTS[:3]]
+
+
+def test_weight_update_changes_outputs_and_versions(rollout_manager, tiny_model_dir, varied_model_dir):
+    from safetensors.torch import load_file
+
+    m = rollout_manager
+    before = m.generate(batch(GREEDY))
+    tiny = load_file(str(next(tiny_model_dir.glob("*.safetensors"))))
+    try:
+        versions = m.update_weights(tiny, 7)  # a state dict: put in Ray's object store once, loaded in-process
+        assert versions == {0: 7, 1: 7}
+        for url in m.urls:
+            assert httpx.get(url + "/model_info").json()["weight_version"] == 7
+        after = m.generate(batch(GREEDY))
+        assert [r["output_ids"] for r in after] != [r["output_ids"] for r in before]
+        assert {r["meta_info"]["weight_version"] for r in after} == {7}
+    finally:
+        assert m.update_weights(varied_model_dir, 0) == {0: 0, 1: 0}  # from disk, like SGLang's endpoint
+    restored = m.generate(batch(GREEDY))
+    assert [r["output_ids"] for r in restored] == [r["output_ids"] for r in before]
+
+
+def test_abort_all_mid_generation_returns_partial_tokens_and_idles(rollout_manager):
+    m = rollout_manager
+    thread, box = in_background(m.generate, batch(LONG) * 2)
+    assert wait_until(lambda: all(loads(u)[0] > 0 for u in m.urls), 20), "engines never started the batch"
+    time.sleep(0.3)
+    m.abort_all()
+    thread.join(30)
+    assert "error" not in box, box.get("error")
+    results = box["result"]
+    assert {r["meta_info"]["finish_reason"]["type"] for r in results} == {"abort"}
+    partial = [len(r["output_ids"]) for r in results]
+    assert any(0 < n < LONG["max_new_tokens"] for n in partial), partial
+    for r in results:
+        assert r["meta_info"]["completion_tokens"] == len(r["output_ids"]) == len(r["meta_info"]["output_token_logprobs"])
+    assert all(loads(u) == (0, 0) for u in m.urls)
+    assert len(m.generate(batch(GREEDY, PROMPTS[:2]))) == 2  # the next round runs normally
+
+
+def test_abort_all_from_on_result_callback(rollout_manager):
+    """The partial-rollout driver's pattern: abort once enough answers are in, from the callback."""
+    m = rollout_manager
+    short = batch({"max_new_tokens": 2, "temperature": 0}, PROMPTS[:4])
+    done: list[int] = []
+
+    def on_result(index: int, _response: dict) -> None:
+        done.append(index)
+        if len(done) == 4:
+            m.abort_all()  # on the manager's loop: schedules the abort, returns at once
+
+    results = m.generate(short + batch(LONG), on_result=on_result)
+    kinds = [r["meta_info"]["finish_reason"]["type"] for r in results]
+    assert "abort" not in kinds[:4] and set(kinds[4:]) == {"abort"}, kinds
+    assert wait_until(lambda: all(loads(u) == (0, 0) for u in m.urls), 10)
+
+
+def test_kill_9_engine_mid_batch_every_request_completes_and_engine_returns(rollout_manager):
+    m = rollout_manager
+    victim = m.engines[0]
+    thread, box = in_background(m.generate, batch({"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}))
+    assert wait_until(lambda: loads(victim.url)[0] > 0, 20)
+    os.kill(victim.pids[0], signal.SIGKILL)
+    thread.join(60)
+    assert "error" not in box, box.get("error")
+    assert all(len(r["output_ids"]) == 300 for r in box["result"])
+    status = m.health_check()  # the router retried on the live engine; the manager now replaces the dead one
+    assert status[0] == "restarted" and status[1] == "ok"
+    new_url = m.engines[0].url
+    assert new_url != victim.url and m.engines[0].pids[0] != victim.pids[0]
+    assert sorted(m.router.workers()) == sorted(m.urls)
+    assert m.weight_versions == {0: 0, 1: 0}
+    direct = httpx.post(new_url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": GREEDY})
+    assert direct.status_code == 200
+
+
+def test_hung_engine_is_restarted_and_its_requests_finish_elsewhere(rollout_manager):
+    m = rollout_manager
+    victim = m.engines[1]
+    thread, box = in_background(m.generate, batch({"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}))
+    assert wait_until(lambda: loads(victim.url)[0] > 0, 20)
+    os.kill(victim.pids[0], signal.SIGSTOP)  # alive but silent: /health_generate cannot answer
+    try:
+        status = m.health_check()
+    finally:
+        try:
+            os.kill(victim.pids[0], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert status[1] == "restarted"
+    thread.join(60)
+    assert "error" not in box, box.get("error")
+    assert all(len(r["output_ids"]) == 300 for r in box["result"])
+    assert sorted(m.router.workers()) == sorted(m.urls) and victim.url not in m.urls
+
+
+def test_bad_request_raises_clearly_and_manager_keeps_working(rollout_manager):
+    m = rollout_manager
+    with pytest.raises(ValueError, match="input_ids"):
+        m.generate([{"sampling_params": GREEDY}])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        m.generate([{"input_ids": [3, 4], "sampling_params": {"max_new_tokens": -1}}])
+    assert len(m.generate(batch(GREEDY, PROMPTS[:2]))) == 2
+
+
+def test_offload_then_onload(rollout_manager):
+    m = rollout_manager
+    m.offload()
+    m.onload()
+    assert len(m.generate(batch(GREEDY, PROMPTS[:2]))) == 2
+
+
+def test_shutdown_leaves_no_process(ray_session, varied_model_dir):
+    from infra.config import EnginesConfig
+    from rollout.manager import RolloutManager
+
+    m = RolloutManager(EnginesConfig(rollout_num_gpus=1, max_running_requests=4), varied_model_dir, use_gpu=False)
+    pids = [pid for h in m.engines for pid in h.pids]
+    router_pid, router_url, urls = m.router.proc.pid, m.router_url, list(m.urls)
+    m.shutdown()
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return open(f"/proc/{pid}/stat").read().split()[2] == "Z"  # a zombie has exited
+
+    assert wait_until(lambda: all(gone(p) for p in [*pids, router_pid]), 15, 0.1)
+    for url in [router_url, *urls]:
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url + "/health", timeout=2)
