@@ -1,0 +1,143 @@
+"""The learner on the tiny model: as Ray actors (real Ray), and in-process for determinism and the sign of
+the update."""
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from infra.config import GRPOConfig, OptimizerConfig, build_config
+from infra.models import load_causal_lm
+from tasks.learner import LearnerActor, TrainBatch, create_learners
+
+
+def make_batch(seed: int, n: int = 8, version: int = 0, advantages=None) -> TrainBatch:
+    rng = np.random.default_rng(seed)
+    tokens, lengths = [], []
+    for _ in range(n):
+        prompt, resp = int(rng.integers(3, 7)), int(rng.integers(1, 12))
+        tokens.append(rng.integers(2, 40, prompt + resp).tolist())
+        lengths.append(resp)
+    adv = rng.normal(size=n).tolist() if advantages is None else advantages
+    return TrainBatch(tokens=tokens, response_lengths=lengths, loss_masks=[[1] * r for r in lengths],
+                      advantages=adv, rollout_logprobs=[(-3.0 + 0.1 * rng.normal(size=r)).tolist() for r in lengths],
+                      weight_versions=[[version] * r for r in lengths])
+
+
+def hf_logprobs(model, tokens: list[int], resp: int, temperature: float) -> np.ndarray:
+    """Reference: one unpadded sequence through the HF model."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0] / temperature
+    logp = torch.log_softmax(logits, -1)[len(tokens) - resp - 1:len(tokens) - 1]
+    return logp.gather(-1, torch.tensor(tokens[len(tokens) - resp:]).unsqueeze(-1)).squeeze(-1).numpy()
+
+
+@pytest.fixture(scope="module")
+def learners(tiny_model_dir, ray_session):
+    cfg = build_config(overrides=["grpo.kl_coef=0.05", "grpo.micro_batch_size=4", "rollout.global_batch_size=2",
+                                  "rollout.n_samples_per_prompt=4", "rollout.temperature=0.7"])
+    policy, ref = create_learners(tiny_model_dir, cfg)
+    yield policy, ref
+    for actor in (policy, ref):
+        ray_session.kill(actor)
+
+
+def test_actors_logprobs_update_and_weights(learners, tiny_model_dir, ray_session, tmp_path):
+    ray = ray_session
+    policy, ref = learners
+    batch = make_batch(0)
+    old, ref_lp = ray.get([policy.compute_logprobs.remote(batch), ref.compute_logprobs.remote(batch)])
+    model = load_causal_lm(tiny_model_dir)
+    for i in range(len(batch)):  # micro-batched + padded == each sequence alone, at the sampler's temperature
+        expect = hf_logprobs(model, batch.tokens[i], batch.response_lengths[i], 0.7)
+        np.testing.assert_allclose(old[i], expect, atol=1e-5)
+        np.testing.assert_array_equal(old[i], ref_lp[i])
+
+    metrics = ray.get(policy.update.remote(batch, old, ref_lp))
+    for key in ("loss", "pg_loss", "kl", "clip_fraction", "grad_norm", "tis_weight_mean", "tis_weight_max",
+                "stale_token_share", "entropy"):
+        assert np.isfinite(metrics[key]), key
+    assert metrics["old_logprob_source"] == "given" and metrics["weight_version"] == 1
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the step
+    assert 0 < metrics["tis_weight_mean"] <= 2.0 and metrics["tis_weight_max"] <= 2.0
+    assert ray.get(policy.weight_version.remote()) == 1 and ray.get(ref.weight_version.remote()) == 0
+
+    new, ref_after = ray.get([policy.compute_logprobs.remote(batch), ref.compute_logprobs.remote(batch)])
+    assert max(np.abs(a - b).max() for a, b in zip(new, old)) > 1e-5  # the policy moved
+    for a, b in zip(ref_after, ref_lp):  # the reference did not
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ray.exceptions.RayTaskError, match="frozen reference"):
+        ray.get(ref.update.remote(batch, old, ref_lp))
+
+    # weights out: object-store dict and an HF folder both reproduce the policy's logprobs
+    weights = ray.get(policy.state_dict_ref.remote())
+    model.load_state_dict(weights)
+    np.testing.assert_allclose(hf_logprobs(model, batch.tokens[0], batch.response_lengths[0], 0.7), new[0], atol=1e-5)
+    folder = ray.get(policy.save_weights.remote(str(tmp_path / "w1")))
+    reloaded = load_causal_lm(folder)
+    np.testing.assert_allclose(hf_logprobs(reloaded, batch.tokens[1], batch.response_lengths[1], 0.7), new[1],
+                               atol=1e-5)
+
+
+def test_old_logprob_source_and_stale_share(learners, ray_session):
+    ray = ray_session
+    policy, ref = learners
+    version = ray.get(policy.weight_version.remote())
+    fresh = make_batch(1, version=version)
+    ref_lp = ray.get(ref.compute_logprobs.remote(fresh))
+    m = ray.get(policy.update.remote(fresh, None, ref_lp))
+    assert m["old_logprob_source"] == "rollout" and m["stale_token_share"] == 0.0
+    assert m["tis_weight_mean"] == pytest.approx(1.0)  # old == rollout -> weight 1
+
+    stale = make_batch(2, version=version)  # generated before that update: every token is one version old
+    m = ray.get(policy.update.remote(stale, None, ray.get(ref.compute_logprobs.remote(stale))))
+    assert m["old_logprob_source"] == "computed" and m["stale_token_share"] == 1.0
+    with pytest.raises(ray.exceptions.RayTaskError, match="needs ref_logprobs"):
+        ray.get(policy.update.remote(stale, None, None))
+
+
+def _learner(tiny_model_dir, **grpo):
+    return LearnerActor(str(tiny_model_dir), GRPOConfig(micro_batch_size=3, **grpo), OptimizerConfig(lr=1e-2),
+                        temperature=1.0, seed=0, trainable=True)
+
+
+def test_resume_from_state_equals_uninterrupted(tiny_model_dir, tmp_path):
+    b1, b2, b3 = make_batch(10), make_batch(11, version=1), make_batch(12, version=2)
+    straight = _learner(tiny_model_dir)
+    straight.update(b1)
+    tensors, meta = straight.get_state()
+    save_file(tensors, tmp_path / "state.safetensors")  # the checkpoint path: safetensors, no pickle
+    straight.update(b2)
+    straight.update(b3)
+
+    resumed = _learner(tiny_model_dir)
+    resumed.set_state(load_file(tmp_path / "state.safetensors"), meta)
+    assert resumed.weight_version() == 1
+    resumed.update(b2)
+    resumed.update(b3)
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="does not fit"):
+        resumed.set_state({"model/nope": torch.zeros(1)}, meta)
+
+
+def test_positive_advantage_raises_its_logprob(tiny_model_dir):
+    batch = make_batch(20, n=4, advantages=[1.0, -1.0, 0.0, 0.0])
+    for agg in ("token_mean", "seq_mean"):
+        learner = _learner(tiny_model_dir, loss_agg=agg, tis=False)
+        before = learner.compute_logprobs(batch)
+        for _ in range(3):
+            learner.update(batch)
+        after = learner.compute_logprobs(batch)
+        assert after[0].sum() > before[0].sum() and after[1].sum() < before[1].sum(), agg
+
+
+def test_micro_batch_size_does_not_change_the_step(tiny_model_dir):
+    batch = make_batch(30, n=7)
+    states = []
+    for mbs in (2, 7):
+        learner = LearnerActor(str(tiny_model_dir), GRPOConfig(micro_batch_size=mbs), OptimizerConfig(), 1.0, 0, True)
+        metrics = learner.update(batch)
+        states.append((metrics["loss"], learner.model.state_dict()))
+    assert states[0][0] == pytest.approx(states[1][0], rel=1e-5)
+    for k, v in states[0][1].items():
+        torch.testing.assert_close(v, states[1][1][k], atol=1e-6, rtol=1e-5)
