@@ -24,7 +24,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> dict:
     Never uses address="auto": other Ray instances may run on the same machine.
     """
     if ray.is_initialized():
-        return ray.get_runtime_context().get_node_id() and {"address": "existing"}
+        return {"address": "existing"}
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
         info = ray.init(address=address, log_to_driver=False)
@@ -32,6 +32,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> dict:
         set_loopback_env()
         # Logical CPUs: engines and learners are mostly waiting on each other, so over-subscribe a bit
         # to keep fractional-CPU actors from starving plain tasks.
-        info = ray.init(num_cpus=num_cpus or max(4, 2 * (os.cpu_count() or 1)), include_dashboard=False,
-                        log_to_driver=False, _node_ip_address="127.0.0.1")
+        # address="local": always a new local instance, never one that another process started on this machine
+        info = ray.init(address="local", num_cpus=num_cpus or max(4, 2 * (os.cpu_count() or 1)),
+                        include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     return {"address": info.address_info.get("address") if hasattr(info, "address_info") else str(info)}
