@@ -132,7 +132,8 @@ class EnginePool:
                                      f"over {len(nodes)} nodes; set slots_per_node to the GPUs (slots) per node")
 
     # ---- engines ------------------------------------------------------------------------------------
-    def _new_actors(self, index: int) -> tuple[list[Any], list[int]]:
+    def new_actors(self, index: int) -> tuple[list[Any], list[int]]:
+        """Engine `index`'s actors (node 0 first), created in their bundles but not serving yet."""
         remote_cls = ray.remote(EngineActor)
         nnodes = len(self.layout[index])
         actors, bundles = [], []
@@ -153,7 +154,7 @@ class EnginePool:
 
     async def start_engine(self, index: int) -> EngineHandle:
         """Create engine `index`'s actors in its bundles, give them ports, wait until node 0 is healthy."""
-        actors, bundles = self._new_actors(index)
+        actors, bundles = self.new_actors(index)
         try:
             return await self._start_actors(index, actors, bundles)
         except BaseException:

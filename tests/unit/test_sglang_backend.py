@@ -1,0 +1,129 @@
+"""The SGLang backend's launch command and request bodies (SGLang itself cannot run here: no GPU).
+
+Flag and field names are SGLang 0.5.x's (`server_args.py`, `managers/io_struct.py`, `http_server.py`).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rollout.engine_pool import bundle_order, engine_layout
+from rollout.engines import sglang_backend as sgl
+from rollout.engines.actor import free_ports
+
+
+def flags(cmd: list[str]) -> dict[str, str | bool]:
+    """`--name value` pairs of an argv (bare flags map to True)."""
+    out: dict[str, str | bool] = {}
+    i = cmd.index("sglang.launch_server") + 1
+    while i < len(cmd):
+        name = cmd[i]
+        if i + 1 < len(cmd) and not cmd[i + 1].startswith("--"):
+            out[name], i = cmd[i + 1], i + 2
+        else:
+            out[name], i = True, i + 1
+    return out
+
+
+def test_single_node_command():
+    spec = sgl.SGLangLaunch(model_path="/ckpt", host="127.0.0.1", port=30001, nccl_port=30002, tp_size=2,
+                            base_gpu_id=4, max_running_requests=64, random_seed=3, weight_version=5)
+    cmd = sgl.launch_command(spec, python="/py")
+    assert cmd[:3] == ["/py", "-m", "sglang.launch_server"]
+    f = flags(cmd)
+    assert f == {"--model-path": "/ckpt", "--host": "127.0.0.1", "--port": "30001", "--tp-size": "2",
+                 "--nccl-port": "30002", "--base-gpu-id": "4", "--random-seed": "3", "--weight-version": "5",
+                 "--log-level": "warning", "--max-running-requests": "64", "--enable-memory-saver": True}
+
+
+def test_multi_node_command_names_node_zero():
+    spec = sgl.SGLangLaunch(model_path="/ckpt", host="10.0.0.2", port=1, nccl_port=2, tp_size=16, nnodes=2,
+                            node_rank=1, dist_init_addr="10.0.0.1:5000", enable_memory_saver=False,
+                            mem_fraction_static=0.7, extra_args=("--trust-remote-code",))
+    f = flags(sgl.launch_command(spec))
+    assert (f["--nnodes"], f["--node-rank"], f["--dist-init-addr"]) == ("2", "1", "10.0.0.1:5000")
+    assert f["--mem-fraction-static"] == "0.7" and f["--trust-remote-code"] is True
+    assert "--enable-memory-saver" not in f
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"nnodes": 2}, "dist_init_addr"),
+    ({"nnodes": 2, "node_rank": 2, "dist_init_addr": "a:1", "tp_size": 2}, "node_rank"),
+    ({"nnodes": 2, "dist_init_addr": "a:1", "tp_size": 3}, "multiple of nnodes"),
+])
+def test_bad_launch_specs_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sgl.SGLangLaunch(model_path="/m", host="h", port=1, nccl_port=2, **kwargs)
+
+
+def test_weight_and_memory_payloads_use_sglang_field_names():
+    assert sgl.release_memory_payload() == {"tags": None}
+    assert sgl.resume_memory_payload(["weights"]) == {"tags": ["weights"]}
+    with pytest.raises(ValueError, match="kv_cache"):
+        sgl.release_memory_payload(["kv"])
+    assert sgl.update_from_tensor_payload(["a", "b"], 3) == {
+        "serialized_named_tensors": ["a", "b"], "load_format": None, "flush_cache": True,
+        "abort_all_requests": False, "weight_version": "3"}
+    with pytest.raises(ValueError, match="TP rank"):
+        sgl.update_from_tensor_payload([], 1)
+    assert sgl.update_from_distributed_payload(["w"], ["bfloat16"], [(2, 3)], 4) == {
+        "names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]], "group_name": "weight_update_group",
+        "flush_cache": True, "weight_version": "4"}
+    with pytest.raises(ValueError, match="align"):
+        sgl.update_from_distributed_payload(["w", "v"], ["bfloat16"], [[1]], 4)
+    assert sgl.init_update_group_payload("10.0.0.1", 29500, 1, 3) == {
+        "master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3,
+        "group_name": "weight_update_group", "backend": "nccl"}
+    with pytest.raises(ValueError, match="rank 0 is the trainer"):
+        sgl.init_update_group_payload("h", 1, 0, 3)
+    assert sgl.update_from_disk_payload("/ckpt/step_3", 3) == {
+        "model_path": "/ckpt/step_3", "load_format": None, "abort_all_requests": False, "weight_version": "3"}
+    assert sgl.ENDPOINTS["update_from_tensor"] == "/update_weights_from_tensor"
+
+
+def test_process_stop_takes_the_whole_group(tmp_path, monkeypatch):
+    """SGLangProcess.stop() signals the process group: a child the server spawned goes too."""
+    script = tmp_path / "fake_server.py"
+    pid_file = tmp_path / "child.pid"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n")
+    monkeypatch.setattr(sgl, "launch_command", lambda spec, python=sys.executable: [python, str(script)])
+    proc = sgl.SGLangProcess(sgl.SGLangLaunch(model_path="/m", host="127.0.0.1", port=1, nccl_port=2))
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    assert proc.alive()
+    proc.stop(grace_s=5)
+    assert not proc.alive()
+    assert subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True).stdout.strip() \
+        in ("", "Z")
+
+
+def test_free_ports_are_distinct_and_skip_excluded():
+    first = free_ports("127.0.0.1", 3)
+    assert len(set(first)) == 3
+    again = free_ports("127.0.0.1", 3, exclude=set(first))
+    assert not set(again) & set(first)
+
+
+def test_bundle_order_groups_by_node_then_gpu():
+    locations = [("n1", [3]), ("n0", [1]), ("n1", [0]), ("n0", [0])]
+    assert bundle_order(locations) == [2, 0, 3, 1]
+    assert bundle_order([("a", []), ("b", []), ("a", [])]) == [0, 2, 1]
+
+
+def test_engine_layout_puts_node_actors_on_their_slots():
+    assert engine_layout(4, 1, 8) == [[0], [1], [2], [3]]
+    assert engine_layout(8, 4, 8) == [[0], [4]]
+    assert engine_layout(4, 4, 2) == [[0, 2]]  # one engine over two nodes: node-0 actor at 0, node-1 at 2
+    assert engine_layout(8, 4, 2) == [[0, 2], [4, 6]]
+    with pytest.raises(ValueError, match="multiple"):
+        engine_layout(6, 3, 2)
