@@ -49,7 +49,7 @@ def build_run(cfg: RunConfig, with_engines: bool = True) -> RunState:
     if with_engines and not cfg.schedule.debug_train_only:
         from rollout.manager import RolloutManager
 
-        engine = RolloutManager(cfg.engines, str(model_path), seed=cfg.model.seed)
+        engine = RolloutManager(cfg.engines, str(model_path))
     run = RunState(cfg, run_dir, tokenizer, prompts, cursor, dock, engine, policy, ref, reward_fn, stop_ids)
     run.model_path = model_path
     run.exact_match_fn = toy_task.exact_match if cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD else None
