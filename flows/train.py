@@ -9,7 +9,7 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 
 from flows.setup import build_run, shutdown_run
 from infra.config import RunConfig
-from infra.tracking import append_metrics, one_line, read_metrics, summarize, write_summary
+from infra.tracking import RunTracker
 from tasks.clear import clear_and_age_sort
 from tasks.generate import generate_until_ready
 from tasks.logprob import compute_old_logprob, compute_ref_logprob
@@ -56,20 +56,19 @@ def make_iteration_flow(run: RunState, on_round=None):
 @flow(name="grpo-train", log_prints=True)
 def grpo_train(config: RunConfig) -> dict:
     """Train `config.schedule.num_iterations` GRPO iterations with partial rollout; returns the run summary."""
-    run = None
+    run, tracker = None, None
     try:
         run = build_run(config)
-        iteration_flow = make_iteration_flow(run)
-        (run.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        tracker = RunTracker(run.run_dir, config.tracking)
+        tracker.start()
+        iteration_flow = make_iteration_flow(run, tracker.on_round)
         # Heartbeats stay on for this outer flow (crash detection); per-iteration subflows skip them,
         # which saves ~1 s of fixed cost per iteration.
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             for iteration in range(config.schedule.num_iterations):
-                metrics = iteration_flow(iteration)
-                append_metrics(run.run_dir, metrics)
-                print(one_line(metrics))
-        summary = summarize(read_metrics(run.run_dir), run.baseline)
-        write_summary(run.run_dir, summary)
-        return summary
+                tracker.on_iteration(iteration_flow(iteration))
+        return tracker.finish(run.baseline)
     finally:
+        if tracker is not None:
+            tracker.close()
         shutdown_run(run)

@@ -53,3 +53,30 @@ def one_line(m: dict) -> str:
             f"len p50/max {m.get('response_length_p50', 0):.0f}/{m.get('response_length_max', 0)}  "
             f"partial {m.get('partial_rows', 0):>3}  stale {m.get('stale_token_share', 0):.2f}  "
             f"loss {m.get('loss', 0):+.4f}  {m.get('time_s', 0):.1f}s")
+
+
+class RunTracker:
+    """Where a run reports: metrics.jsonl and the terminal now; wandb, Prefect artifacts and the
+    progress bar hook in here. The flow calls on_round() during generation and on_iteration() after."""
+
+    def __init__(self, run_dir: Path, tracking_cfg=None, echo=print):
+        self.run_dir, self.cfg, self.echo = Path(run_dir), tracking_cfg, echo
+
+    def start(self, resumed: bool = False) -> None:
+        if not resumed:
+            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+    def on_round(self, progress: dict) -> None:
+        """progress: round, ready_groups, target_groups, tokens, elapsed_s."""
+
+    def on_iteration(self, metrics: dict) -> None:
+        append_metrics(self.run_dir, metrics)
+        self.echo(one_line(metrics))
+
+    def finish(self, baseline: float | None) -> dict:
+        summary = summarize(read_metrics(self.run_dir), baseline)
+        write_summary(self.run_dir, summary)
+        return summary
+
+    def close(self) -> None:
+        pass
