@@ -1,0 +1,150 @@
+"""Engine placement on a two-node Ray cluster on this machine (`ray.cluster_utils.Cluster`).
+
+The cluster runs in a child process (this file run as a script): a Ray driver can join only one cluster,
+and the session's Ray is already joined. The child sets the loopback variable before importing Ray and
+uses a private RAY_TMPDIR, so the cluster's address file never points another process's `ray.init()`
+at it. Each node offers 2 logical CPUs; a CPU engine slot (bundle) takes 1, so a node holds 2 slots.
+
+Checks: PACK keeps two engines on one node, STRICT_SPREAD puts them on different nodes, a 4-slot engine
+spans both nodes and only its node-0 actor serves and is registered with the router, generation goes
+through, and every listening socket of the cluster (Ray, engines, router) is on loopback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def placement_report(tiny_model_dir):
+    tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's unix socket paths live under it
+    env = {**os.environ, "RAY_TMPDIR": tmp, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
+    proc = subprocess.Popen([sys.executable, __file__, str(tiny_model_dir)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, f"placement child failed ({proc.returncode}):\n{err[-4000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.slow
+def test_pack_keeps_engines_on_one_node(placement_report):
+    nodes = placement_report["pack"]
+    assert len(nodes) == 2 and len(set(nodes)) == 1
+
+
+@pytest.mark.slow
+def test_strict_spread_puts_engines_on_different_nodes(placement_report):
+    nodes = placement_report["spread"]
+    assert len(nodes) == 2 and len(set(nodes)) == 2
+
+
+@pytest.mark.slow
+def test_multi_node_engine_serves_only_from_node_zero(placement_report):
+    multi = placement_report["multi_node"]
+    assert len(multi["actors"]) == 2
+    node0, node1 = multi["actors"]
+    assert node0["node_id"] != node1["node_id"]
+    assert node0["url"] and node1["url"] is None
+    assert multi["router_workers"] == [node0["url"]]
+    assert multi["generated"] == [4, 4]
+
+
+@pytest.mark.slow
+def test_cluster_listens_only_on_loopback(placement_report):
+    assert placement_report["node_ips"] == ["127.0.0.1", "127.0.0.1"]
+    assert placement_report["gcs_address"].startswith("127.0.0.1:")
+    assert placement_report["non_loopback_listeners"] == []
+
+
+# ---- the child process ------------------------------------------------------------------------------
+def _descendants(root: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        kids = [child for child, parent in parents.items() if parent == pid and child not in found]
+        found.update(kids)
+        frontier.extend(kids)
+    return found
+
+
+def _non_loopback_listeners(pids: set[int]) -> list[str]:
+    import re
+
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+    bad = []
+    for line in lines:
+        owners = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+        local = line.split()[3]
+        if owners & pids and not local.startswith(("127.0.0.1:", "[::1]:", "[::ffff:127.0.0.1]:")):
+            bad.append(line)
+    return bad
+
+
+def _child(model_dir: str) -> dict:
+    os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+                       "RAY_USAGE_STATS_ENABLED": "0"})
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from infra.config import EnginesConfig
+    from rollout.engine_pool import EnginePool
+    from rollout.manager import RolloutManager
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        report: dict = {"gcs_address": cluster.address,
+                        "node_ips": sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])}
+        one_slot = EnginesConfig(rollout_num_gpus=2, gpus_per_engine=1, num_cpus_per_engine=1)
+        for name, strategy in (("pack", "PACK"), ("spread", "STRICT_SPREAD")):
+            pool = EnginePool(one_slot, model_dir, strategy=strategy, use_gpu=False)
+            actors = [pool.new_actors(i)[0][0] for i in range(2)]
+            report[name] = [ray.get(a.info.remote())["node_id"] for a in actors]
+            for actor in actors:
+                ray.kill(actor)
+            pool.shutdown()
+        spanning = EnginesConfig(rollout_num_gpus=4, gpus_per_engine=4, num_cpus_per_engine=4, max_running_requests=4)
+        with RolloutManager(spanning, model_dir, slots_per_node=2, use_gpu=False, torch_threads=1) as manager:
+            engine = manager.engines[0]
+            answers = manager.generate([{"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4,
+                                        "temperature": 0, "ignore_eos": True}}] * 2)
+            report["multi_node"] = {"actors": [ray.get(a.info.remote()) for a in engine.actors],
+                                    "router_workers": manager.router.workers(),
+                                    "generated": [len(a["output_ids"]) for a in answers]}
+            report["non_loopback_listeners"] = _non_loopback_listeners(_descendants(os.getpid()))
+        return report
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(sys.argv[1])), flush=True)
