@@ -77,7 +77,7 @@ class RolloutManager:
         self._gen = BatchGenerator(EngineClient(self.router.url), lambda: self.urls, self._client, self._recover,
                                    max_attempts, max_in_flight or self.cfg.num_engines * self.cfg.max_running_requests)
         if health_interval_s:
-            self._monitor = asyncio.create_task(self._monitor_health(health_interval_s))
+            self._start_monitor(health_interval_s)
 
     # ---- views --------------------------------------------------------------------------------------
     @property
@@ -236,6 +236,26 @@ class RolloutManager:
         await asyncio.to_thread(self.router.add_worker, handle.url)
         self.restarts += 1
 
+    def start_health_monitor(self, interval_s: float) -> None:
+        """Check every engine's health every interval_s in the background (restarting dead or hung ones)."""
+        self._loop.call(self._on_loop(self._start_monitor, interval_s))
+
+    def stop_health_monitor(self) -> None:
+        self._loop.call(self._on_loop(self._stop_monitor))
+
+    @staticmethod
+    async def _on_loop(fn, *args) -> Any:
+        return fn(*args)
+
+    def _start_monitor(self, interval_s: float) -> None:
+        self._stop_monitor()
+        self._monitor = asyncio.create_task(self._monitor_health(interval_s))
+
+    def _stop_monitor(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            self._monitor = None
+
     async def _monitor_health(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
@@ -254,8 +274,7 @@ class RolloutManager:
     async def _shutdown(self) -> None:
         if self._gen is not None:
             self._gen.stop_rounds()
-        if self._monitor is not None:
-            self._monitor.cancel()
+        self._stop_monitor()
         if self.router is not None and self.router.proc is None and self.pool is not None:
             for url in self.urls:  # an external router outlives us: take our workers off it
                 await asyncio.to_thread(self.router.remove_worker, url)

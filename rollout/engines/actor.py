@@ -61,6 +61,7 @@ class EngineActor:
         self.host = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         self.url: str | None = None
+        self.base_gpu_id = 0
         self._server = None  # TorchEngineServer
         self._process: sgl.SGLangProcess | None = None
 
@@ -90,6 +91,7 @@ class EngineActor:
                 max_model_len=self.max_model_len)
             self.url = self._server.start(timeout_s=min(timeout_s, 120.0))
             return self.url
+        self.base_gpu_id = base_gpu_id
         spec = sgl.SGLangLaunch(
             model_path=self.model_path, host=self.host, port=port, nccl_port=int(nccl_port or 0),
             tp_size=self.tp_size, base_gpu_id=base_gpu_id, nnodes=self.nnodes, node_rank=self.node_rank,
@@ -117,7 +119,10 @@ class EngineActor:
         if self.backend == "torch":
             self._server.load_weights(state_dict, weight_version)
             return self._server.weight_version
-        named = list(state_dict.items())
+        # SGLang's serializer shares CUDA memory (IPC handles); CPU tensors would not cross processes over HTTP.
+        # This path holds one full copy on the GPU; large models want update_weights_from_distributed.
+        device = f"cuda:{self.base_gpu_id}"
+        named = [(name, tensor.to(device)) for name, tensor in state_dict.items()]
         payload = sgl.update_from_tensor_payload(sgl.serialize_named_tensors(named, self.tp_size), weight_version)
         self._post(sgl.ENDPOINTS["update_from_tensor"], payload)
         return self.reported_weight_version()

@@ -156,23 +156,25 @@ def test_kill_9_engine_mid_batch_every_request_completes_and_engine_returns(roll
     assert direct.status_code == 200
 
 
-def test_hung_engine_is_restarted_and_its_requests_finish_elsewhere(rollout_manager):
+def test_hung_engine_is_found_by_the_monitor_restarted_and_its_requests_finish(rollout_manager):
     m = rollout_manager
-    victim = m.engines[1]
+    victim, restarts = m.engines[1], m.restarts
     thread, box = in_background(m.generate, batch({"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}))
     assert wait_until(lambda: loads(victim.url)[0] > 0, 20)
     os.kill(victim.pids[0], signal.SIGSTOP)  # alive but silent: /health_generate cannot answer
+    m.start_health_monitor(0.5)
     try:
-        status = m.health_check()
+        assert wait_until(lambda: m.restarts > restarts, 60, 0.1), "the monitor did not restart the hung engine"
     finally:
+        m.stop_health_monitor()
         try:
             os.kill(victim.pids[0], signal.SIGCONT)
         except ProcessLookupError:
             pass
-    assert status[1] == "restarted"
     thread.join(60)
     assert "error" not in box, box.get("error")
     assert all(len(r["output_ids"]) == 300 for r in box["result"])
+    assert m.engines[1].url != victim.url
     assert sorted(m.router.workers()) == sorted(m.urls) and victim.url not in m.urls
 
 
