@@ -41,6 +41,8 @@ def build_run(cfg: RunConfig, with_engines: bool = True) -> RunState:
     stop_ids = sorted({int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set())
     cursor = PromptCursor(len(prompts), seed=cfg.model.seed, shuffle=cfg.data.shuffle)
     dock = TransferDock.from_config(cfg.rollout, stop_ids)
+    # async mode: rows at max age must finish before a batch forms (the staleness bound)
+    dock.require_max_age_all_finished = cfg.rollout.require_max_age_all_finished or cfg.rollout.mode == "async"
     init_ray(cfg.engines.ray_address)
     from tasks.learner import create_learners
 
