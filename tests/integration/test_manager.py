@@ -106,7 +106,7 @@ def test_abort_all_mid_generation_returns_partial_tokens_and_idles(rollout_manag
     m = rollout_manager
     thread, box = in_background(m.generate, batch(LONG) * 2)
     assert wait_until(lambda: all(loads(u)[0] > 0 for u in m.urls), 20), "engines never started the batch"
-    time.sleep(0.3)
+    time.sleep(0.1)
     m.abort_all()
     thread.join(30)
     assert "error" not in box, box.get("error")
@@ -214,3 +214,37 @@ def test_shutdown_leaves_no_process(ray_session, varied_model_dir):
     for url in [router_url, *urls]:
         with pytest.raises(httpx.HTTPError):
             httpx.get(url + "/health", timeout=2)
+
+
+def test_requests_failed_by_the_router_are_retried_after_recovery(tiny_model_dir, torch_engines):
+    """The manager's own retry path, with the router's retries off: a worker that refuses connections makes
+    the router answer 5xx; the generator runs recover() (here: take the dead worker off) and resends."""
+    import asyncio
+
+    from rollout.engines.router import Router
+    from rollout.engines.torch_server import TorchEngineServer
+    from rollout.generation import BatchGenerator
+
+    victim = TorchEngineServer(str(tiny_model_dir), max_running_requests=4)
+    victim.start()
+    router = Router.launch(extra_args=["--disable-retries"])
+    try:
+        router.add_worker(torch_engines[0].url)
+        router.add_worker(victim.url)
+        victim.stop()  # its port now refuses connections
+        recoveries: list[int] = []
+
+        async def recover() -> None:
+            recoveries.append(1)
+            await asyncio.to_thread(router.remove_worker, victim.url)
+
+        async def run() -> list[dict]:
+            async with EngineClient(router.url) as via_router, EngineClient(torch_engines[0].url) as live:
+                gen = BatchGenerator(via_router, lambda: [live.url], lambda url: live, recover, max_attempts=3)
+                return await gen.generate_batch(batch(GREEDY))
+
+        results = asyncio.run(run())
+        assert recoveries, "no request failed: the router never sent one to the dead worker"
+        assert all(r["meta_info"]["finish_reason"]["type"] in ("stop", "length") for r in results)
+    finally:
+        router.stop()

@@ -5,7 +5,8 @@ and the session's Ray is already joined. The child sets the loopback variable be
 uses a private RAY_TMPDIR, so the cluster's address file never points another process's `ray.init()`
 at it. Each node offers 2 logical CPUs; a CPU engine slot (bundle) takes 1, so a node holds 2 slots.
 
-Checks: PACK keeps two engines on one node, STRICT_SPREAD puts them on different nodes, a 4-slot engine
+Checks: PACK keeps two engines on one node, STRICT_SPREAD (via create_rollout_engines, serving) puts them
+on different nodes, a 4-slot engine
 spans both nodes and only its node-0 actor serves and is registered with the router, generation goes
 through, and every listening socket of the cluster (Ray, engines, router) is on loopback.
 """
@@ -53,6 +54,7 @@ def test_pack_keeps_engines_on_one_node(placement_report):
 def test_strict_spread_puts_engines_on_different_nodes(placement_report):
     nodes = placement_report["spread"]
     assert len(nodes) == 2 and len(set(nodes)) == 2
+    assert placement_report["spread_healthy"] == [200, 200]  # create_rollout_engines returns serving engines
 
 
 @pytest.mark.slow
@@ -112,7 +114,9 @@ def _child(model_dir: str) -> dict:
     from ray.cluster_utils import Cluster
 
     from infra.config import EnginesConfig
-    from rollout.engine_pool import EnginePool
+    import httpx
+
+    from rollout.engine_pool import EnginePool, create_rollout_engines
     from rollout.manager import RolloutManager
 
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -123,14 +127,17 @@ def _child(model_dir: str) -> dict:
         ray.init(address=cluster.address, log_to_driver=False)
         report: dict = {"gcs_address": cluster.address,
                         "node_ips": sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])}
-        one_slot = EnginesConfig(rollout_num_gpus=2, gpus_per_engine=1, num_cpus_per_engine=1)
-        for name, strategy in (("pack", "PACK"), ("spread", "STRICT_SPREAD")):
-            pool = EnginePool(one_slot, model_dir, strategy=strategy, use_gpu=False)
-            actors = [pool.new_actors(i)[0][0] for i in range(2)]
-            report[name] = [ray.get(a.info.remote())["node_id"] for a in actors]
-            for actor in actors:
-                ray.kill(actor)
-            pool.shutdown()
+        one_slot = EnginesConfig(rollout_num_gpus=2, gpus_per_engine=1, num_cpus_per_engine=1, max_running_requests=4)
+        pool = EnginePool(one_slot, model_dir, strategy="PACK", use_gpu=False)  # placement only: actors, no servers
+        actors = [pool.new_actors(i)[0][0] for i in range(2)]
+        report["pack"] = [ray.get(a.info.remote())["node_id"] for a in actors]
+        for actor in actors:
+            ray.kill(actor)
+        pool.shutdown()
+        pool = create_rollout_engines(one_slot, model_dir, strategy="STRICT_SPREAD", use_gpu=False, torch_threads=1)
+        report["spread"] = [h.node_ids[0] for h in pool.engines]
+        report["spread_healthy"] = [httpx.get(h.url + "/health_generate", timeout=30).status_code for h in pool.engines]
+        pool.shutdown()
         spanning = EnginesConfig(rollout_num_gpus=4, gpus_per_engine=4, num_cpus_per_engine=4, max_running_requests=4)
         with RolloutManager(spanning, model_dir, slots_per_node=2, use_gpu=False, torch_threads=1) as manager:
             engine = manager.engines[0]
