@@ -21,6 +21,7 @@ from rollout.engines.actor import EngineActor
 
 MIN_BUNDLE_CPU = 0.01  # Ray bundles must hold something; CPU engines reserve almost nothing (see MACHINE-NOTES)
 GPU_ACTOR_FRACTION = 0.2  # the actor only supervises; the SGLang process uses the bundle's whole GPU
+PLACEMENT_TIMEOUT_S = 120.0  # the resources exist (checked first) but may be held by others for a while
 NOSET_VISIBLE_DEVICES = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
 
@@ -33,8 +34,19 @@ class EngineHandle:
     bundles: list[int]  # placement-group bundle of each actor
     node_ids: list[str]
     url: str | None = None
-    pids: list[int] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)  # actor processes
+    server_pgids: list[int | None] = field(default_factory=list)  # SGLang server process groups (own session)
     weight_version: int | str | None = None
+
+
+@ray.remote(num_cpus=0)
+def _kill_group(pgid: int) -> None:
+    import signal
+
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 @ray.remote(num_cpus=0)
@@ -109,9 +121,15 @@ class EnginePool:
         bundle: dict[str, float] = {"CPU": self._bundle_cpu()}
         if self.use_gpu:
             bundle = {"GPU": 1, "CPU": max(bundle["CPU"], GPU_ACTOR_FRACTION)}
+        total = ray.cluster_resources()
+        for name, amount in bundle.items():
+            if total.get(name, 0) < amount * self.cfg.rollout_num_gpus:
+                raise RuntimeError(f"engines.rollout_num_gpus={self.cfg.rollout_num_gpus} needs {name} "
+                                   f"{amount * self.cfg.rollout_num_gpus:g} but the Ray cluster has {total.get(name, 0):g}: "
+                                   "lower engines.rollout_num_gpus (or num_cpus_per_engine) or add nodes")
         pg = placement_group([dict(bundle) for _ in range(self.cfg.rollout_num_gpus)], strategy=strategy)
         try:
-            ray.get(pg.ready(), timeout=self.start_timeout_s)
+            ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(pg)
             raise RuntimeError(f"the Ray cluster cannot place {self.cfg.rollout_num_gpus} engine bundles of {bundle} "
@@ -175,8 +193,10 @@ class EnginePool:
                                  base_gpu_id=base_gpus[k], timeout_s=self.start_timeout_s)
                   for k, a in enumerate(actors)]
         urls = [await s for s in starts]
+        pgids = [(await a.info.remote())["server_pgid"] for a in actors]
         return EngineHandle(index=index, actors=actors, bundles=bundles, node_ids=[i["node_id"] for i in infos],
-                            url=urls[0], pids=[i["pid"] for i in infos], weight_version=self.weight_version)
+                            url=urls[0], pids=[i["pid"] for i in infos], server_pgids=pgids,
+                            weight_version=self.weight_version)
 
     async def start_all(self) -> list[EngineHandle]:
         import asyncio
@@ -191,21 +211,27 @@ class EnginePool:
 
     async def restart_engine(self, index: int) -> EngineHandle:
         """Kill engine `index` (dead or hung) and start a fresh one in the same bundles."""
-        self.kill_engine(index, graceful=False)
+        import asyncio
+
+        await asyncio.to_thread(self.kill_engine, index, False)
         self.engines[index] = await self.start_engine(index)
         return self.engines[index]
 
     def kill_engine(self, index: int, graceful: bool = True) -> None:
-        """Stop engine `index` (its server first when `graceful`) and kill its actors; bundles stay reserved."""
+        """Kill engine `index`'s actors (after asking them to stop their servers when `graceful`); its bundles
+        stay reserved. SGLang servers are separate processes: they are always stopped, and if an actor is
+        already dead, its server's process group is killed by a task on that node."""
         handle = self.engines[index]
-        if graceful:
-            refs = [a.stop.remote() for a in handle.actors]
+        if graceful or self.cfg.backend == "sglang":
             try:
-                ray.get(refs, timeout=20)
-            except Exception:  # dead or hung: ray.kill below takes the process
+                ray.get([a.stop.remote() for a in handle.actors], timeout=20 if graceful else 5)
+            except Exception:  # dead or hung: ray.kill below takes the actor, the reaper its server
                 pass
         for actor in handle.actors:
             ray.kill(actor, no_restart=True)
+        reaps = [_kill_group.options(scheduling_strategy=self._in_bundle(bundle)).remote(pgid)
+                 for bundle, pgid in zip(handle.bundles, handle.server_pgids) if pgid]
+        ray.get(reaps, timeout=30)
         handle.url = None
 
     def shutdown(self) -> None:

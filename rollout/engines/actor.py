@@ -71,7 +71,7 @@ class EngineActor:
 
         return {"engine_index": self.engine_index, "node_rank": self.node_rank, "node_id": self.node_id,
                 "host": self.host, "pid": os.getpid(), "gpu_ids": [int(g) for g in ray.get_gpu_ids()],
-                "url": self.url}
+                "url": self.url, "server_pgid": self._process.proc.pid if self._process else None}
 
     def free_ports(self, count: int, exclude: list[int] | None = None) -> list[int]:
         return free_ports(self.host, count, set(exclude or ()))

@@ -248,3 +248,14 @@ def test_requests_failed_by_the_router_are_retried_after_recovery(tiny_model_dir
         assert all(r["meta_info"]["finish_reason"]["type"] in ("stop", "length") for r in results)
     finally:
         router.stop()
+
+
+def test_more_slots_than_the_cluster_has_fails_at_once_naming_the_field(ray_session, tiny_model_dir):
+    from infra.config import EnginesConfig
+    from rollout.engine_pool import EnginePool
+
+    too_many = EnginesConfig(rollout_num_gpus=4, num_cpus_per_engine=1000)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="engines.rollout_num_gpus=4 needs CPU"):
+        EnginePool(too_many, tiny_model_dir, use_gpu=False)
+    assert time.monotonic() - started < 5
