@@ -60,8 +60,8 @@ def build_requests(inputs: list[list[int]], max_new_tokens: np.ndarray, sampling
 
 
 def parse_responses(responses: list[dict], default_version: int) -> tuple[list[list[int]], list[list[float]],
-                                                                          np.ndarray, int]:
-    """SGLang responses -> (tokens per row, logprobs per row, finished_by_stop[bool], weight_version)."""
+                                                                          np.ndarray, np.ndarray]:
+    """SGLang responses -> (tokens per row, logprobs per row, finished_by_stop[bool], weight_version[int] per row)."""
     tokens, logprobs, stopped, versions = [], [], [], []
     for resp in responses:
         meta = resp["meta_info"]
@@ -73,8 +73,7 @@ def parse_responses(responses: list[dict], default_version: int) -> tuple[list[l
         logprobs.append(lps)
         stopped.append((meta.get("finish_reason") or {}).get("type") == "stop")
         versions.append(_as_version(meta.get("weight_version"), default_version))
-    version = min(versions) if versions else default_version
-    return tokens, logprobs, np.asarray(stopped, dtype=bool), version
+    return tokens, logprobs, np.asarray(stopped, dtype=bool), np.asarray(versions, dtype=np.int64)
 
 
 def _as_version(value, default: int) -> int:
