@@ -104,14 +104,18 @@ class EnginePool:
                                  max_model_len=max_model_len, sglang_options=sglang_options)
         self.start_timeout_s = start_timeout_s
         self.ports_in_use: dict[str, set[int]] = defaultdict(set)  # node_id -> ports handed out there
-        self.pg = self._reserve(strategy)
-        self.bundle_locations = ray.get([
-            _where.options(num_gpus=0.01 if self.use_gpu else 0, scheduling_strategy=self._in_bundle(i)).remote()
-            for i in range(cfg.rollout_num_gpus)])
-        self.order = bundle_order(self.bundle_locations)
-        self.layout = engine_layout(cfg.rollout_num_gpus, cfg.gpus_per_engine, self.slots_per_node)
-        self._check_layout()
         self.engines: list[EngineHandle] = []
+        self.pg = self._reserve(strategy)
+        try:
+            self.bundle_locations = ray.get([
+                _where.options(num_gpus=0.01 if self.use_gpu else 0, scheduling_strategy=self._in_bundle(i)).remote()
+                for i in range(cfg.rollout_num_gpus)])
+            self.order = bundle_order(self.bundle_locations)
+            self.layout = engine_layout(cfg.rollout_num_gpus, cfg.gpus_per_engine, self.slots_per_node)
+            self._check_layout()
+        except BaseException:
+            remove_placement_group(self.pg)
+            raise
 
     # ---- placement ----------------------------------------------------------------------------------
     def _bundle_cpu(self) -> float:
