@@ -22,12 +22,15 @@ from typing import Any, Callable
 
 import torch
 
-from rollout.engines.lean_forward import KVCache, LeanDecoder
+from rollout.engines.attn_plan import plan_attention
+from rollout.engines.lean_forward import AttnGroup, KVCache, LeanDecoder
 from rollout.engines.protocol import SamplingParams
 from rollout.engines.sampling import GREEDY_EPS, sample_tokens
 
 log = logging.getLogger(__name__)
 IDLE_TICK_S = 0.05
+ADMIT_BATCH_DIVISOR = 8
+ADMIT_MAX_WAIT_STEPS = 8
 
 
 @dataclass
@@ -65,9 +68,14 @@ class ContinuousBatcher:
         self._free: list[int] = list(range(self.num_slots))
         self._pending_drain: list[tuple[Callable[[], Any], Future]] = []  # run once no request runs
         self.paused = False
+        self.steps = 0  # decode steps so far
+        self._waiting_since = 0  # the step at which the waiting queue last became non-empty
         self.heartbeat = time.monotonic()
         self.generated_tokens = 0
         n, dev = self.num_slots, self.device
+        self._all_rows = torch.arange(n, device=dev)
+        self._zeros = torch.zeros(n, dtype=torch.long, device=dev)
+        self._ones = torch.ones(n, dtype=torch.long, device=dev)
         self.slot_len = torch.zeros(n, dtype=torch.long, device=dev)  # tokens in the cache per slot
         self.slot_token = torch.zeros(n, dtype=torch.long, device=dev)  # next token to feed per slot
         self.temperature = torch.zeros(n, device=dev)
@@ -120,7 +128,7 @@ class ContinuousBatcher:
             if self._pending_drain and not self.running:
                 self._run_drain_calls()
             can_step = not self.paused and self.cache is not None
-            admitting = can_step and not self._pending_drain and self.waiting and self._free
+            admitting = can_step and not self._pending_drain and self._should_admit()
             if not admitting and not (can_step and self.running):
                 self._wake.wait(IDLE_TICK_S)
                 continue
@@ -145,6 +153,8 @@ class ContinuousBatcher:
                 return
             kind = item[0]
             if kind == "submit":
+                if not self.waiting:
+                    self._waiting_since = self.steps
                 self.waiting.append(item[1])
             elif kind == "abort":
                 self._abort(item[1], item[2])
@@ -213,6 +223,15 @@ class ContinuousBatcher:
         if self.cache is None:
             self._alloc_cache()
 
+    def _should_admit(self) -> bool:
+        """Prefill in batches: wait (at most ADMIT_MAX_WAIT_STEPS decode steps) until about 1/8 of the
+        running count is waiting, so most steps are pure decode instead of paying a prefill forward each."""
+        if not self.waiting or not self._free:
+            return False
+        wanted = max(1, len(self.running) // ADMIT_BATCH_DIVISOR)
+        admissible = min(len(self.waiting), len(self._free))
+        return admissible >= wanted or self.steps - self._waiting_since >= ADMIT_MAX_WAIT_STEPS
+
     def _admit(self) -> list[EngineRequest]:
         batch: list[EngineRequest] = []
         longest = 0
@@ -253,38 +272,51 @@ class ContinuousBatcher:
         slots = torch.tensor([r.slot for r in batch], device=dev)
         positions = torch.arange(T, device=dev).expand(len(batch), T)
         last = torch.tensor(lengths, device=dev) - 1
-        logits = self.decoder.forward(tokens.to(dev), positions, self.cache, slots, T, fresh=True, last_index=last)
+        logits = self.decoder.forward(tokens.to(dev), positions, self.cache, slots, None, last_index=last)
         self._set_slot_params(batch, slots)
         self.slot_len[slots] = torch.tensor(lengths, device=dev)
         self._sample_and_append(batch, slots, logits)
 
     def _decode(self) -> None:
-        batch = list(self.running.values())
-        active = sorted(r.slot for r in batch)
-        hi = active[-1] + 1
-        kv_len = max(len(r.input_ids) + len(r.output_ids) for r in batch)
-        if len(active) * 2 >= hi:
-            rows: torch.Tensor | slice = slice(0, hi)
+        self.steps += 1
+        batch = [self.running[s] for s in sorted(self.running)]
+        active = [r.slot for r in batch]
+        kv_lens = [len(r.input_ids) + len(r.output_ids) for r in batch]
+        use_view, plan = plan_attention(active, kv_lens)
+        dev = self.device
+        slots = torch.tensor(active, device=dev)
+        if use_view:
+            hi = active[-1] + 1
             tokens, positions = self.slot_token[:hi], self.slot_len[:hi]
+            write_rows = self._all_rows[:hi]
+            groups = [AttnGroup(None, slice(0, hi), plan[0][1])]
         else:
-            rows = torch.tensor(active, device=self.device)
-            tokens, positions = self.slot_token[rows], self.slot_len[rows]
+            tokens, positions = self.slot_token.index_select(0, slots), self.slot_len.index_select(0, slots)
+            write_rows = slots
+            if len(plan) == 1:
+                groups = [AttnGroup(None, slots, plan[0][1])]
+            else:
+                groups = []
+                for index, kv_len in plan:
+                    index_t = torch.tensor(index, device=dev)
+                    groups.append(AttnGroup(index_t, slots.index_select(0, index_t), kv_len))
         B = tokens.shape[0]
-        logits = self.decoder.forward(tokens.view(B, 1), positions.view(B, 1), self.cache, rows, kv_len,
-                                      fresh=False, last_index=torch.zeros(B, dtype=torch.long, device=self.device))
-        slots = torch.tensor(active, device=self.device)
-        if isinstance(rows, slice) and len(active) < hi:
-            logits = logits[slots]
-        batch = [self.running[s] for s in active]
-        self.slot_len[slots] += 1
+        logits = self.decoder.forward(tokens.view(B, 1), positions.view(B, 1), self.cache, write_rows, groups,
+                                      last_index=self._zeros[:B])
+        if B > len(active):
+            logits = logits.index_select(0, slots)
+        self.slot_len.index_add_(0, slots, self._ones[:len(active)])
         self._sample_and_append(batch, slots, logits)
 
     def _sample_and_append(self, batch: list[EngineRequest], slots: torch.Tensor, logits: torch.Tensor) -> None:
         all_greedy = all(r.params.temperature <= GREEDY_EPS for r in batch)
         needs_filter = any(r.params.top_p < 1 or r.params.top_k > 0 or r.params.min_p > 0 for r in batch)
-        tokens, logprobs = sample_tokens(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
-                                         self.min_p[slots], all_greedy, needs_filter, self.generator)
-        self.slot_token[slots] = tokens
+        if all_greedy:
+            params = (None, None, None, None)
+        else:
+            params = tuple(t.index_select(0, slots) for t in (self.temperature, self.top_p, self.top_k, self.min_p))
+        tokens, logprobs = sample_tokens(logits, *params, all_greedy, needs_filter, self.generator)
+        self.slot_token.index_copy_(0, slots, tokens)
         want_logprobs = any(r.return_logprob for r in batch)
         token_list = tokens.tolist()
         logprob_list = logprobs.tolist() if want_logprobs else None

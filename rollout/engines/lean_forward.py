@@ -90,6 +90,23 @@ class KVCache:
         self.slots, self.max_len = slots, max_len
 
 
+def _read(cache: torch.Tensor, group: "AttnGroup") -> torch.Tensor:
+    """cache[group.rows, :, :kv_len]: a view for a slice, an index_select copy for slots (much faster
+    on CPU than advanced indexing)."""
+    span = cache[:, :, :group.kv_len]
+    return span[group.rows] if isinstance(group.rows, slice) else span.index_select(0, group.rows)
+
+
+@dataclass
+class AttnGroup:
+    """Batch rows that attend over the same cache span: batch_index [n] (None = all rows, in order),
+    rows: their cache slots (a slice reads a view, a LongTensor gathers), kv_len: keys to read."""
+
+    batch_index: torch.Tensor | None
+    rows: torch.Tensor | slice
+    kv_len: int
+
+
 class LeanDecoder:
     """Fused-weight decoder forward. `weights` is the HF-named state dict (updated in place by name)."""
 
@@ -160,66 +177,86 @@ class LeanDecoder:
                 q_norm=w.get(p + "self_attn.q_norm.weight"), k_norm=w.get(p + "self_attn.k_norm.weight"),
             ))
 
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.shape.rms_norm_eps)
-        return weight * x32.to(x.dtype)
+    def _mask_bias(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Additive attention mask [n*Hkv, G*T, kv_len]: key j is visible to a query at position p iff j <= p."""
+        n, T = positions.shape
+        Hkv, G = self.shape.num_kv_heads, self.shape.num_heads // self.shape.num_kv_heads
+        blocked = torch.arange(kv_len, device=self.device).view(1, 1, kv_len) > positions.unsqueeze(-1)
+        bias = torch.zeros((n, Hkv, G, T, kv_len), dtype=self.dtype, device=self.device)
+        bias.masked_fill_(blocked.view(n, 1, 1, T, kv_len), float("-inf"))
+        return bias.view(n * Hkv, G * T, kv_len)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    @staticmethod
+    def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        """q [n, Hkv, G*T, D], keys/values [n, Hkv, K, D] -> [n, Hkv, G*T, D] (fp32 softmax)."""
+        n, Hkv, GT, D = q.shape
+        K = keys.shape[2]
+        scores = torch.baddbmm(bias, q.reshape(n * Hkv, GT, D), keys.reshape(n * Hkv, K, D).transpose(1, 2),
+                               alpha=scale)
+        probs = scores.softmax(-1) if scores.dtype == torch.float32 else scores.float().softmax(-1).to(q.dtype)
+        return torch.bmm(probs, values.reshape(n * Hkv, K, D)).view(n, Hkv, GT, D)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: torch.Tensor | slice,
-                kv_len: int, fresh: bool, last_index: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of a step over cache rows.
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, write_rows: torch.Tensor,
+                groups: list[AttnGroup] | None, last_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of one step.
 
-        tokens, positions: [B, T]; rows: B cache slots (a LongTensor, or a slice for a contiguous range);
-        the step's keys/values are written at cache[rows, :, positions]. fresh: the rows start at
-        position 0 (prefill), so attention uses the step's own keys/values; otherwise it reads
-        cache[rows, :, :kv_len]. last_index: [B] position in T whose logits to return -> [B, V];
-        None -> [B, T, V].
+        tokens, positions: [B, T]. The step's keys/values go to cache[write_rows[b], :, positions[b]].
+        groups None: a prefill from position 0, attending to the step's own keys/values. Otherwise each
+        AttnGroup attends its batch rows to cache[group.rows, :, :group.kv_len] (rows with similar
+        lengths share a group, so short rows do not pay for the longest). last_index: [B] -> logits
+        [B, V] at that position of each row; None -> [B, T, V].
         """
         s = self.shape
         B, T = tokens.shape
         H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
         G = H // Hkv
-        cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # [B, T, 1, D]
-        key_pos = torch.arange(T if fresh else kv_len, device=self.device)
-        allowed = key_pos.view(1, 1, -1) <= positions.unsqueeze(-1)  # [B, T, K]
-        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=self.device)
-        bias.masked_fill_(~allowed, float("-inf"))
-        bias = bias.view(B, 1, 1, T, -1)
-        if isinstance(rows, slice):
-            write_rows = torch.arange(rows.start, rows.start + B, device=self.device).view(B, 1)
+        flat_pos = positions.reshape(-1)
+        cos = self.cos.index_select(0, flat_pos).view(B, T, 1, D)
+        sin = self.sin.index_select(0, flat_pos).view(B, T, 1, D)
+        if groups is None:
+            biases = [self._mask_bias(positions, T)]
         else:
-            write_rows = rows.view(B, 1)
-        scale = 1.0 / math.sqrt(D)
+            biases = [self._mask_bias(positions if g.batch_index is None else positions.index_select(0, g.batch_index),
+                                      g.kv_len) for g in groups]
+        # flat row of cache[slot, head, position] in a [slots*Hkv*max_len, D] view (index_copy_ is fast on CPU)
+        heads = torch.arange(Hkv, device=self.device).view(1, 1, Hkv)
+        write_index = ((write_rows.view(B, 1, 1) * Hkv + heads) * cache.max_len + positions.view(B, T, 1)).view(-1)
+        scale, eps, hidden = 1.0 / math.sqrt(D), s.rms_norm_eps, (s.hidden_size,)
+        half = D // 2
         h = F.embedding(tokens, self.embed)
         for i, layer in enumerate(self.layers):
-            x = self._rms(h, layer["ln1"])
-            qkv = F.linear(x, layer["qkv_w"], layer["qkv_b"]).view(B, T, H + 2 * Hkv, D)
-            q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
+            x = F.rms_norm(h, hidden, layer["ln1"], eps)
+            qkv = F.linear(x, layer["qkv_w"], layer["qkv_b"])
+            qk = qkv[..., :(H + Hkv) * D].view(B, T, H + Hkv, D)
+            v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D)
             if layer["q_norm"] is not None:
-                q, k = self._rms(q, layer["q_norm"]), self._rms(k, layer["k_norm"])
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+                qk = torch.cat([F.rms_norm(qk[:, :, :H], (D,), layer["q_norm"], eps),
+                                F.rms_norm(qk[:, :, H:], (D,), layer["k_norm"], eps)], dim=2)
+            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin  # RoPE, rotate-half
+            k = qk[:, :, H:]
             cache_k, cache_v = cache.k[i], cache.v[i]
-            cache_k[write_rows, :, positions] = k
-            cache_v[write_rows, :, positions] = v
-            if fresh:
-                keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
-            else:  # a slice reads a view; a LongTensor gathers a copy
-                keys, values = cache_k[rows, :, :kv_len], cache_v[rows, :, :kv_len]
-            qh = q.transpose(1, 2).reshape(B, Hkv, G * T, D)
-            scores = torch.matmul(qh, keys.transpose(-1, -2)).mul_(scale)  # [B, Hkv, G*T, K]
-            scores = (scores.view(B, Hkv, G, T, -1).float() + bias).softmax(-1).to(q.dtype)
-            attn = torch.matmul(scores.view(B, Hkv, G * T, -1), values)  # [B, Hkv, G*T, D]
+            cache_k.view(-1, D).index_copy_(0, write_index, k.reshape(-1, D))
+            cache_v.view(-1, D).index_copy_(0, write_index, v.reshape(-1, D))
+            # [B, Hkv, G*T, D]: query head h uses kv head h // G, as HF's repeat_kv
+            q = qk[:, :, :H].transpose(1, 2).reshape(B, Hkv, G * T, D)
+            if groups is None:
+                attn = self._attend(q, k.transpose(1, 2), v.transpose(1, 2), biases[0], scale)
+            elif len(groups) == 1 and groups[0].batch_index is None:
+                keys, values = _read(cache_k, groups[0]), _read(cache_v, groups[0])
+                attn = self._attend(q, keys, values, biases[0], scale)
+            else:
+                attn = torch.empty_like(q)
+                for g, bias in zip(groups, biases):
+                    part = self._attend(q.index_select(0, g.batch_index), _read(cache_k, g), _read(cache_v, g),
+                                        bias, scale)
+                    attn.index_copy_(0, g.batch_index, part)
             attn = attn.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
             h = h + F.linear(attn, layer["o_w"])
-            x = self._rms(h, layer["ln2"])
+            x = F.rms_norm(h, hidden, layer["ln2"], eps)
             gate, up = F.linear(x, layer["gate_up_w"]).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, layer["down_w"])
         if last_index is not None:
-            h = h[torch.arange(B, device=self.device), last_index]
-        return F.linear(self._rms(h, self.final_norm), self.lm_head).float()
+            h = h[:, 0] if T == 1 else h[torch.arange(B, device=self.device), last_index]
+        return F.linear(F.rms_norm(h, hidden, self.final_norm, eps), self.lm_head).float()
