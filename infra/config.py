@@ -50,6 +50,9 @@ class DataConfig(_Section):
     label_key: str = Field("label", description="JSON key of the label handed to the reward function.")
     num_prompts: int = Field(4096, ge=1, description="Prompts generated for the built-in task.")
     eval_paths: dict[str, str] = Field(default_factory=dict, description="Eval data sets: key -> JSONL path.")
+    sft_path: str | None = Field(
+        None, description="SFT mode (rollout.rollout_function_path=rollout.sft.generate_sft_rollout): JSONL of "
+        "pre-generated samples, {prompt, response} or {prompt_tokens, response_tokens}, optional loss_mask.")
     over_long_prompts: Literal["refuse", "truncate"] = Field(
         "refuse", description="What to do with a prompt longer than rollout.max_model_len - rollout.max_tokens: "
         "refuse the file, or keep the prompt's last tokens (counted in metrics).")

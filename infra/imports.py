@@ -10,8 +10,10 @@ class ImportPathError(ValueError):
     """An import path that does not name a usable function; the message names the path and the setting."""
 
 
-def load_function(path: str, setting: str, required_params: Sequence[str] = ()) -> Callable:
-    """Import `path` and check it is a callable accepting `required_params` (by name or position)."""
+def load_function(path: str, setting: str, required_params: Sequence[str] = (),
+                  keyword_params: Sequence[str] = ()) -> Callable:
+    """Import `path` and check it is a callable that can be called as
+    `fn(<one positional per required_params>, <each of keyword_params>=...)`."""
     module_name, _, attr = (path or "").rpartition(".")
     if not module_name or not attr:
         raise ImportPathError(f"{setting}={path!r} is not an import path like 'package.module.function'")
@@ -22,22 +24,20 @@ def load_function(path: str, setting: str, required_params: Sequence[str] = ()) 
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
         raise ImportPathError(f"{setting}={path!r}: module {module_name!r} has no function {attr!r}")
-    if required_params:
-        _check_signature(fn, path, setting, required_params)
+    if required_params or keyword_params:
+        _check_signature(fn, path, setting, required_params, keyword_params)
     return fn
 
 
-def _check_signature(fn: Callable, path: str, setting: str, required: Sequence[str]) -> None:
+def _check_signature(fn: Callable, path: str, setting: str, required: Sequence[str],
+                     keywords: Sequence[str]) -> None:
     try:
-        params = inspect.signature(fn).parameters
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # builtins and C functions: nothing to check
-    kinds = [p.kind for p in params.values()]
-    if inspect.Parameter.VAR_POSITIONAL in kinds:
-        return
-    positional = [p for p in params.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < len(required):
-        names = ", ".join(params)
-        raise ImportPathError(f"{setting}={path!r}: the function takes ({names}) but must accept "
-                              f"({', '.join(required)})")
+    try:  # the call the caller will make: positionals in order, then keywords by name
+        sig.bind(*required, **{k: None for k in keywords})
+    except TypeError as err:
+        wanted = ", ".join([*required, *(f"{k}=..." for k in keywords)])
+        raise ImportPathError(f"{setting}={path!r}: the function takes ({', '.join(sig.parameters)}) but must "
+                              f"accept ({wanted}) ({err})") from None
