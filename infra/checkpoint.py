@@ -29,7 +29,8 @@ log = logging.getLogger("spillover.checkpoint")
 FORMAT = "spillover-checkpoint/1"
 MANIFEST = "manifest.json"
 META = "meta.json"
-MAX_OBJECT_BYTES = 512 << 20  # shard size: bounds retry cost and memory per in-flight object
+MAX_OBJECT_BYTES = 256 << 20  # shard size: bounds retry cost and memory per in-flight object
+SMALL_LOCAL_BYTES = 16 << 20  # local checkpoints below this are written/read on one thread (no pool cost)
 _NAME = re.compile(r"^ckpt-(\d{8,})$")
 _GROUP = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -70,7 +71,7 @@ def list_checkpoints(store: Store) -> list[CheckpointInfo]:
 
 
 def _delete_checkpoint(store: Store, name: str) -> None:
-    store.delete(f"{name}/{MANIFEST}")  # first, so a half-deleted checkpoint never looks complete
+    store.delete_object(f"{name}/{MANIFEST}")  # first, so a half-deleted checkpoint never looks complete
     store.delete(name)
 
 
@@ -129,7 +130,9 @@ def _plan_objects(state: CheckpointState, max_object_bytes: int) -> tuple[dict[s
 def _run_all(calls: dict, workers: int) -> dict:
     """{key: (fn, *args)} -> {key: fn(*args)} on `workers` threads; the first error cancels what has not
     started (so a storage outage fails once, not once per object) and is raised."""
-    pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    if workers <= 1 or len(calls) <= 1:
+        return {key: call[0](*call[1:]) for key, call in calls.items()}
+    pool = ThreadPoolExecutor(max_workers=workers)
     try:
         futures = {key: pool.submit(*call) for key, call in calls.items()}
         return {key: fut.result() for key, fut in futures.items()}
@@ -138,7 +141,7 @@ def _run_all(calls: dict, workers: int) -> dict:
 
 
 def save_checkpoint(store: Store, state: CheckpointState, keep: int | None = None, *,
-                    max_object_bytes: int = MAX_OBJECT_BYTES, workers: int = 2) -> str:
+                    max_object_bytes: int = MAX_OBJECT_BYTES, workers: int = 4) -> str:
     """Write `state` as ckpt-<iteration>/ (objects first, manifest last), then prune to `keep` complete
     checkpoints when given. Returns the checkpoint's URL. Raises StorageError when storage stays down past
     the retry deadline; the partial prefix is then not a checkpoint."""
@@ -150,18 +153,18 @@ def save_checkpoint(store: Store, state: CheckpointState, keep: int | None = Non
         raise CheckpointError("checkpoint meta holds a storage credential; pass the config as "
                               "config.model_dump(mode='json') so secrets are masked")
     name = checkpoint_name(state.iteration)
-    if store.list(name):
-        log.warning("checkpoint prefix %s exists already (an earlier attempt); replacing it", store.key_url(name))
-        _delete_checkpoint(store, name)
+    # An earlier attempt at this iteration needs no cleanup first: while objects are overwritten its old
+    # manifest no longer verifies, and leftovers outside the new manifest go when prune drops the prefix.
     start = time.perf_counter()
     objects, groups = _plan_objects(state, max_object_bytes)
     objects[META] = [meta_bytes]
+    total = sum(len(b) for bufs in objects.values() for b in bufs)
     infos: dict[str, ObjectInfo] = _run_all(
-        {key: (store.put_buffers, f"{name}/{key}", bufs) for key, bufs in objects.items()}, workers)
+        {key: (store.put_buffers, f"{name}/{key}", bufs) for key, bufs in objects.items()},
+        1 if store.is_local and total < SMALL_LOCAL_BYTES else workers)
     manifest = {"format": FORMAT, "iteration": state.iteration, "created_unix": time.time(), "groups": groups,
                 "meta": META, "objects": {k: {"size": i.size, "sha256": i.sha256} for k, i in infos.items()}}
     store.put_bytes(f"{name}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
-    total = sum(i.size for i in infos.values())
     log.info("checkpoint %s written: %d objects, %.1f MB in %.2f s", store.key_url(name), len(infos), total / 1e6,
              time.perf_counter() - start)
     if keep is not None:
@@ -191,7 +194,7 @@ def _read_manifest(store: Store, name: str) -> dict:
 def _read_object(store: Store, name: str, key: str, spec: dict) -> bytearray:
     url = store.key_url(f"{name}/{key}")
     try:
-        buf, info = store.get_buffer(f"{name}/{key}")
+        buf, info = store.get_buffer(f"{name}/{key}", size=spec["size"])
     except ObjectMissing:
         raise CheckpointError(f"object {url} listed in the manifest is missing") from None
     if info.size != spec["size"] or info.sha256 != spec["sha256"]:
@@ -200,7 +203,7 @@ def _read_object(store: Store, name: str, key: str, spec: dict) -> bytearray:
     return buf
 
 
-def load_checkpoint(store: Store, iteration: int, *, workers: int = 2) -> CheckpointState:
+def load_checkpoint(store: Store, iteration: int, *, workers: int = 4) -> CheckpointState:
     """Load and verify one checkpoint; CheckpointError if it is incomplete or any object does not match."""
     name = checkpoint_name(iteration)
     manifest = _read_manifest(store, name)
@@ -208,7 +211,9 @@ def load_checkpoint(store: Store, iteration: int, *, workers: int = 2) -> Checkp
         raise CheckpointError(f"manifest {store.key_url(name + '/' + MANIFEST)} is for iteration "
                               f"{manifest.get('iteration')}, not {iteration}")
     objects = manifest["objects"]
-    bufs = _run_all({key: (_read_object, store, name, key, spec) for key, spec in objects.items()}, workers)
+    total = sum(spec["size"] for spec in objects.values())
+    bufs = _run_all({key: (_read_object, store, name, key, spec) for key, spec in objects.items()},
+                    1 if store.is_local and total < SMALL_LOCAL_BYTES else workers)
     try:
         state = CheckpointState(iteration=iteration, meta=json.loads(bufs[manifest["meta"]]))
         for group, keys in manifest["groups"].get("tensors", {}).items():
@@ -220,7 +225,7 @@ def load_checkpoint(store: Store, iteration: int, *, workers: int = 2) -> Checkp
     return state
 
 
-def load_latest_checkpoint(store: Store, *, workers: int = 2) -> CheckpointState | None:
+def load_latest_checkpoint(store: Store, *, workers: int = 4) -> CheckpointState | None:
     """The newest checkpoint that verifies, or None. Corrupt or incomplete ones are reported and skipped;
     storage that cannot be reached raises (an outage must not silently roll the run back)."""
     for info in reversed(list_checkpoints(store)):

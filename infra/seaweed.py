@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -20,6 +21,7 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from infra.config import StorageConfig
+from infra.storage_errors import is_transient
 
 _PORT_NAMES = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
                "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc")
@@ -49,7 +51,9 @@ def free_ports(n: int) -> list[int]:
 class SeaweedS3:
     """One `weed mini` process. Use `start()`/`stop()` or as a context manager."""
 
-    def __init__(self, base_dir: str | Path, bucket: str = "spillover"):
+    def __init__(self, base_dir: str | Path, bucket: str = "spillover", extra_args: tuple[str, ...] = ()):
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
+            raise ValueError(f"bucket name {bucket!r} is not a valid S3 bucket name (3-63 of a-z 0-9 . -)")
         self.base_dir = Path(base_dir)
         self.data_dir = self.base_dir / "data"
         self.log_path = self.base_dir / "weed.log"
@@ -57,6 +61,7 @@ class SeaweedS3:
         self.access_key = "SPILL" + secrets.token_hex(6).upper()
         self.secret_key = secrets.token_urlsafe(24)
         self.ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES))))
+        self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen | None = None
 
     def __repr__(self) -> str:  # never the secret
@@ -90,7 +95,7 @@ class SeaweedS3:
         args = [weed_binary(), "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 "-master.telemetry=false", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0",
                 "-s3.port.lance=0", "-volume.preStopSeconds=0", f"-s3.config={self._write_identity()}",
-                f"-bucket={self.bucket}"] + [f"-{name}={port}" for name, port in self.ports.items()]
+                f"-bucket={self.bucket}", *self.extra_args] + [f"-{name}={port}" for name, port in self.ports.items()]
         with open(self.log_path, "ab") as log_file:
             self.proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
@@ -113,7 +118,11 @@ class SeaweedS3:
                 fs.pipe_file(probe, b"ok")  # a write proves master, volume, filer and s3 are all up
                 fs.rm(probe)
                 return
-            except Exception:  # noqa: BLE001 - not ready yet
+            except Exception as err:  # noqa: BLE001 - not ready yet, unless the error says otherwise
+                if not is_transient(err) and time.monotonic() > deadline - timeout_s + 3:
+                    self.stop()
+                    raise RuntimeError(f"weed mini is up but refuses writes to bucket {self.bucket!r}: "
+                                       f"{type(err).__name__}: {err}; see {self.log_path}") from None
                 if time.monotonic() > deadline:
                     self.stop()
                     raise RuntimeError(f"weed mini did not become ready in {timeout_s} s; see {self.log_path}")

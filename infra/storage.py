@@ -26,6 +26,7 @@ __all__ = ["Store", "ObjectInfo", "open_store", "check_storage", "StorageError",
            "StorageUnreachable", "ObjectMissing", "RetryPolicy"]
 
 CHUNK_BYTES = 16 << 20  # hashing/reading granularity
+INLINE_HASH_BYTES = 4 << 20  # objects up to this size are hashed on the calling thread
 
 
 @dataclass(frozen=True)
@@ -35,17 +36,20 @@ class ObjectInfo:
 
 
 class _OrderedHasher:
-    """sha256 over chunks fed in order, computed on a helper thread (hashlib releases the GIL) so hashing
-    overlaps the I/O of the next chunk."""
+    """sha256 over chunks fed in order. With a (single-thread) pool the hashing runs there (hashlib releases
+    the GIL), overlapping the I/O of the next chunk; small objects are hashed inline."""
 
-    def __init__(self):
+    def __init__(self, pool: ThreadPoolExecutor | None):
         self._hash = hashlib.sha256()
-        self._pool = ThreadPoolExecutor(max_workers=1)
-        self._pending = []
+        self._pool = pool
+        self._pending: list = []
         self.size = 0
 
     def update(self, chunk: memoryview) -> None:
         self.size += len(chunk)
+        if self._pool is None:
+            self._hash.update(chunk)
+            return
         self._pending.append(self._pool.submit(self._hash.update, chunk))
         if len(self._pending) > 4:  # bound the memory pinned by queued chunks
             self._pending.pop(0).result()
@@ -53,7 +57,6 @@ class _OrderedHasher:
     def result(self) -> ObjectInfo:
         for fut in self._pending:
             fut.result()
-        self._pool.shutdown()
         return ObjectInfo(self.size, self._hash.hexdigest())
 
 
@@ -79,6 +82,7 @@ class Store:
     def __init__(self, fs, root: str, url: str, redact: Redactor, retry: RetryPolicy, fixes: Fixes):
         self.fs, self.root, self.url, self.retry = fs, root.rstrip("/"), url, retry
         self._redact, self._fixes = redact, fixes
+        self._hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
         self.is_local = isinstance(fs, LocalFileSystem)
 
     def __repr__(self) -> str:
@@ -106,14 +110,18 @@ class Store:
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
         return self.put_buffers(key, [data])
 
+    def _hasher(self, size: int) -> _OrderedHasher:
+        return _OrderedHasher(self._hash_pool if size > INLINE_HASH_BYTES else None)
+
     def _put_once(self, key: str, buffers: Sequence) -> ObjectInfo:
-        path, hasher = self.path(key), _OrderedHasher()
+        chunks = _chunks(buffers)
+        path, hasher = self.path(key), self._hasher(sum(len(c) for c in chunks))
         if self.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
             try:
                 with open(tmp, "wb") as f:
-                    for chunk in _chunks(buffers):
+                    for chunk in chunks:
                         hasher.update(chunk)
                         f.write(chunk)
                 info = hasher.result()
@@ -122,7 +130,6 @@ class Store:
                 if os.path.exists(tmp):
                     os.remove(tmp)
             return info
-        chunks = _chunks(buffers)
         if len(buffers) == 1 and isinstance(buffers[0], (bytes, bytearray)):
             body = buffers[0]
             for chunk in chunks:
@@ -142,24 +149,33 @@ class Store:
     def get_bytes(self, key: str) -> bytes:
         return self._retry("read", key, lambda: self.fs.cat_file(self.path(key)))
 
-    def get_buffer(self, key: str) -> tuple[bytearray, ObjectInfo]:
-        """The whole object in a writable buffer (tensors may view it without copying), hashed while read."""
-        return self._retry("read", key, lambda: self._get_once(key))
+    def get_buffer(self, key: str, size: int | None = None) -> tuple[bytearray, ObjectInfo]:
+        """The object in a writable buffer (tensors may view it without copying), hashed while read.
+        With `size` (e.g. from a manifest) at most that many bytes are read: compare the returned size."""
+        return self._retry("read", key, lambda: self._get_once(key, size))
 
-    def _get_once(self, key: str) -> tuple[bytearray, ObjectInfo]:
-        path, hasher = self.path(key), _OrderedHasher()
+    def _get_once(self, key: str, size: int | None) -> tuple[bytearray, ObjectInfo]:
+        path = self.path(key)
         if self.is_local:
             with open(path, "rb") as f:
-                buf = bytearray(os.fstat(f.fileno()).st_size)
+                size = min(os.fstat(f.fileno()).st_size, size if size is not None else 1 << 62)
+                hasher = self._hasher(size)
+                buf = bytearray(size)
                 view = memoryview(buf)
-                for start in range(0, len(buf), CHUNK_BYTES):
+                for start in range(0, size, CHUNK_BYTES):
                     chunk = view[start:start + CHUNK_BYTES]
                     got = f.readinto(chunk)
-                    if got != len(chunk):
-                        raise OSError(f"short read of {path}: {got} of {len(chunk)} bytes")
-                    hasher.update(chunk)
+                    hasher.update(chunk[:got])
+                    if got < len(chunk):
+                        return buf[:hasher.size], hasher.result()  # shrank while read: a size mismatch
             return buf, hasher.result()
-        size = self.fs.info(path)["size"]
+        if size is None:
+            size = self.fs.info(path)["size"]
+        hasher = self._hasher(size)
+        if size <= CHUNK_BYTES:  # one GET
+            buf = bytearray(self.fs.cat_file(path, start=0, end=size)) if size else bytearray(self.fs.info(path)["size"] * 0)
+            hasher.update(memoryview(buf))
+            return buf, hasher.result()
         buf = bytearray(size)
         view = memoryview(buf)
         starts = list(range(0, size, CHUNK_BYTES))
@@ -169,10 +185,10 @@ class Store:
             datas = self.fs.cat_ranges([path] * len(group), group, [min(s + CHUNK_BYTES, size) for s in group],
                                        on_error="raise")
             for start, data in zip(group, datas):
-                if isinstance(data, BaseException):
-                    raise data
                 view[start:start + len(data)] = data
                 hasher.update(view[start:start + len(data)])
+                if start + len(data) < min(start + CHUNK_BYTES, size):  # the object is shorter than `size`
+                    return buf[:hasher.size], hasher.result()
         return buf, hasher.result()
 
     # ---- listing and deletion
@@ -189,6 +205,15 @@ class Store:
             here = self.path(prefix).rstrip("/")
             return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != here})
         return self._retry("list", prefix, ls)
+
+    def delete_object(self, key: str) -> None:
+        """Delete one object (one request); missing is fine."""
+        def rm_file():
+            try:
+                self.fs.rm_file(self.path(key))
+            except FileNotFoundError:
+                pass
+        self._retry("delete", key, rm_file)
 
     def delete(self, key: str) -> None:
         """Delete an object or everything under a prefix; missing is fine."""

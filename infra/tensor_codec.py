@@ -40,11 +40,20 @@ Entry = tuple[str, tuple[int, ...], memoryview]  # (dtype code, shape, raw bytes
 
 
 def tensor_entry(name: str, t: torch.Tensor) -> Entry:
-    if t.dtype not in _TORCH:
+    code = _TORCH.get(t.dtype)
+    if code is None:
         raise FormatError(f"tensor {name!r}: dtype {t.dtype} cannot be stored in safetensors")
-    t = t.detach().to("cpu").contiguous()
-    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
-    return _TORCH[t.dtype], tuple(t.shape), memoryview(raw).cast("B")
+    if t.requires_grad:
+        t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if not t.numel():
+        return code, tuple(t.shape), memoryview(b"")
+    flat = t.reshape(-1)
+    raw = flat.numpy() if code in _NUMPY_BACK else flat.view(torch.uint8).numpy()  # bf16/fp8: no numpy dtype
+    return code, tuple(t.shape), memoryview(raw).cast("B")
 
 
 def array_entry(name: str, a: np.ndarray) -> Entry:
