@@ -12,6 +12,11 @@ Semantics follow MindSpeed-RL's GRPOTransferDock (see ../shared/DESIGN.md), with
 - The training batch is chosen once (`select_batch`) and every consumer reads that batch.
 - A row is "at max age" when its age >= max_age - 1 (MindSpeed: `age == max_age - 1`), i.e. it is in
   its max_age-th iteration; `require_max_age_all_finished` holds generation until those rows finish.
+- Over-sampling (slime's over_sampling_batch_size, APRIL): `over_sampling_groups` extra group slots on top of
+  GBS (2*GBS with partial rollout). The first iteration loads every slot, later ones GBS; generation still
+  stops at GBS ready groups, and the surplus -- untouched, partial (aborted rows keep their tokens) or even
+  complete groups -- stays for the next iteration, oldest first. With max_split = 1 this is APRIL without
+  chunked rounds; it needs a driver that stops early (the async one: abort once ready).
 - Drain mode (last iterations, or the data set ran out): ready only when every loaded row is
   complete; then `select_batch` takes min(gbs, ready) groups, so repeated drains empty the dock.
 - `snapshot()` records in-flight rows as *not* in flight: their requests die with the process, and
@@ -43,11 +48,13 @@ class DockError(RuntimeError):
 class TransferDock:
     def __init__(self, gbs: int, n: int, max_split: int, max_tokens: int, max_model_len: int,
                  eos_token_ids: Sequence[int], max_age: int | None = None,
-                 require_max_age_all_finished: bool = False):
+                 require_max_age_all_finished: bool = False, over_sampling_groups: int = 0):
         for name, value, low in (("gbs", gbs, 1), ("n", n, 1), ("max_split", max_split, 1),
                                  ("max_tokens", max_tokens, 1), ("max_model_len", max_model_len, 2)):
             if int(value) != value or value < low:
                 raise ValueError(f"TransferDock: {name} must be an integer >= {low}; got {value!r}")
+        if int(over_sampling_groups) != over_sampling_groups or over_sampling_groups < 0:
+            raise ValueError(f"TransferDock: over_sampling_groups must be an integer >= 0; got {over_sampling_groups!r}")
         if max_age is not None and max_age < 1:
             raise ValueError(f"TransferDock: max_age must be >= 1 or None (= max_split); got {max_age}")
         self.gbs, self.n, self.max_split = int(gbs), int(n), int(max_split)
@@ -56,7 +63,8 @@ class TransferDock:
         self.max_age = self.max_split if max_age is None else int(max_age)
         self.require_max_age_all_finished = bool(require_max_age_all_finished)
         self.partial = self.max_split > 1
-        self.capacity_groups = 2 * self.gbs if self.partial else self.gbs
+        self.over_sampling_groups = int(over_sampling_groups)
+        self.capacity_groups = (2 * self.gbs if self.partial else self.gbs) + self.over_sampling_groups
         self.capacity_rows = self.capacity_groups * self.n
         self.group_ids = np.full(self.capacity_groups, -1, dtype=np.int64)  # -1: free slot
         self.load_seq = np.zeros(self.capacity_groups, dtype=np.int64)
@@ -77,7 +85,7 @@ class TransferDock:
         """From an infra.config.RolloutConfig."""
         return cls(rollout_cfg.global_batch_size, rollout_cfg.n_samples_per_prompt, rollout_cfg.max_split,
                    rollout_cfg.max_tokens, rollout_cfg.max_model_len, eos_token_ids, rollout_cfg.max_age,
-                   rollout_cfg.require_max_age_all_finished)
+                   rollout_cfg.require_max_age_all_finished, rollout_cfg.over_sampling_groups)
 
     # ---- derived views -------------------------------------------------------------------------
     @property
@@ -114,8 +122,9 @@ class TransferDock:
         return int(np.count_nonzero(self.group_ids < 0))
 
     def groups_to_load(self, first_iteration: bool) -> int:
-        """2*gbs on the first partial-rollout iteration, gbs after; never more than the free slots."""
-        wanted = 2 * self.gbs if (self.partial and first_iteration) else self.gbs
+        """Every slot on the first iteration (2*gbs with partial rollout, + over_sampling_groups), gbs after;
+        never more than the free slots."""
+        wanted = self.capacity_groups if first_iteration else self.gbs
         return min(wanted, self.free_group_slots())
 
     def load_groups(self, group_ids: np.ndarray | Sequence[int], prompt_tokens, labels: Sequence[Any]) -> np.ndarray:

@@ -90,7 +90,8 @@ def snapshot(dock: "TransferDock") -> tuple[dict[str, np.ndarray], dict[str, Any
         "format": SNAPSHOT_FORMAT,
         "config": {"gbs": dock.gbs, "n": dock.n, "max_split": dock.max_split, "max_tokens": dock.max_tokens,
                    "max_model_len": dock.max_model_len, "eos_token_ids": dock.eos_token_ids.tolist(),
-                   "max_age": dock.max_age, "require_max_age_all_finished": dock.require_max_age_all_finished},
+                   "max_age": dock.max_age, "require_max_age_all_finished": dock.require_max_age_all_finished,
+                   "over_sampling_groups": dock.over_sampling_groups},
         "has_batch": dock.batch is not None, "drain": dock.drain, "next_load_seq": int(dock.next_load_seq),
         "labels": list(dock.labels),
     }

@@ -9,13 +9,16 @@ from rollout.data_source import PromptCursor, PromptSet
 
 
 def groups_for_iteration(dock, iteration: int, num_iterations: int) -> int:
-    """2 x GBS groups in the first iteration (partial rollout), GBS after, none in the last one (it drains).
+    """Every dock slot in the first iteration (2 x GBS with partial rollout, + over-sampling groups), GBS
+    after, capped so that no more than num_iterations x GBS groups are ever loaded (the dock counts its
+    loads in next_load_seq, which its snapshots keep).
 
-    Over a run exactly num_iterations x GBS groups are loaded, so every loaded group is trained once.
+    With the cap the dock holds >= GBS groups in every iteration and exactly GBS in the last one (it
+    drains), so exactly num_iterations x GBS groups are loaded and each is trained once. Without
+    over-sampling this is 2 x GBS, then GBS, then none in the last iteration of a partial-rollout run.
     """
-    if dock.partial and iteration == num_iterations - 1:
-        return 0 if iteration > 0 else dock.gbs
-    return dock.groups_to_load(first_iteration=iteration == 0)
+    remaining = num_iterations * dock.gbs - int(dock.next_load_seq)
+    return max(0, min(dock.groups_to_load(first_iteration=iteration == 0), remaining))
 
 
 def load_prompt_groups(dock, cursor: PromptCursor, prompts: PromptSet, iteration: int, count: int) -> int:
