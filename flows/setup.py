@@ -1,6 +1,7 @@
 """Build and tear down what a training run needs: Ray, model, prompts, dock, engines, learners."""
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -24,10 +25,30 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> Path:
     return toy_task.generate_dataset(run_dir / "data" / "train.jsonl", cfg.data.num_prompts, cfg.model.seed)
 
 
+RUN_CONFIG_FILE = "config.json"
+
+
+def save_run_config(cfg: RunConfig, run_dir: Path) -> None:
+    """<run_dir>/config.json: what `spillover resume RUN_DIR` starts from. Credentials are left out
+    (a resumed run reads them from its config or the environment again)."""
+    data = cfg.model_dump(mode="json", exclude={"storage": {"access_key_id", "secret_access_key"}})
+    (run_dir / RUN_CONFIG_FILE).write_text(json.dumps(data, indent=2))
+
+
+def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    from infra.config import ConfigError, build_config
+
+    path = Path(run_dir) / RUN_CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist: RUN_DIR must be the run_dir of an earlier `spillover train`")
+    return build_config(json.loads(path.read_text()), list(overrides or []) + [f"run_dir={run_dir}"])
+
+
 def build_run(cfg: RunConfig, with_engines: bool = True) -> RunState:
     """Everything the seven tasks need, in one explicit object. Fails early on bad config or input."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    save_run_config(cfg, run_dir)
     reward_fn = load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
                               required_params=("response", "label"))
     model_path = resolve_model_path(cfg.model, run_dir, max_position=max(512, cfg.rollout.max_model_len))

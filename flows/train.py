@@ -7,9 +7,11 @@ import time
 from prefect import flow
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
+from flows.run_lock import acquire_run_lock
 from flows.setup import build_run, shutdown_run
 from infra.config import RunConfig
 from infra.tracking import RunTracker
+from tasks.checkpoint import open_and_check, restore, rewind_metrics
 from tasks.clear import clear_and_age_sort
 from tasks.generate import generate_until_ready
 from tasks.logprob import compute_old_logprob, compute_ref_logprob
@@ -54,21 +56,35 @@ def make_iteration_flow(run: RunState, on_round=None):
 
 
 @flow(name="grpo-train", log_prints=True)
-def grpo_train(config: RunConfig) -> dict:
-    """Train `config.schedule.num_iterations` GRPO iterations with partial rollout; returns the run summary."""
-    run, tracker = None, None
+def grpo_train(config: RunConfig, resume: bool = False) -> dict:
+    """Train `config.schedule.num_iterations` GRPO iterations with partial rollout; returns the run summary.
+
+    resume=True continues from the newest verified checkpoint of the run (partial responses included).
+    """
+    run, tracker, lock = None, None, None
     try:
+        lock = acquire_run_lock(config)  # a second run on this run_dir / checkpoint location stops here
+        store, saved = open_and_check(config, resume)
         run = build_run(config)
-        tracker = RunTracker(run.run_dir, config.tracking)
-        tracker.start()
+        run.checkpoint_store = store
+        first = 0
+        if saved is not None:
+            first = restore(run, saved)
+            rewind_metrics(run.run_dir, first, saved.meta.get("metrics"))
+        tracker = RunTracker(run.run_dir, config.tracking, run_config=config,
+                             resume_wandb_id=saved.meta.get("wandb_run_id") if saved else None)
+        tracker.start(resumed=saved is not None, first_iteration=first)
+        run.wandb_run_id = tracker.wandb_run_id
         iteration_flow = make_iteration_flow(run, tracker.on_round)
         # Heartbeats stay on for this outer flow (crash detection); per-iteration subflows skip them,
         # which saves ~1 s of fixed cost per iteration.
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            for iteration in range(config.schedule.num_iterations):
-                tracker.on_iteration(iteration_flow(iteration))
+            for iteration in range(first, config.schedule.num_iterations):
+                tracker.on_iteration(iteration_flow(iteration), samples=run.current.samples)
         return tracker.finish(run.baseline)
     finally:
         if tracker is not None:
             tracker.close()
         shutdown_run(run)
+        if lock is not None:
+            lock.release()

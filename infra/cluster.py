@@ -3,19 +3,9 @@ from __future__ import annotations
 
 import os
 
-import ray
+from infra.ray_env import LOCAL_RAY_ENV, set_loopback_env  # noqa: F401  (sets the env before ray loads)
 
-# Without these Ray binds every interface and phones home; see MACHINE-NOTES.
-LOCAL_RAY_ENV = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # makes every Ray listener use 127.0.0.1
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_USAGE_STATS_ENABLED": "0",
-}
-
-
-def set_loopback_env() -> None:
-    for key, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(key, value)
+import ray  # noqa: E402
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> dict:

@@ -1,10 +1,15 @@
-"""Per-iteration metrics: <run_dir>/metrics.jsonl, <run_dir>/summary.json, and a one-line terminal summary."""
+"""Where a run reports: <run_dir>/metrics.jsonl and summary.json, the terminal (summary line, progress bar),
+wandb (infra/wandb_shared.py), Prefect artifacts (infra/prefect_artifacts.py) and the report plots."""
 from __future__ import annotations
 
 import json
+import logging
+import math
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 def append_metrics(run_dir: Path, metrics: dict) -> None:
@@ -55,28 +60,155 @@ def one_line(m: dict) -> str:
             f"loss {m.get('loss', 0):+.4f}  {m.get('time_s', 0):.1f}s")
 
 
+def length_histogram(lengths, ages, max_tokens: int, round_tokens: int, max_bins: int = 64) -> dict:
+    """Response lengths of the trained samples, counted per age (iterations carried over before training).
+
+    lengths[S], ages[S] -> {"bin_width", "max_tokens", "round_tokens", "by_age": {age: counts[B]}};
+    bin b holds lengths in [b * bin_width, (b + 1) * bin_width).
+    """
+    width = max(1, math.ceil((max_tokens + 1) / max_bins))
+    bins = max_tokens // width + 1
+    lengths, ages = np.asarray(lengths, dtype=np.int64), np.asarray(ages, dtype=np.int64)
+    by_age = {str(a): np.bincount(np.minimum(lengths[ages == a] // width, bins - 1), minlength=bins).tolist()
+              for a in np.unique(ages).tolist()}
+    return {"bin_width": width, "max_tokens": int(max_tokens), "round_tokens": int(round_tokens), "by_age": by_age}
+
+
+TRAIN_KEYS = ("loss", "pg_loss", "kl", "clip_fraction", "grad_norm", "tis_weight_mean", "tis_weight_max",
+              "stale_token_share", "entropy", "weight_version")
+
+
+def wandb_payload(metrics: dict) -> dict:
+    """Iteration metrics -> flat wandb scalars under train/, rollout/, eval/ and time/ (lists left out)."""
+    out = {}
+    for key, value in metrics.items():
+        if key == "iteration" or isinstance(value, (str, list, tuple)) or value is None:
+            continue
+        if key == "task_s":
+            out.update({f"time/{task}_s": float(s) for task, s in value.items()})
+        elif key == "age_histogram":
+            out.update({f"rollout/rows_age_{age}": int(n) for age, n in value.items()})
+        elif key == "eval" and isinstance(value, dict):
+            out.update({f"eval/{k}": v for k, v in value.items() if isinstance(v, (int, float))})
+        elif isinstance(value, dict):
+            continue
+        elif key.startswith("eval_"):
+            out[f"eval/{key[5:]}"] = value
+        elif key == "time_s":
+            out["time/iteration_s"] = value
+        else:
+            out[f"{'train' if key in TRAIN_KEYS else 'rollout'}/{key}"] = value
+    return out
+
+
+def summary_markdown(m: dict) -> str:
+    """A short markdown summary of one iteration for the Prefect UI."""
+    tasks = " | ".join(f"{name} {sec:.2f}s" for name, sec in sorted((m.get("task_s") or {}).items(),
+                                                                   key=lambda kv: -kv[1]))
+    ages = ", ".join(f"age {a}: {n}" for a, n in sorted((m.get("age_histogram") or {}).items())) or "none"
+    return "\n".join([
+        f"### Iteration {m.get('iteration')}",
+        "",
+        "| reward mean | exact match | length p50 / p90 / max | truncated | partial rows carried | loss | KL | IS weight |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {m.get('reward_mean', 0):.3f} | {m.get('exact_match', 0):.2f} | "
+        f"{m.get('response_length_p50', 0):.0f} / {m.get('response_length_p90', 0):.0f} / "
+        f"{m.get('response_length_max', 0)} | {m.get('truncated_share', 0):.2f} | {m.get('partial_rows', 0)} | "
+        f"{m.get('loss', 0):+.4f} | {m.get('kl', 0):.4f} | {m.get('tis_weight_mean', 1.0):.3f} |",
+        "",
+        f"Rows in the dock after clear: {ages}. Generation: {m.get('rounds', 0)} rounds, "
+        f"{m.get('tokens_generated', 0)} tokens. Iteration time {m.get('time_s', 0):.2f}s: {tasks}.",
+    ])
+
+
 class RunTracker:
-    """Where a run reports: metrics.jsonl and the terminal now; wandb, Prefect artifacts and the
-    progress bar hook in here. The flow calls on_round() during generation and on_iteration() after."""
+    """Where a run reports. The flow calls start(), on_round(progress) during generation,
+    on_iteration(metrics, samples) after each iteration, finish(baseline) at the end and close() always.
 
-    def __init__(self, run_dir: Path, tracking_cfg=None, echo=print):
+    run_config: the RunConfig (wandb config, report cut lines); resume_wandb_id: continue that wandb run
+    (store `wandb_run_id` in the checkpoint). Prefect artifacts are sent only inside a flow run.
+    """
+
+    def __init__(self, run_dir: Path, tracking_cfg=None, echo=print, *, run_config=None,
+                 resume_wandb_id: str | None = None, progress_stream=None):
+        from infra.prefect_artifacts import RunArtifacts
+        from infra.terminal_progress import TerminalProgress
+
         self.run_dir, self.cfg, self.echo = Path(run_dir), tracking_cfg, echo
+        self.run_config, self.resume_wandb_id = run_config, resume_wandb_id
+        self.wandb_run = None
+        name = getattr(tracking_cfg, "run_name", None) or self.run_dir.name
+        self.artifacts = RunArtifacts(f"spillover-{name}")
+        self.terminal = TerminalProgress(getattr(tracking_cfg, "progress", False), echo, progress_stream)
+        self.next_iteration = 0
+        self.partial_rows_in = 0
+        self.finished = False
 
-    def start(self, resumed: bool = False) -> None:
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self.wandb_run.id if self.wandb_run is not None else None
+
+    def start(self, resumed: bool = False, first_iteration: int = 0) -> None:
+        from infra import wandb_shared
+
         if not resumed:
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        self.next_iteration = first_iteration
+        self.artifacts.start()
+        mode = getattr(self.cfg, "wandb_mode", "disabled")
+        config = self.run_config.model_dump(mode="json") if self.run_config is not None else None
+        self.wandb_run = wandb_shared.start_driver_run(
+            self.run_dir, mode, getattr(self.cfg, "project", "spillover"), getattr(self.cfg, "run_name", None),
+            config, self.resume_wandb_id)
 
     def on_round(self, progress: dict) -> None:
-        """progress: round, ready_groups, target_groups, tokens, elapsed_s."""
+        """progress: round, ready_groups, target_groups, tokens, elapsed_s (optionally partial_rows)."""
+        self.terminal.update(self.next_iteration, progress, self.partial_rows_in)
+        self.artifacts.on_round(self.next_iteration, progress)
 
-    def on_iteration(self, metrics: dict) -> None:
+    def on_iteration(self, metrics: dict, samples=None) -> None:
+        """Record one finished iteration; samples (list[list[Sample]], the trained batch) add the length
+        histogram used by the report."""
+        from infra import wandb_shared
+
+        if samples and self.run_config is not None:
+            flat = [s for group in samples for s in group]
+            rollout = self.run_config.rollout
+            metrics["response_length_hist"] = length_histogram(
+                [s.response_length for s in flat], [int(s.metadata.get("age", 0)) for s in flat],
+                rollout.max_tokens, rollout.max_tokens // rollout.max_split)
+        iteration = int(metrics["iteration"])
         append_metrics(self.run_dir, metrics)
-        self.echo(one_line(metrics))
+        self.terminal.line(one_line(metrics))
+        wandb_shared.log_at_iteration(self.wandb_run, wandb_payload(metrics), iteration)
+        self.artifacts.on_iteration(iteration, metrics, summary_markdown(metrics))
+        self.next_iteration = iteration + 1
+        self.partial_rows_in = int(metrics.get("partial_rows", 0))
 
     def finish(self, baseline: float | None) -> dict:
         summary = summarize(read_metrics(self.run_dir), baseline)
         write_summary(self.run_dir, summary)
+        self._attach_report(summary)
+        self.finished = True
         return summary
 
+    def _attach_report(self, summary: dict) -> None:
+        from infra import wandb_shared
+
+        try:
+            from flows.report import report_markdown, write_report  # plots live with the `report` command
+
+            plots = write_report(self.run_dir)
+        except Exception as err:  # a plot must never fail a finished run
+            log.warning("report not written: %s: %s", type(err).__name__, err)
+            return
+        wandb_shared.log_images(self.wandb_run, {p.stem: p for p in plots}, max(0, self.next_iteration - 1))
+        self.artifacts.markdown("report", report_markdown(self.run_dir, plots, summary), "run report")
+
     def close(self) -> None:
-        pass
+        from infra import wandb_shared
+
+        self.terminal.close()
+        self.artifacts.close()
+        wandb_shared.finish(self.wandb_run, exit_code=0 if self.finished else 1)
+        self.wandb_run = None

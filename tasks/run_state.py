@@ -5,6 +5,7 @@ this object (dock, Ray handles, engines) must be handed over as an opaque refere
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ class IterationData:
         self.ref_logprobs: Any = None      # Ray object ref or None
         self.old_logprobs: Any = None      # Ray object ref or None (None: taken from rollout logprobs)
         self.metrics: dict[str, Any] = {"iteration": iteration}
+        self.started = time.perf_counter()
         self.task_s: dict[str, float] = {}
 
 
@@ -40,6 +42,8 @@ class RunState:
         self.reward_fn = reward_fn
         self.stop_token_ids = stop_token_ids
         self.weight_version = 0
+        self.checkpoint_store = None    # infra.storage.Store, or None: no checkpoints
+        self.wandb_run_id: str | None = None
         self.current: IterationData | None = None
 
     def start_iteration(self, iteration: int) -> IterationData:

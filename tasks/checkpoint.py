@@ -1,0 +1,118 @@
+"""The run's full state to and from storage: policy weights + optimizer (safetensors), the dock with its
+partial responses, the prompt cursor, weight version, wandb run id, the config and the iteration's
+metrics row. A checkpoint is written at the end of an iteration, after clear/age-sort."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import ray
+
+from infra.checkpoint import CheckpointState, load_latest_checkpoint, save_checkpoint
+from infra.config import ConfigError, RunConfig
+from infra.storage import Store, open_store
+from rollout.data_source import PromptCursor
+from rollout.dock import TransferDock
+
+log = logging.getLogger("spillover")
+
+# Fields a resumed run must share with the run that wrote the checkpoint.
+RESUME_INVARIANTS = ("model.path", "model.tiny", "model.seed", "data.prompts_path", "data.num_prompts",
+                     "rollout.global_batch_size", "rollout.n_samples_per_prompt", "rollout.max_tokens",
+                     "rollout.max_model_len", "rollout.max_split")
+
+
+def checkpoint_url(cfg: RunConfig) -> str:
+    return cfg.storage.url or str(Path(cfg.run_dir).resolve() / "checkpoints")
+
+
+def open_checkpoint_store(cfg: RunConfig) -> Store:
+    return open_store(checkpoint_url(cfg), cfg.storage)
+
+
+def _get(data: dict, dotted: str):
+    for part in dotted.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def check_resume_compatible(saved: dict, cfg: RunConfig) -> None:
+    """Refuse to resume a checkpoint written with a different model, data or batch shape."""
+    now = cfg.model_dump(mode="json")
+    changed = [f"{key}: checkpoint {_get(saved, key)!r}, config {_get(now, key)!r}"
+               for key in RESUME_INVARIANTS if _get(saved, key) != _get(now, key)]
+    if changed:
+        raise ConfigError("the checkpoint comes from a different run (" + "; ".join(changed) + "); resume with "
+                          "the run's own config, or start a new run_dir")
+
+
+def capture(run, iteration: int, metrics: dict, wandb_run_id: str | None) -> CheckpointState:
+    tensors, learner_meta = ray.get(run.policy.get_state.remote())
+    dock_arrays, dock_meta = run.dock.snapshot()
+    meta = {"next_iteration": iteration + 1, "weight_version": run.weight_version, "learner": learner_meta,
+            "dock": dock_meta, "cursor": run.cursor.state_dict(), "wandb_run_id": wandb_run_id,
+            "config": run.cfg.model_dump(mode="json"), "metrics": metrics}
+    return CheckpointState(iteration=iteration, tensors={"policy": tensors}, arrays={"dock": dock_arrays}, meta=meta)
+
+
+def save_run_checkpoint(run, store: Store, iteration: int, metrics: dict, wandb_run_id: str | None) -> str:
+    return save_checkpoint(store, capture(run, iteration, metrics, wandb_run_id), keep=run.cfg.storage.keep_checkpoints)
+
+
+def should_checkpoint(cfg: RunConfig, iteration: int) -> bool:
+    last = iteration == cfg.schedule.num_iterations - 1
+    return last or (iteration + 1) % cfg.storage.checkpoint_interval == 0
+
+
+def load_resume_point(cfg: RunConfig, store: Store) -> CheckpointState | None:
+    """The newest verified checkpoint (corrupt ones are skipped with a warning), checked against cfg."""
+    state = load_latest_checkpoint(store)
+    if state is not None:
+        check_resume_compatible(state.meta["config"], cfg)
+    return state
+
+
+def restore(run, state: CheckpointState) -> int:
+    """Put the checkpoint into the live run (learner, engines, dock, cursor); -> the next iteration."""
+    meta = state.meta
+    ray.get(run.policy.set_state.remote(state.tensors["policy"], meta["learner"]))
+    run.weight_version = int(meta["weight_version"])
+    if run.engine is not None:
+        run.engine.update_weights(run.policy.state_dict_ref.remote(), run.weight_version)
+    run.dock = TransferDock.restore(state.arrays["dock"], meta["dock"])
+    run.dock.require_max_age_all_finished = (run.cfg.rollout.require_max_age_all_finished
+                                             or run.cfg.rollout.mode == "async")
+    run.cursor = PromptCursor.from_state(meta["cursor"])
+    log.info("resumed from iteration %d (weight version %d)", state.iteration, run.weight_version)
+    return int(meta["next_iteration"])
+
+
+def rewind_metrics(run_dir: Path, next_iteration: int, saved_row: dict | None) -> None:
+    """metrics.jsonl as of the checkpoint: rows of iterations that will be redone go; the checkpoint's own
+    row comes back if the crash happened before it was appended."""
+    from infra.tracking import read_metrics, append_metrics
+
+    rows = [r for r in read_metrics(run_dir) if r.get("iteration", 0) < next_iteration]
+    if saved_row is not None and not any(r.get("iteration") == saved_row.get("iteration") for r in rows):
+        rows.append(saved_row)
+    (Path(run_dir) / "metrics.jsonl").unlink(missing_ok=True)
+    for row in sorted(rows, key=lambda r: r["iteration"]):
+        append_metrics(run_dir, row)
+
+
+def open_and_check(cfg: RunConfig, resume: bool) -> tuple[Store, CheckpointState | None]:
+    """The run's checkpoint store, checked reachable now; the state to resume from (None: fresh start).
+
+    A fresh start on a location that already holds checkpoints is refused: it would mix two runs.
+    """
+    from infra.checkpoint import list_checkpoints
+    from infra.storage import check_storage
+
+    store = check_storage(checkpoint_url(cfg), cfg.storage)
+    if not resume:
+        done = [c.iteration for c in list_checkpoints(store) if c.complete]
+        if done:
+            raise ConfigError(f"{store.url} already holds checkpoints (up to iteration {max(done)}); continue "
+                              f"with `spillover resume {cfg.run_dir}` or pick a new run_dir / storage.url")
+        return store, None
+    return store, load_resume_point(cfg, store)

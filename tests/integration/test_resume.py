@@ -1,0 +1,35 @@
+"""Resume from checkpoints in storage: the run continues where it stopped, nothing trained twice."""
+import json
+
+import pytest
+
+from infra.config import ConfigError
+
+from test_train_flow import prefect_harness, small_config  # noqa: F401  (shared fixture and config)
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_continues_and_refuses_mixed_runs(prefect_harness, ray_session, tmp_path):  # noqa: F811
+    from flows.setup import load_run_config
+    from flows.train import grpo_train
+
+    run_dir = tmp_path / "run"
+    grpo_train(small_config(run_dir, iterations=2))
+    assert [r["iteration"] for r in rows(run_dir)] == [0, 1]
+
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        grpo_train(small_config(run_dir, iterations=2))
+    with pytest.raises(ConfigError, match=r"rollout.global_batch_size: checkpoint 4, config 2"):
+        grpo_train(small_config(run_dir, iterations=3, **{"rollout.global_batch_size": 2,
+                                                          "grpo.micro_batch_size": 8}), resume=True)
+
+    cfg = load_run_config(run_dir, ["schedule.num_iterations=3"])
+    summary = grpo_train(cfg, resume=True)
+    got = rows(run_dir)
+    assert [r["iteration"] for r in got] == [0, 1, 2] and summary["iterations"] == 3
+    trained = [g for r in got for g in r["trained_stream_ids"]]
+    assert sorted(trained) == list(range(12))
+    assert got[2]["weight_version"] == 3  # the policy continued from version 2
