@@ -108,7 +108,7 @@ def _first_non_json(value, path: str = "meta") -> str | None:
     return None if ok else f"{path} ({type(value).__name__})"
 
 
-def _plan_objects(state: CheckpointState, max_object_bytes: int) -> tuple[dict[str, list], dict]:
+def plan_objects(state: CheckpointState, max_object_bytes: int) -> tuple[dict[str, list], dict]:
     """key -> buffers to write, and the manifest's group index: kind -> group -> [keys]."""
     objects: dict[str, list] = {}
     groups: dict = {"tensors": {}, "arrays": {}}
@@ -156,7 +156,7 @@ def save_checkpoint(store: Store, state: CheckpointState, keep: int | None = Non
     # An earlier attempt at this iteration needs no cleanup first: while objects are overwritten its old
     # manifest no longer verifies, and leftovers outside the new manifest go when prune drops the prefix.
     start = time.perf_counter()
-    objects, groups = _plan_objects(state, max_object_bytes)
+    objects, groups = plan_objects(state, max_object_bytes)
     objects[META] = [meta_bytes]
     total = sum(len(b) for bufs in objects.values() for b in bufs)
     infos: dict[str, ObjectInfo] = _run_all(

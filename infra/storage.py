@@ -7,65 +7,24 @@ part of a URL, repr, log line or error message. File writes are atomic (temp fil
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Sequence
 from urllib.parse import urlsplit
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from infra.config import StorageConfig
 from infra.storage_errors import (Fixes, ObjectMissing, Redactor, RetryPolicy, StorageAuthError, StorageError,
                                   StorageUnreachable, log, with_retries)
+from infra.storage_io import (ObjectInfo, OrderedHasher, chunks_of, local_get, local_put, s3_delete, s3_get,
+                              s3_put)
 
 __all__ = ["Store", "ObjectInfo", "open_store", "check_storage", "StorageError", "StorageAuthError",
            "StorageUnreachable", "ObjectMissing", "RetryPolicy"]
 
-CHUNK_BYTES = 16 << 20  # hashing/reading granularity
 INLINE_HASH_BYTES = 4 << 20  # objects up to this size are hashed on the calling thread
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    size: int
-    sha256: str
-
-
-class _OrderedHasher:
-    """sha256 over chunks fed in order. With a (single-thread) pool the hashing runs there (hashlib releases
-    the GIL), overlapping the I/O of the next chunk; small objects are hashed inline."""
-
-    def __init__(self, pool: ThreadPoolExecutor | None):
-        self._hash = hashlib.sha256()
-        self._pool = pool
-        self._pending: list = []
-        self.size = 0
-
-    def update(self, chunk: memoryview) -> None:
-        self.size += len(chunk)
-        if self._pool is None:
-            self._hash.update(chunk)
-            return
-        self._pending.append(self._pool.submit(self._hash.update, chunk))
-        if len(self._pending) > 4:  # bound the memory pinned by queued chunks
-            self._pending.pop(0).result()
-
-    def result(self) -> ObjectInfo:
-        for fut in self._pending:
-            fut.result()
-        return ObjectInfo(self.size, self._hash.hexdigest())
-
-
-def _chunks(buffers: Sequence) -> list[memoryview]:
-    out = []
-    for buf in buffers:
-        mv = memoryview(buf).cast("B")
-        out.extend(mv[i:i + CHUNK_BYTES] for i in range(0, len(mv), CHUNK_BYTES))
-    return out
 
 
 def _plain_url(url: str) -> str:
@@ -110,40 +69,15 @@ class Store:
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
         return self.put_buffers(key, [data])
 
-    def _hasher(self, size: int) -> _OrderedHasher:
-        return _OrderedHasher(self._hash_pool if size > INLINE_HASH_BYTES else None)
+    def _hasher(self, size: int) -> OrderedHasher:
+        return OrderedHasher(self._hash_pool if size > INLINE_HASH_BYTES else None)
 
     def _put_once(self, key: str, buffers: Sequence) -> ObjectInfo:
-        chunks = _chunks(buffers)
-        path, hasher = self.path(key), self._hasher(sum(len(c) for c in chunks))
+        chunks = chunks_of(buffers)
+        hasher = self._hasher(sum(len(c) for c in chunks))
         if self.is_local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            try:
-                with open(tmp, "wb") as f:
-                    for chunk in chunks:
-                        hasher.update(chunk)
-                        f.write(chunk)
-                info = hasher.result()
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-            return info
-        if len(buffers) == 1 and isinstance(buffers[0], (bytes, bytearray)):
-            body = buffers[0]
-            for chunk in chunks:
-                hasher.update(chunk)
-        else:
-            body = bytearray(sum(len(c) for c in chunks))
-            offset = 0
-            for chunk in chunks:
-                body[offset:offset + len(chunk)] = chunk
-                hasher.update(memoryview(body)[offset:offset + len(chunk)])
-                offset += len(chunk)
-        info = hasher.result()
-        self.fs.pipe_file(path, body)
-        return info
+            return local_put(self.path(key), chunks, hasher)
+        return s3_put(self.fs, self.path(key), buffers, chunks, hasher)
 
     # ---- reads
     def get_bytes(self, key: str) -> bytes:
@@ -155,41 +89,8 @@ class Store:
         return self._retry("read", key, lambda: self._get_once(key, size))
 
     def _get_once(self, key: str, size: int | None) -> tuple[bytearray, ObjectInfo]:
-        path = self.path(key)
-        if self.is_local:
-            with open(path, "rb") as f:
-                size = min(os.fstat(f.fileno()).st_size, size if size is not None else 1 << 62)
-                hasher = self._hasher(size)
-                buf = bytearray(size)
-                view = memoryview(buf)
-                for start in range(0, size, CHUNK_BYTES):
-                    chunk = view[start:start + CHUNK_BYTES]
-                    got = f.readinto(chunk)
-                    hasher.update(chunk[:got])
-                    if got < len(chunk):
-                        return buf[:hasher.size], hasher.result()  # shrank while read: a size mismatch
-            return buf, hasher.result()
-        if size is None:
-            size = self.fs.info(path)["size"]
-        hasher = self._hasher(size)
-        if size <= CHUNK_BYTES:  # one GET
-            buf = bytearray(self.fs.cat_file(path, start=0, end=size)) if size else bytearray(self.fs.info(path)["size"] * 0)
-            hasher.update(memoryview(buf))
-            return buf, hasher.result()
-        buf = bytearray(size)
-        view = memoryview(buf)
-        starts = list(range(0, size, CHUNK_BYTES))
-        batch = max(1, getattr(self.fs, "max_concurrency", 8))
-        for i in range(0, len(starts), batch):
-            group = starts[i:i + batch]
-            datas = self.fs.cat_ranges([path] * len(group), group, [min(s + CHUNK_BYTES, size) for s in group],
-                                       on_error="raise")
-            for start, data in zip(group, datas):
-                view[start:start + len(data)] = data
-                hasher.update(view[start:start + len(data)])
-                if start + len(data) < min(start + CHUNK_BYTES, size):  # the object is shorter than `size`
-                    return buf[:hasher.size], hasher.result()
-        return buf, hasher.result()
+        get = local_get if self.is_local else (lambda path, n, make: s3_get(self.fs, path, n, make))
+        return get(self.path(key), size, self._hasher)
 
     # ---- listing and deletion
     def exists(self, key: str) -> bool:
@@ -217,26 +118,14 @@ class Store:
 
     def delete(self, key: str) -> None:
         """Delete an object or everything under a prefix; missing is fine."""
-        self._retry("delete", key, lambda: self._delete_once(self.path(key)))
-
-    def _delete_once(self, path: str) -> None:
-        markers: list[str] = []
-        if not self.is_local:  # SeaweedFS lists emptied "directories" until their markers are deleted too
+        def rm():
+            if not self.is_local:
+                return s3_delete(self.fs, self.path(key))
             try:
-                found = self.fs.find(path, withdirs=True, detail=True)
+                self.fs.rm(self.path(key), recursive=True)
             except FileNotFoundError:
-                found = {}
-            markers = [p for p, d in found.items() if d.get("type") == "directory"]
-            if any(p.rstrip("/") != path for p in found):
-                markers.append(path)
-        try:
-            self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
-        for marker in sorted(set(markers), key=lambda p: -p.count("/")):  # deepest first
-            bucket, _, prefix = marker.partition("/")
-            if prefix:
-                self.fs.call_s3("delete_object", Bucket=bucket, Key=prefix.rstrip("/") + "/")
+                pass
+        self._retry("delete", key, rm)
 
 
 def _env(*names: str) -> str | None:

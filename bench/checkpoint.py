@@ -1,0 +1,179 @@
+"""Checkpoint write/load throughput next to plain fsspec put/get of the same bytes, on file:// and on a
+local SeaweedFS S3 server (started here on 127.0.0.1), for the tiny model + AdamW state and for a synthetic
+200M-parameter fp32 state (weights + two AdamW moments, ~2.4 GB).
+
+    python bench/checkpoint.py [--states tiny,200m] [--storages file,s3] [--repeats 3]
+
+One JSON line per (state, storage) on stdout: state, storage, bytes, objects (incl. meta and manifest), write_mb_s, load_mb_s,
+plain_put_mb_s, plain_get_mb_s, write_ratio, load_ratio (ratios = checkpoint / plain; target >= 0.8).
+Plain and checkpoint runs alternate in one process; each figure is the median over --repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from infra.checkpoint import (MAX_OBJECT_BYTES, CheckpointState, plan_objects, checkpoint_name,  # noqa: E402
+                              load_checkpoint, save_checkpoint)
+from infra.seaweed import SeaweedS3  # noqa: E402
+from infra.storage import open_store  # noqa: E402
+from infra.train_state import flatten_optimizer_state  # noqa: E402
+
+log = logging.getLogger("bench.checkpoint")
+
+
+def tiny_state(work: Path) -> CheckpointState:
+    from infra.models import build_tiny_model, load_causal_lm
+
+    model = load_causal_lm(build_tiny_model(work / "tiny_model"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt_tensors, index = flatten_optimizer_state(opt.state_dict())
+    return CheckpointState(0, {"policy": model.state_dict(), "optimizer": opt_tensors}, {}, {"optimizer": index})
+
+
+def synthetic_state(n_params: int, hidden: int = 1024, vocab: int = 32000) -> CheckpointState:
+    """fp32 weights shaped like a small transformer (embedding + layers of attention/MLP matrices) with
+    `n_params` parameters in all, and AdamW's exp_avg / exp_avg_sq of the same shapes."""
+    shapes = {"embed.weight": (vocab, hidden)}
+    per_layer = {"q": (hidden, hidden), "k": (hidden, hidden), "v": (hidden, hidden), "o": (hidden, hidden),
+                 "up": (hidden * 11 // 4, hidden), "gate": (hidden * 11 // 4, hidden), "down": (hidden, hidden * 11 // 4)}
+    layer, total = 0, vocab * hidden
+    while total < n_params:
+        for name, shape in per_layer.items():
+            rows = min(shape[0], max(1, (n_params - total) // shape[1]))
+            if total < n_params:
+                shapes[f"layers.{layer}.{name}.weight"] = (rows, shape[1])
+                total += rows * shape[1]
+        layer += 1
+    gen = torch.Generator().manual_seed(0)
+    weights = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    opt = {}
+    for i, (n, t) in enumerate(weights.items()):
+        opt[f"{i}.exp_avg"] = t * 1e-3
+        opt[f"{i}.exp_avg_sq"] = t * t * 1e-6
+        opt[f"{i}.step"] = torch.tensor(10.0)
+    return CheckpointState(0, {"policy": weights, "optimizer": opt}, {}, {"note": "synthetic"})
+
+
+def plain_payloads(state: CheckpointState, max_object_bytes: int) -> dict[str, Callable[[], bytes]]:
+    """key -> a function making the exact bytes of that checkpoint object (called outside the timed part,
+    one object at a time, so the plain runs never hold a second copy of the whole state)."""
+    objects, _ = plan_objects(state, max_object_bytes)
+    out = {key: (lambda bufs=bufs: b"".join(bytes(b) for b in bufs)) for key, bufs in objects.items()}
+    meta = json.dumps(state.meta).encode()
+    out["meta.json"] = lambda: meta
+    manifest = json.dumps({"objects": {k: {"size": sum(len(b) for b in bufs), "sha256": "0" * 64}
+                                       for k, bufs in objects.items()}}, indent=1).encode()
+    out["manifest.json"] = lambda: manifest
+    return out
+
+
+def plain_put(fs, store, payloads) -> tuple[float, int]:
+    """Seconds spent in fs.pipe_file over all objects (one after another, each with s3fs's own parallel
+    multipart upload: faster on weed than fs.pipe(dict)), and the bytes written."""
+    elapsed, total = 0.0, 0
+    for key, make in payloads.items():
+        data = make()
+        t = time.perf_counter()
+        fs.pipe_file(store.path(f"plain/{key}"), data)
+        elapsed += time.perf_counter() - t
+        total += len(data)
+        del data
+    return elapsed, total
+
+
+def plain_get(fs, store, name, keys) -> float:
+    t = time.perf_counter()
+    for key in keys:
+        data = fs.cat_file(store.path(f"{name}/{key}"))
+        del data
+    return time.perf_counter() - t
+
+
+def measure(store, state: CheckpointState, repeats: int) -> dict:
+    fs = LocalFileSystem(auto_mkdir=True) if store.is_local else store.fs  # plain put makes its directories
+    payloads = plain_payloads(state, MAX_OBJECT_BYTES)
+    name = checkpoint_name(state.iteration)
+    times: dict[str, list[float]] = {"plain_put": [], "write": [], "plain_get": [], "load": []}
+    for _ in range(repeats):  # plain and checkpoint alternate, so load on the machine hits both alike
+        store.delete("plain")
+        gc.collect()
+        elapsed, total = plain_put(fs, store, payloads)
+        times["plain_put"].append(elapsed)
+        store.delete(name)
+        gc.collect()
+        t = time.perf_counter()
+        save_checkpoint(store, state)
+        times["write"].append(time.perf_counter() - t)
+        gc.collect()
+        times["plain_get"].append(plain_get(fs, store, name, payloads))
+        gc.collect()
+        t = time.perf_counter()
+        loaded = load_checkpoint(store, state.iteration)
+        times["load"].append(time.perf_counter() - t)
+        del loaded
+        gc.collect()
+    store.delete("plain")
+    store.delete(name)
+    mb = total / 1e6
+    med = {k: statistics.median(v) for k, v in times.items()}
+    log.info("%s raw times: %s", store.url, {k: [round(x, 3) for x in v] for k, v in times.items()})
+    out = {"bytes": total, "objects": len(payloads),
+           "write_mb_s": mb / med["write"], "load_mb_s": mb / med["load"],
+           "plain_put_mb_s": mb / med["plain_put"], "plain_get_mb_s": mb / med["plain_get"]}
+    out["write_ratio"] = out["write_mb_s"] / out["plain_put_mb_s"]
+    out["load_ratio"] = out["load_mb_s"] / out["plain_get_mb_s"]
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--states", default="tiny,200m", help="comma list of: tiny, 200m")
+    ap.add_argument("--storages", default="file,s3", help="comma list of: file, s3")
+    ap.add_argument("--repeats", type=int, default=0, help="runs per figure (0: 15 for tiny, 2 for 200m on "
+                    "file, 1 for 200m on s3)")
+    ap.add_argument("--params", type=float, default=200e6, help="parameters of the synthetic '200m' state")
+    ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("spillover").setLevel(logging.WARNING)
+    states = args.states.split(",")
+    storages = args.storages.split(",")
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-ckpt-") as work_dir:
+        work = Path(work_dir)
+        server = SeaweedS3(work / "seaweed", bucket="bench").start() if "s3" in storages else None
+        try:
+            for state_name in states:
+                state = tiny_state(work) if state_name == "tiny" else synthetic_state(int(args.params))
+                for storage in storages:
+                    repeats = args.repeats or (15 if state_name == "tiny" else 2 if storage == "file" else 1)
+                    store = (open_store(str(work / "file-store")) if storage == "file"
+                             else open_store(server.url("store"), server.storage_config()))
+                    log.info("measuring %s on %s (%d repeats)", state_name, storage, repeats)
+                    result = {"state": state_name, "storage": storage, **measure(store, state, repeats)}
+                    print(json.dumps(result), flush=True)
+                del state
+                gc.collect()
+        finally:
+            if server is not None:
+                server.stop()
+
+
+if __name__ == "__main__":
+    main()
