@@ -1,0 +1,176 @@
+"""The simulated engine (rollout/engines/simulated.py): its timing model on hand-computed cases, abort
+semantics, SGLang answer shapes, and a small long-tail run through the real dock and drivers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from infra.config import RolloutConfig
+from rollout.dock import TransferDock
+from rollout.engines.protocol import GenerateResponse
+from rollout.engines.simulated import EngineTiming, SimulatedEngine
+from rollout.engines.simulated_workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths,
+                                                TableLengths, parse_simulated_input, simulated_prompt)
+from tasks.generate import generate_batch
+from tasks.prompts import groups_for_iteration
+
+EOS = DEFAULT_EOS
+# one engine, 2 slots: a step costs 10 ms + 1 ms per running request; prefill 0.1 ms per input token
+TINY = EngineTiming(num_engines=1, slots_per_engine=2, step_base_s=0.010, step_per_seq_s=0.001,
+                    prefill_per_token_s=0.0001)
+
+
+def request(ids, max_new=10, rid=None):
+    return {"input_ids": list(ids), "sampling_params": {"max_new_tokens": max_new}, "return_logprob": True,
+            "rid": rid or f"r{len(ids)}-{max_new}"}
+
+
+def engine(table, timing=TINY) -> SimulatedEngine:
+    return SimulatedEngine(timing, TableLengths(table))
+
+
+def test_prompts_name_their_group_and_continuations_their_sample():
+    prompt = simulated_prompt(41, 5)
+    assert parse_simulated_input(prompt) == (41, 5, None)
+    assert parse_simulated_input(prompt + [SAMPLE_KEY_BASE + 3, FILL_TOKEN]) == (41, 5, 3)
+    with pytest.raises(ValueError, match="simulated_prompt"):
+        parse_simulated_input([1, 2, 3, 4])
+
+
+def test_two_requests_in_two_slots_hand_computed():
+    eng = engine({0: [3, 5]})
+    done = []
+    out = eng.generate([request(simulated_prompt(0, 4))] * 2, on_result=lambda i, r: done.append((i, eng.clock_s)))
+    # t=0: both admitted, prefill 8 tokens = 0.8 ms; steps of 12 ms (2 running): 3 tokens at 36.8 ms,
+    # then 11 ms steps (1 running): tokens 4 and 5 at 47.8 and 58.8 ms
+    assert done == [(0, pytest.approx(0.0368)), (1, pytest.approx(0.0588))]
+    assert eng.clock_s == pytest.approx(0.0588)
+    first, second = out
+    assert first["output_ids"] == [SAMPLE_KEY_BASE + 0, FILL_TOKEN, EOS]
+    assert second["output_ids"] == [SAMPLE_KEY_BASE + 1, FILL_TOKEN, FILL_TOKEN, FILL_TOKEN, EOS]
+    assert first["meta_info"]["finish_reason"]["type"] == "stop" and first["meta_info"]["completion_tokens"] == 3
+    usage = eng.usage()
+    assert usage["engine_busy_s"] == pytest.approx(0.0588)
+    assert usage["slot_busy_s"] == pytest.approx(2 * 0.0368 + 0.022)
+    assert usage["tokens_generated"] == 8 and usage["prefill_tokens"] == 8
+
+
+def test_a_queued_request_takes_the_freed_slot_and_pays_its_prefill():
+    eng = engine({0: [3, 5], 1: [2]})
+    done = {}
+    eng.generate([request(simulated_prompt(0, 4))] * 2 + [request(simulated_prompt(1, 4))],
+                 on_result=lambda i, r: done.setdefault(i, eng.clock_s))
+    # at 36.8 ms request 2 enters: its step costs 12 ms + 0.4 ms prefill -> 49.2; then 61.2 ms: both end
+    # (request 1 had 3 + 2 = 5 tokens, request 2 had 2)
+    assert done[0] == pytest.approx(0.0368)
+    assert done[1] == pytest.approx(0.0612) and done[2] == pytest.approx(0.0612)
+
+
+def test_engines_run_on_their_own_clocks_and_first_fill_is_round_robin():
+    timing = EngineTiming(num_engines=2, slots_per_engine=1, step_base_s=0.010, step_per_seq_s=0.0,
+                          prefill_per_token_s=0.0)
+    eng = engine({0: [2, 7], 1: [1]}, timing)
+    done = {}
+    eng.generate([request(simulated_prompt(0, 3))] * 2 + [request(simulated_prompt(1, 3))],
+                 on_result=lambda i, r: done.setdefault(i, eng.clock_s))
+    # engine 0 runs request 0 (2 tokens, 20 ms) then the queued request 2 (1 token, 30 ms);
+    # engine 1 runs request 1 (7 tokens, 70 ms)
+    assert done == {0: pytest.approx(0.02), 2: pytest.approx(0.03), 1: pytest.approx(0.07)}
+    assert eng.usage()["engine_busy_s"] == pytest.approx(0.03 + 0.07)
+
+
+def test_budget_limits_and_eos_on_the_last_position_reports_length():
+    eng = engine({0: [4, 9]})
+    out = eng.generate([request(simulated_prompt(0, 3), max_new=4), request(simulated_prompt(0, 3), max_new=4)])
+    assert out[0]["output_ids"][-1] == EOS and out[0]["meta_info"]["finish_reason"]["type"] == "length"
+    assert out[1]["output_ids"][-1] == FILL_TOKEN and out[1]["meta_info"]["finish_reason"] == {"type": "length",
+                                                                                                 "length": 4}
+    assert eng.generate([request(simulated_prompt(5, 3), max_new=0)])[0]["output_ids"] == []  # answered at once
+    for answer in out:
+        GenerateResponse.model_validate(answer)  # SGLang's shape, as the client parses it
+        assert [e[1] for e in answer["meta_info"]["output_token_logprobs"]] == answer["output_ids"]
+
+
+def test_abort_from_a_callback_stops_the_clock_and_keeps_the_tokens_so_far():
+    eng = engine({0: [3, 5], 1: [4]})
+    answers = {}
+
+    def on_result(i, resp):
+        answers[i] = resp
+        eng.abort_all()
+
+    out = eng.generate([request(simulated_prompt(0, 4))] * 2 + [request(simulated_prompt(1, 4))], on_result=on_result)
+    assert eng.clock_s == pytest.approx(0.0368)  # the moment request 0 ended
+    assert sorted(answers) == [0, 1, 2] and out[1] is answers[1]
+    assert out[1]["output_ids"] == [SAMPLE_KEY_BASE + 1, FILL_TOKEN, FILL_TOKEN]  # 3 completed steps
+    assert out[1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out[2]["output_ids"] == [] and out[2]["meta_info"]["finish_reason"]["type"] == "abort"  # was queued
+    # the cut row continues from its ids and keeps its natural length (5): 2 more tokens, the last EOS
+    cont = eng.generate([request(simulated_prompt(0, 4) + out[1]["output_ids"])])
+    assert cont[0]["output_ids"] == [FILL_TOKEN, EOS] and cont[0]["meta_info"]["finish_reason"]["type"] == "stop"
+    # the request that never ran starts fresh as sample 0 of its group
+    fresh = eng.generate([request(simulated_prompt(1, 4))])
+    assert fresh[0]["output_ids"] == [SAMPLE_KEY_BASE, FILL_TOKEN, FILL_TOKEN, EOS]
+
+
+def test_abort_mid_step_counts_only_completed_steps_and_returns_unused_sample_keys():
+    timing = EngineTiming(num_engines=2, slots_per_engine=1, step_base_s=0.010, step_per_seq_s=0.0,
+                          prefill_per_token_s=0.001)
+    eng = engine({0: [1], 1: [50]}, timing)
+    # engine 0: prefill 3 ms + 10 ms -> request 0 ends at 13 ms; engine 1's request has a 30-token
+    # prompt: its first step ends at 40 ms, so at 13 ms it has nothing and its sample key goes back
+    out = eng.generate([request(simulated_prompt(0, 3)), request(simulated_prompt(1, 30))],
+                       on_result=lambda i, r: eng.abort_all())
+    assert eng.clock_s == pytest.approx(0.013)
+    assert out[1]["output_ids"] == [] and out[1]["meta_info"]["finish_reason"]["type"] == "abort"
+    again = eng.generate([request(simulated_prompt(1, 30), max_new=2)])
+    assert again[0]["output_ids"] == [SAMPLE_KEY_BASE + 0, FILL_TOKEN]  # still sample 0 of group 1
+
+
+def test_weight_version_and_advance():
+    eng = engine({0: [2, 2]})
+    eng.update_weights(None, 7)
+    eng.advance(1.5)
+    out = eng.generate([request(simulated_prompt(0, 3))])
+    assert out[0]["meta_info"]["weight_version"] == 7
+    assert eng.clock_s == pytest.approx(1.5 + 0.011 * 2 + 0.0003)
+    assert eng.usage()["engine_busy_s"] == pytest.approx(0.022 + 0.0003)
+
+
+def test_lognormal_lengths_are_seeded_per_group():
+    lengths = LognormalLengths(n=16, median=2000, sigma=1.0, seed=3)
+    assert np.array_equal(lengths.group_lengths(5), LognormalLengths(n=16, seed=3).group_lengths(5))
+    assert not np.array_equal(lengths.group_lengths(5), lengths.group_lengths(6))
+    many = np.concatenate([lengths.group_lengths(g) for g in range(200)])
+    assert 1700 < np.median(many) < 2300 and many.min() >= 1
+
+
+def run_iterations(mode: str, max_split: int, iterations: int = 4, extra: int = 0) -> tuple[float, float]:
+    """A small long-tail workload through the real dock and drivers -> (trained tokens per s, stale share)."""
+    cfg = RolloutConfig(global_batch_size=16, n_samples_per_prompt=4, max_tokens=2048, max_model_len=2048 + 16,
+                        max_split=max_split, mode=mode, over_sampling_groups=extra)
+    dock = TransferDock.from_config(cfg, [EOS])
+    dock.require_max_age_all_finished = mode == "async"  # as flows/setup.py builds it
+    eng = SimulatedEngine(EngineTiming(num_engines=2, slots_per_engine=16), LognormalLengths(n=4, median=150, seed=1))
+    next_id, tokens, stale = 0, 0, 0
+    for it in range(iterations):
+        count = groups_for_iteration(dock, it, 1000)
+        dock.load_groups(np.arange(next_id, next_id + count), [simulated_prompt(g, 8) for g in range(next_id, next_id + count)],
+                         [0] * count)
+        next_id += count
+        generate_batch(dock, eng, cfg, [EOS], weight_version=it, drain=False)
+        batch = dock.batch_arrays()
+        assert not dock.in_flight.any() and len(batch["group_ids"]) == 16
+        tokens += int(batch["response_lengths"].sum())
+        stale += int((batch["weight_versions"] < it).sum())
+        dock.clear()
+        eng.update_weights(None, it + 1)
+    return tokens / eng.clock_s, stale / tokens
+
+
+def test_partial_rollout_beats_no_partial_on_a_long_tail():
+    base, base_stale = run_iterations("sync", 1)
+    sync4, _ = run_iterations("sync", 4)
+    async_, async_stale = run_iterations("async", 2)
+    assert base_stale == 0 and async_stale > 0
+    assert sync4 > 1.1 * base and async_ > 1.2 * base, (base, sync4, async_)
