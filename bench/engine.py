@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -152,7 +151,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=480, help="cap on max_new_tokens (the model's context is 512)")
     p.add_argument("--max-running-requests", type=int, default=None, help="engine slots (default: concurrency)")
     p.add_argument("--engine-threads", type=int, default=1, help="torch threads of the engine process")
-    p.add_argument("--hf-threads", type=int, default=os.cpu_count() or 1, help="torch threads for HF generate")
+    p.add_argument("--hf-threads", type=int, default=1, help="torch threads for HF generate (as the engine)")
     args = p.parse_args()
     from infra.config import TinyModelConfig
     from infra.models import build_tiny_model

@@ -234,3 +234,15 @@ def test_sampling_is_seeded_and_respects_top_k(varied_engine):
     free = run(generate_all(varied_engine.url, PROMPTS[:3] * 4, {**params, "top_k": -1, "top_p": 0.9}))
     assert time.monotonic() - start < 10
     assert len({tuple(r.output_ids) for r in free}) > 3
+
+
+def test_client_transport_errors_are_httpx_transport_errors():
+    from rollout.engines.router import free_port
+
+    async def scenario():
+        async with EngineClient(f"http://127.0.0.1:{free_port()}") as client:
+            assert await client.health() is False
+            with pytest.raises(httpx.ConnectError):
+                await client.generate([5], {"max_new_tokens": 1})
+
+    run(scenario())
