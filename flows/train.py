@@ -10,6 +10,7 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 from flows.run_lock import acquire_run_lock
 from flows.setup import build_run, shutdown_run
 from infra.config import RunConfig
+from infra.faults import maybe_kill
 from infra.tracking import RunTracker
 from tasks.checkpoint import open_and_check, restore, rewind_metrics
 from tasks.clear import clear_and_age_sort
@@ -24,6 +25,7 @@ log = logging.getLogger("spillover")
 
 
 def _timed(it, name: str, task, *args, **kwargs):
+    maybe_kill(name, it.iteration)
     start = time.perf_counter()
     out = task(*args, **kwargs)
     it.task_s[name] = time.perf_counter() - start
