@@ -6,6 +6,7 @@ Stopped with SIGTERM, then SIGKILL after a timeout (`weed server` ignores SIGTER
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +48,18 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def _die_with_parent():
+    """Linux: SIGKILL weed when the thread that started it dies (a kill -9'd test run leaves no server
+    behind). Only from the main thread: a helper thread's exit would take the server down with it."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class SeaweedS3:
@@ -98,7 +112,7 @@ class SeaweedS3:
                 f"-bucket={self.bucket}", *self.extra_args] + [f"-{name}={port}" for name, port in self.ports.items()]
         with open(self.log_path, "ab") as log_file:
             self.proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_die_with_parent())
         self._wait_ready(timeout_s)
         return self
 
