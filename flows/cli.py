@@ -1,4 +1,4 @@
-"""`spillover` command line: train (more commands join as they land). Exit codes: 0 ok, 1 run failed,
+"""`spillover` command line: train, serve, submit, report. Exit codes: 0 ok, 1 run failed,
 2 bad config or input."""
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from flows.run_lock import RunLockedError
 from infra.config import ConfigError, load_config
 from infra.prefect_env import apply_process_defaults
 
@@ -28,12 +29,66 @@ def cmd_train(args) -> int:
     return EXIT_OK
 
 
+def cmd_serve(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from flows.serve import serve_deployments
+
+    only = [d.strip() for d in args.deployments.split(",") if d.strip()] if args.deployments else None
+    serve_deployments(cfg, cron=args.cron, only=only, limit=args.limit)
+    return EXIT_OK
+
+
+def cmd_submit(args) -> int:
+    from flows.serve import submit_run
+
+    run = submit_run(args.deployment, args.config, args.overrides, wait_s=args.wait)
+    state = run.state.type.value if run.state is not None else "UNKNOWN"
+    print(json.dumps({"flow_run_id": str(run.id), "flow_run_name": run.name, "state": state}))
+    if args.wait and state != "COMPLETED":
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def cmd_report(args) -> int:
+    from flows.report import write_report
+
+    for path in write_report(args.run_dir):
+        print(path)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spillover", description="GRPO training with partial rollout.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train from a config (local Ray, CPU engines, ephemeral Prefect)")
     _add_config_args(train)
     train.set_defaults(fn=cmd_train)
+
+    serve = sub.add_parser("serve", help="serve the deployments of prefect.yaml from this process (needs "
+                           "PREFECT_API_URL of a running `prefect server`)",
+                           description="Serve the deployments declared in prefect.yaml; runs start from the UI, "
+                           "`prefect deployment run` or `spillover submit` and run here until Ctrl-C.")
+    _add_config_args(serve)
+    serve.add_argument("--cron", help="cron of the nightly smoke run (default: schedule.cron, else prefect.yaml)")
+    serve.add_argument("--deployments", help="comma-separated names to serve (default: all in prefect.yaml)")
+    serve.add_argument("--limit", type=int, default=None, help="most flow runs at once (default: no limit)")
+    serve.set_defaults(fn=cmd_serve)
+
+    submit = sub.add_parser("submit", help="start a run of a served deployment through the Prefect API",
+                            description="Start a flow run of a deployment. Config: --config FILE, else the "
+                            "deployment's default config, with key=value overrides on top.")
+    submit.add_argument("--deployment", default="grpo-train/train", help="FLOW/DEPLOYMENT (default: grpo-train/train)")
+    submit.add_argument("--config", default=None, help="YAML run config (default: the deployment's own)")
+    submit.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    submit.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                        help="wait up to SECONDS for the run to finish; exit 1 unless it completed")
+    submit.set_defaults(fn=cmd_submit)
+
+    report = sub.add_parser("report", help="write PNG plots of a run into RUN_DIR/report/",
+                            description="Plots from RUN_DIR/metrics.jsonl: reward, response lengths, rows "
+                            "carried over, time per task.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir of a training run")
+    report.set_defaults(fn=cmd_report)
     return parser
 
 
@@ -46,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"spillover: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except RunLockedError as err:
+        print(f"spillover: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except (FileNotFoundError, ValueError) as err:
         print(f"spillover: {type(err).__name__}: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -130,7 +130,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def flow_run_state(flow_run_id: str):
-    """The flow run's state type (prefect StateType), or None when the API does not know that flow run."""
+    """The flow run's state (prefect State), or None when the API does not know that flow run."""
     from prefect import get_client
     from prefect.exceptions import ObjectNotFound
 
@@ -139,7 +139,7 @@ def flow_run_state(flow_run_id: str):
             run = client.read_flow_run(uuid.UUID(flow_run_id))
     except (ObjectNotFound, ValueError):
         return None
-    return run.state.type if run.state is not None else None
+    return run.state
 
 
 def owner_is_gone(holder: dict) -> bool:

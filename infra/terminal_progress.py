@@ -17,7 +17,7 @@ def progress_fields(progress: dict, partial_rows: int) -> dict:
 class TerminalProgress:
     """One bar per iteration's generation, removed when the iteration's summary line is printed."""
 
-    def __init__(self, enabled: bool, echo: Callable[[str], None] = print, stream=None):
+    def __init__(self, enabled: bool, echo: Callable[[str], None], stream=None):
         stream = stream if stream is not None else sys.stdout
         self.echo = echo
         self.enabled = bool(enabled) and hasattr(stream, "isatty") and stream.isatty()

@@ -129,11 +129,13 @@ class RunTracker:
     (store `wandb_run_id` in the checkpoint). Prefect artifacts are sent only inside a flow run.
     """
 
-    def __init__(self, run_dir: Path, tracking_cfg=None, echo=print, *, run_config=None,
+    def __init__(self, run_dir: Path, tracking_cfg=None, echo=None, *, run_config=None,
                  resume_wandb_id: str | None = None, progress_stream=None):
         from infra.prefect_artifacts import RunArtifacts
         from infra.terminal_progress import TerminalProgress
 
+        # print looked up at call time: Prefect's log_prints swaps builtins.print inside a flow run
+        echo = echo or (lambda text: print(text))
         self.run_dir, self.cfg, self.echo = Path(run_dir), tracking_cfg, echo
         self.run_config, self.resume_wandb_id = run_config, resume_wandb_id
         self.wandb_run = None

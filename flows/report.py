@@ -1,0 +1,170 @@
+"""`spillover report RUN_DIR`: PNG plots of a run from its metrics.jsonl, into RUN_DIR/report/.
+
+reward.png     reward over iterations (mean +- std, exact match, the prompt-independent baseline)
+lengths.png    response length distribution of trained samples by age (long tail, round cuts, max_tokens)
+carryover.png  rows carried over after each iteration, by age, and how many of them are partial
+task_time.png  time per task per iteration
+"""
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+
+from infra.tracking import read_metrics
+
+PLOTS = ("reward", "lengths", "carryover", "task_time")
+TASK_ORDER = ["load_prompts", "generate_until_ready", "compute_reward", "compute_ref_logprob",
+              "compute_old_logprob", "update", "clear_and_age_sort"]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _column(rows: list[dict], key: str, default=np.nan) -> np.ndarray:
+    return np.array([float(r.get(key, default)) for r in rows])
+
+
+def plot_reward(rows: list[dict], summary: dict, path: Path) -> None:
+    plt = _pyplot()
+    its, mean, std = _column(rows, "iteration"), _column(rows, "reward_mean"), _column(rows, "reward_std", 0.0)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(its, mean, marker="o", ms=3, label="reward mean")
+    ax.fill_between(its, mean - std, mean + std, alpha=0.2, label="+- std")
+    if "exact_match" in rows[0]:
+        ax.plot(its, _column(rows, "exact_match"), ls="--", label="exact match")
+    if summary.get("prompt_independent_baseline") is not None:
+        ax.axhline(summary["prompt_independent_baseline"], color="gray", ls=":", label="prompt-independent baseline")
+    ax.set(xlabel="iteration", ylabel="reward", title="Reward over iterations")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def _length_hist(rows: list[dict]) -> dict | None:
+    """Sum the per-iteration histograms (same binning within one run) -> {"bin_width", ..., "by_age"}."""
+    hists = [r["response_length_hist"] for r in rows if r.get("response_length_hist")]
+    if not hists:
+        return None
+    total = {k: hists[-1][k] for k in ("bin_width", "max_tokens", "round_tokens")}
+    by_age: dict[str, np.ndarray] = {}
+    for h in hists:
+        for age, counts in h["by_age"].items():
+            counts = np.asarray(counts)
+            by_age[age] = by_age.get(age, np.zeros_like(counts)) + counts
+    total["by_age"] = dict(sorted(by_age.items(), key=lambda kv: int(kv[0])))
+    return total
+
+
+def plot_lengths(rows: list[dict], path: Path) -> None:
+    plt = _pyplot()
+    hist = _length_hist(rows)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    if hist is not None:
+        width = hist["bin_width"]
+        bottom = None
+        for age, counts in hist["by_age"].items():
+            x = np.arange(len(counts)) * width
+            label = "finished in one iteration" if age == "0" else f"carried over {age} iteration(s)"
+            left.bar(x, counts, width=width, align="edge", bottom=bottom, label=label, alpha=0.85)
+            bottom = counts if bottom is None else bottom + counts
+        cut = hist["round_tokens"]
+        for k in range(1, hist["max_tokens"] // max(cut, 1)):
+            left.axvline(k * cut, color="gray", ls="--", lw=1, label="partial-rollout cut (round end)" if k == 1 else None)
+        left.axvline(hist["max_tokens"], color="red", lw=1.5, label="max_tokens")
+        left.set_yscale("log")
+        left.set(xlabel="response length (tokens)", ylabel="trained samples (log)",
+                 title="Response length distribution (all iterations)")
+        left.legend(fontsize=7)
+    else:
+        left.text(0.5, 0.5, "no per-sample lengths recorded", ha="center", va="center")
+        left.set_axis_off()
+    its = _column(rows, "iteration")
+    for key, label in (("response_length_p50", "p50"), ("response_length_p90", "p90"),
+                       ("response_length_max", "max")):
+        if key in rows[0]:
+            right.plot(its, _column(rows, key), marker="o", ms=3, label=label)
+    if hist is not None:
+        right.axhline(hist["max_tokens"], color="red", lw=1, label="max_tokens")
+    right.set(xlabel="iteration", ylabel="tokens", title="Response length per iteration (the tail)")
+    right.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_carryover(rows: list[dict], path: Path) -> None:
+    plt = _pyplot()
+    its = _column(rows, "iteration")
+    ages = sorted({a for r in rows for a in (r.get("age_histogram") or {})}, key=int)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = np.zeros(len(rows))
+    for age in ages:
+        counts = np.array([float((r.get("age_histogram") or {}).get(age, 0)) for r in rows])
+        ax.bar(its, counts, bottom=bottom, label=f"age {age}")
+        bottom += counts
+    ax.plot(its, _column(rows, "partial_rows", 0.0), color="black", marker="o", ms=3, label="partial rows")
+    ax.set(xlabel="iteration", ylabel="rows in the dock after clear",
+           title="Rows carried over to the next iteration, by age")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_task_time(rows: list[dict], path: Path) -> None:
+    plt = _pyplot()
+    its = _column(rows, "iteration")
+    names = [t for t in TASK_ORDER if any(t in (r.get("task_s") or {}) for r in rows)]
+    names += sorted({t for r in rows for t in (r.get("task_s") or {})} - set(names))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = np.zeros(len(rows))
+    for name in names:
+        sec = np.array([float((r.get("task_s") or {}).get(name, 0.0)) for r in rows])
+        ax.bar(its, sec, bottom=bottom, label=name)
+        bottom += sec
+    ax.set(xlabel="iteration", ylabel="seconds", title="Time per task")
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+
+
+def write_report(run_dir: str | Path) -> list[Path]:
+    """Write the four plots into run_dir/report/ and return their paths. FileNotFoundError: no metrics."""
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise FileNotFoundError(f"{run_dir / 'metrics.jsonl'} has no iterations: is {run_dir} a run directory "
+                                "(run_dir of `spillover train`)?")
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    out = run_dir / "report"
+    out.mkdir(exist_ok=True)
+    paths = [out / f"{name}.png" for name in PLOTS]
+    plot_reward(rows, summary, paths[0])
+    plot_lengths(rows, paths[1])
+    plot_carryover(rows, paths[2])
+    plot_task_time(rows, paths[3])
+    return paths
+
+
+def report_markdown(run_dir: Path, plots: list[Path], summary: dict) -> str:
+    """The report as markdown with the plots inline (data URIs), for a Prefect artifact."""
+    lines = [f"## Run report: `{run_dir}`", "", "| " + " | ".join(summary) + " |",
+             "|" + "---|" * len(summary), "| " + " | ".join(_fmt(v) for v in summary.values()) + " |", ""]
+    for path in plots:
+        data = base64.b64encode(path.read_bytes()).decode()
+        lines += [f"**{path.stem}** (`{path}`)", "", f"![{path.stem}](data:image/png;base64,{data})", ""]
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,133 @@
+"""Deployments of spillover (declared in prefect.yaml) served from this process, and starting their runs.
+
+`spillover serve` reads prefect.yaml, builds each deployment with `flow.to_deployment(...)` and serves
+them all with `prefect.serve(...)`: flow runs started from the UI, from `prefect deployment run` or from
+`spillover submit` then run as subprocesses of the serving process. The training deployment's default
+parameter is the config given to `serve` (--config + key=value); the nightly smoke run's cron comes from
+--cron, else the config's schedule.cron, else prefect.yaml.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prefect import flow
+
+from infra.config import ConfigError, RunConfig, build_config, load_config
+
+log = logging.getLogger("spillover")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PREFECT_YAML = REPO_ROOT / "prefect.yaml"
+TRAIN_DEPLOYMENT = "grpo-train/train"
+
+
+def _config_path(path: str) -> Path:
+    """A config path as given, else relative to the repository (served runs may start in another cwd)."""
+    p = Path(path)
+    return p if p.is_file() or p.is_absolute() else REPO_ROOT / p
+
+
+@flow(name="spillover-smoke", log_prints=True)
+def nightly_smoke(config_path: str = "configs/tiny.yaml", iterations: int = 3, run_dir: str = "runs/nightly-smoke",
+                  overrides: list[str] | None = None) -> dict:
+    """A short training run of a config (the tiny one by default): does the whole pipeline still train?"""
+    from flows.train import grpo_train
+
+    cfg = load_config(_config_path(config_path),
+                      [f"schedule.num_iterations={iterations}", f"run_dir={run_dir}", *(overrides or [])])
+    return grpo_train(cfg)
+
+
+def read_deployment_specs(path: Path = PREFECT_YAML) -> list[dict]:
+    """The `deployments:` entries of prefect.yaml (name, entrypoint, parameters, schedules, ...)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: `spillover serve` reads the deployments declared there")
+    specs = (yaml.safe_load(path.read_text()) or {}).get("deployments") or []
+    if not specs:
+        raise ConfigError(f"{path} declares no deployments (a `deployments:` list with name and entrypoint)")
+    return specs
+
+
+def config_parameter(cfg: RunConfig) -> dict:
+    """RunConfig -> the JSON a deployment stores. Secrets never go there: they come from the environment."""
+    data = cfg.model_dump(mode="json")
+    storage = data.get("storage", {})
+    for key in ("access_key_id", "secret_access_key"):
+        if storage.get(key) is not None:
+            log.warning("storage.%s is not stored in the deployment; set AWS_ACCESS_KEY_ID / "
+                        "AWS_SECRET_ACCESS_KEY in the environment of `spillover serve`", key)
+            storage[key] = None
+    return data
+
+
+def _load_flow(entrypoint: str):
+    known = {"flows/train.py:grpo_train": ("flows.train", "grpo_train"),
+             "flows/serve.py:nightly_smoke": ("flows.serve", "nightly_smoke")}
+    if entrypoint in known:
+        import importlib
+
+        module, name = known[entrypoint]
+        return getattr(importlib.import_module(module), name)
+    from prefect.flows import load_flow_from_entrypoint
+
+    return load_flow_from_entrypoint(entrypoint)
+
+
+def _crons(spec: dict) -> list[str]:
+    return [s["cron"] for s in spec.get("schedules") or [] if isinstance(s, dict) and s.get("cron")
+            and s.get("active", True)]
+
+
+def build_deployments(cfg: RunConfig, cron: str | None = None, only: list[str] | None = None,
+                      specs: list[dict] | None = None) -> list:
+    """RunnerDeployments for prefect.serve: the training config as the default parameter, cron applied."""
+    from prefect.types.entrypoint import EntrypointType
+
+    out = []
+    for spec in specs if specs is not None else read_deployment_specs():
+        if only and spec["name"] not in only:
+            continue
+        fl = _load_flow(spec["entrypoint"])
+        params: dict[str, Any] = dict(spec.get("parameters") or {})
+        crons = _crons(spec)
+        if "config" in fl.parameters.properties:
+            params["config"] = config_parameter(cfg)
+        elif crons:  # the scheduled smoke run: --cron, else the config's schedule.cron, else prefect.yaml
+            crons = [cron or cfg.schedule.cron or crons[0]]
+        out.append(fl.to_deployment(
+            name=spec["name"], cron=crons or None, parameters=params, description=spec.get("description"),
+            tags=spec.get("tags"), entrypoint_type=EntrypointType.MODULE_PATH))
+    if only and len(out) != len(only):
+        names = [s["name"] for s in specs or read_deployment_specs()]
+        raise ConfigError(f"--deployments {','.join(only)}: prefect.yaml declares {', '.join(names)}")
+    return out
+
+
+def serve_deployments(cfg: RunConfig, cron: str | None = None, only: list[str] | None = None,
+                      limit: int | None = None) -> None:
+    """Register the deployments and run their flow runs until interrupted (SIGTERM / Ctrl-C)."""
+    from prefect import serve
+
+    deployments = build_deployments(cfg, cron, only)
+    serve(*deployments, limit=limit)
+
+
+def submit_run(deployment: str = TRAIN_DEPLOYMENT, config_file: str | None = None,
+               overrides: list[str] | None = None, wait_s: float = 0.0):
+    """Start a flow run of a served deployment; its config = config_file (else the deployment's default
+    config) with key=value overrides applied and validated here. Returns the FlowRun (final when waited)."""
+    from prefect import get_client
+    from prefect.deployments import run_deployment
+
+    parameters = None
+    if config_file or overrides:
+        if config_file:
+            cfg = load_config(config_file, overrides)
+        else:
+            with get_client(sync_client=True) as client:
+                defaults = client.read_deployment_by_name(deployment).parameters or {}
+            cfg = build_config(dict(defaults.get("config") or {}), overrides)
+        parameters = {"config": config_parameter(cfg)}
+    return run_deployment(deployment, parameters=parameters, timeout=wait_s, as_subflow=False)

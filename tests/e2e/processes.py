@@ -1,0 +1,66 @@
+"""Child processes for e2e tests: started in their own process group on 127.0.0.1, output to a log file,
+stopped with SIGTERM to the whole group and SIGKILL after a timeout, even when the test fails."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """SIGTERM the process group, then SIGKILL it if anything is left after timeout_s."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # children (flow-run subprocesses, Ray) may outlive the leader
+    except ProcessLookupError:
+        pass
+    proc.wait(5)
+
+
+@contextmanager
+def running(cmd: list[str], log_path: Path, env: dict, cwd: str | None = None):
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        stop_group(proc)
+        log.close()
+
+
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None, log_path: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered:\n{_tail(log_path)}")
+        try:
+            if httpx.get(url, timeout=3).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s:\n{_tail(log_path)}")
+
+
+def _tail(path: Path | None, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path is not None and path.is_file() else ""

@@ -1,0 +1,191 @@
+"""Deploy, run and watch, end to end: a real `prefect server` (API auth on) on 127.0.0.1, `spillover serve`
+serving prefect.yaml's deployments, a run started with `spillover submit` through the API, its iteration
+artifacts read back through the API, a second run on the same run_dir refused by the run lock, and the
+flow run pages checked in headless Chromium (Debian's chromium driven by playwright). Screenshots go to
+test-outputs/e2e/ (SPILLOVER_UPDATE_DOCS=1 also refreshes docs/ui-screenshot.png)."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from processes import free_port, running, wait_http
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+OUT = REPO / "test-outputs" / "e2e"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+SMALL = ["schedule.num_iterations=2", "rollout.global_batch_size=4", "rollout.n_samples_per_prompt=4",
+         "rollout.max_tokens=16", "rollout.max_model_len=32", "rollout.max_split=2", "grpo.micro_batch_size=16",
+         "data.num_prompts=64", "engines.max_running_requests=32", "tracking.wandb_mode=offline"]
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+                "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+                "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "2"})
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _wait(fn, timeout_s: float, what: str, every_s: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise TimeoutError(f"{what}: not after {timeout_s}s")
+
+
+def _submit(env: dict, *overrides: str) -> str:
+    out = subprocess.run([str(BIN / "spillover"), "submit", *overrides], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])["flow_run_id"]
+
+
+def _flow_run(api: httpx.Client, run_id: str) -> dict:
+    return api.get(f"/flow_runs/{run_id}").json()
+
+
+def _artifacts(api: httpx.Client, flow_run_ids: list[str]) -> list[dict]:
+    return api.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": flow_run_ids}}}).json()
+
+
+def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(tmp_path):
+    assert Path(CHROMIUM).exists(), "chromium missing: `make test` installs it (apt-get install -y chromium)"
+    OUT.mkdir(parents=True, exist_ok=True)
+    port, user, password = free_port(), "spillover", secrets.token_hex(8)
+    url, auth = f"http://127.0.0.1:{port}", f"{user}:{password}"
+    run_dir = tmp_path / "e2e-run"
+    server_env = _env(PREFECT_HOME=tmp_path / "server-home", PREFECT_SERVER_API_AUTH_STRING=auth,
+                      PREFECT_SERVER_API_HOST="127.0.0.1", PREFECT_SERVER_API_PORT=port,
+                      PREFECT_UI_API_URL=f"{url}/api")
+    client_env = _env(PREFECT_HOME=tmp_path / "client-home", PREFECT_API_URL=f"{url}/api",
+                      PREFECT_API_AUTH_STRING=auth)
+    timings = {}
+    with ExitStack() as stack:
+        t0 = time.monotonic()
+        server_log = OUT / "server.log"
+        server = stack.enter_context(running(
+            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], server_log,
+            server_env))
+        wait_http(f"{url}/api/health", 180, server, server_log)
+        timings["server_ready_s"] = time.monotonic() - t0
+        assert httpx.post(f"{url}/api/flows/filter", json={}).status_code == 401  # auth is on
+        api = stack.enter_context(httpx.Client(base_url=f"{url}/api", auth=(user, password), timeout=30))
+
+        serve_log = OUT / "serve.log"
+        stack.enter_context(running(
+            [str(BIN / "spillover"), "serve", "--config", "configs/tiny.yaml", *SMALL, f"run_dir={run_dir}",
+             "--cron", "17 4 * * *"], serve_log, client_env, cwd=str(REPO)))
+
+        def deployments():
+            found = {d["name"]: d for d in api.post("/deployments/filter", json={}).json()}
+            return found if {"train", "nightly-smoke"} <= set(found) else None
+        found = _wait(deployments, 120, f"deployments served (log: {serve_log})")
+        timings["deployments_served_s"] = time.monotonic() - t0
+        train, smoke = found["train"], found["nightly-smoke"]
+        schema = json.dumps(train["parameter_openapi_schema"])
+        assert "RunConfig" in schema and "max_split" in schema  # the config is a typed form in the UI
+        assert train["parameters"]["config"]["run_dir"] == str(run_dir)
+        assert train["parameters"]["config"]["rollout"]["global_batch_size"] == 4
+        assert [s["schedule"]["cron"] for s in smoke["schedules"]] == ["17 4 * * *"]
+
+        first = _submit(client_env)
+        _wait(lambda: (run_dir / ".spillover.lock").is_file(), 180, f"the first run locks its run_dir ({serve_log})")
+        second = _submit(client_env, "schedule.num_iterations=1")
+        def both_final():
+            states = [_flow_run(api, first)["state_type"], _flow_run(api, second)["state_type"]]
+            return states if all(s in FINAL for s in states) else None
+        states = _wait(both_final, 300, f"both runs final (log: {serve_log})", every_s=2)
+        timings["run_done_s"] = time.monotonic() - t0
+        assert states == ["COMPLETED", "FAILED"], (states, serve_log.read_text()[-4000:])
+        refused = _flow_run(api, second)["state"]["message"]
+        assert "RunLockedError" in refused and f"flow run {first}" in refused, refused
+        assert not (run_dir / ".spillover.lock").exists()  # released at the end of the first run
+
+        children = api.post("/flow_runs/filter", json={"flow_runs": {"parent_flow_run_id": {"any_": [first]}}}).json()
+        iteration_ids = {r["name"]: r["id"] for r in children}
+        assert sorted(iteration_ids) == ["iteration-0000", "iteration-0001"]
+        for i, name in enumerate(sorted(iteration_ids)):
+            by_type = {a["type"]: a for a in _artifacts(api, [iteration_ids[name]])}
+            assert set(by_type) == {"table", "markdown", "progress"}, by_type.keys()
+            table = {row["metric"]: row["value"] for row in json.loads(by_type["table"]["data"])}
+            assert table["iteration"] == str(i) and "reward_mean" in table and "task_s.update" in table
+            assert by_type["table"]["key"] == "spillover-e2e-run-metrics"
+            assert f"### Iteration {i}" in by_type["markdown"]["data"]
+            assert by_type["progress"]["data"] == 100.0 and by_type["progress"]["task_run_id"]
+        report = [a for a in _artifacts(api, [first]) if a["key"] == "spillover-e2e-run-report"]
+        assert report and "data:image/png;base64," in report[0]["data"]
+        assert sorted(p.name for p in (run_dir / "report").iterdir()) == [
+            "carryover.png", "lengths.png", "reward.png", "task_time.png"]
+
+        t1 = time.monotonic()
+        checked = check_in_browser(url, auth, _flow_run(api, first)["name"], first, iteration_ids["iteration-0001"],
+                                   report[0]["id"])
+        timings["browser_s"] = time.monotonic() - t1
+    (OUT / "timings.json").write_text(json.dumps({**timings, "browser_checked": checked}, indent=2))
+
+
+def check_in_browser(url: str, auth: str, run_name: str, run_id: str, iteration_id: str, report_id: str) -> list:
+    """Log in with the auth string, then check the run page, an iteration page and the report artifact."""
+    from playwright.sync_api import sync_playwright
+
+    checked = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
+        try:
+            page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+            page.set_default_timeout(60_000)
+            page.goto(f"{url}/login")
+            page.locator("input[type=password]").fill(auth)
+            page.locator("input[type=password]").press("Enter")
+            page.wait_for_function("() => localStorage.getItem('prefect-password') !== null")
+
+            page.goto(f"{url}/runs/flow-run/{run_id}")
+            for text in (run_name, "Completed", "iteration-0000", "iteration-0001"):
+                page.get_by_text(text).first.wait_for()
+            page.get_by_text("Artifacts", exact=True).first.click()
+            page.get_by_text("spillover-e2e-run-report").first.wait_for()
+            page.screenshot(path=str(OUT / "ui-flow-run.png"))
+            checked.append("run page: name, Completed, both iteration subflows, report artifact")
+
+            page.goto(f"{url}/runs/flow-run/{iteration_id}")
+            page.get_by_text("generate_until_ready").first.wait_for()
+            page.get_by_text("Artifacts", exact=True).first.click()
+            for key in ("spillover-e2e-run-metrics", "spillover-e2e-run-summary", "spillover-e2e-run-progress"):
+                page.get_by_text(key).first.wait_for()
+            page.wait_for_timeout(1000)
+            page.screenshot(path=str(OUT / "ui-iteration.png"))
+            checked.append("iteration page: seven tasks on the timeline, metrics/summary/progress artifacts")
+
+            page.goto(f"{url}/artifacts/artifact/{report_id}")
+            images = page.locator("img[src^='data:image/png']")
+            images.first.wait_for()
+            page.wait_for_function("() => [...document.querySelectorAll(\"img[src^='data:image/png']\")]"
+                                   ".every(i => i.complete && i.naturalWidth > 0)")
+            assert images.count() == 4
+            page.screenshot(path=str(OUT / "ui-report.png"), full_page=True)
+            checked.append("report artifact: 4 plots rendered")
+        finally:
+            browser.close()
+    if os.environ.get("SPILLOVER_UPDATE_DOCS") == "1":
+        shutil.copy(OUT / "ui-iteration.png", REPO / "docs" / "ui-screenshot.png")
+    return checked

@@ -1,0 +1,54 @@
+"""`spillover report RUN_DIR`: four PNG plots from metrics.jsonl (with and without length histograms)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from flows.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from flows.report import PLOTS, report_markdown, write_report
+from infra.tracking import append_metrics, length_histogram
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _rows(n: int, with_hist: bool = True) -> list[dict]:
+    rng = np.random.default_rng(0)
+    rows = []
+    for it in range(n):
+        lengths = np.minimum(rng.geometric(0.15, size=64), 32)
+        ages = (rng.random(64) < 0.2).astype(int)
+        row = {"iteration": it, "reward_mean": 0.2 + it / 50, "reward_std": 0.1, "exact_match": it / 40,
+               "response_length_p50": float(np.median(lengths)), "response_length_p90": float(np.percentile(lengths, 90)),
+               "response_length_max": int(lengths.max()), "partial_rows": int(rng.integers(0, 9)),
+               "age_histogram": {"0": 40, "1": int(rng.integers(0, 9))},
+               "task_s": {"load_prompts": 0.01, "generate_until_ready": 0.4, "compute_reward": 0.02, "update": 0.2,
+                          "clear_and_age_sort": 0.01}}
+        if with_hist:
+            row["response_length_hist"] = length_histogram(lengths, ages, max_tokens=32, round_tokens=16)
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("with_hist", [True, False])
+def test_report_writes_four_pngs(tmp_path, with_hist):
+    for row in _rows(6, with_hist):
+        append_metrics(tmp_path, row)
+    (tmp_path / "summary.json").write_text(json.dumps({"iterations": 6, "prompt_independent_baseline": 0.37}))
+    paths = write_report(tmp_path)
+    assert [p.name for p in paths] == [f"{name}.png" for name in PLOTS]
+    for p in paths:
+        assert p.parent == tmp_path / "report" and p.read_bytes()[:8] == PNG and p.stat().st_size > 5000
+    md = report_markdown(tmp_path, paths, {"iterations": 6, "reward_rise": 0.1})
+    assert md.count("data:image/png;base64,") == 4 and "| 6 | 0.1 |" in md
+
+
+def test_report_cli_exit_codes(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    for row in _rows(2):
+        append_metrics(tmp_path / "run", row)
+    assert main(["report", str(tmp_path / "run")]) == EXIT_OK
+    assert capsys.readouterr().out.count(".png") == 4
+    assert main(["report", str(tmp_path / "missing")]) == EXIT_BAD_INPUT
+    assert "has no iterations" in capsys.readouterr().err
