@@ -82,7 +82,10 @@ def grpo_train(config: RunConfig, resume: bool = False) -> dict:
         # which saves ~1 s of fixed cost per iteration.
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             for iteration in range(first, config.schedule.num_iterations):
-                tracker.on_iteration(iteration_flow(iteration), samples=run.current.samples)
+                start = time.perf_counter()
+                metrics = iteration_flow(iteration)
+                metrics["iteration_wall_s"] = time.perf_counter() - start  # incl. the subflow's own cost
+                tracker.on_iteration(metrics, samples=run.current.samples)
         return tracker.finish(run.baseline)
     finally:
         if tracker is not None:

@@ -35,12 +35,13 @@ class GenerationStats:
     requests: int = 0
     tokens_generated: int = 0
     time_s: float = 0.0
+    engine_s: float = 0.0  # inside the engine call (HTTP generation); the rest is dock bookkeeping
     ready_groups: int = 0
     weight_versions: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"rounds": self.rounds, "requests": self.requests, "tokens_generated": self.tokens_generated,
-                "generate_time_s": self.time_s, "ready_groups": self.ready_groups}
+                "generate_time_s": self.time_s, "engine_s": self.engine_s, "ready_groups": self.ready_groups}
 
 
 def make_rid() -> str:
@@ -102,8 +103,11 @@ def generate_until_ready_sync(dock, engine: Generator, rollout_cfg, sampling: Sa
             raise RuntimeError(f"generation cannot finish: no row left to generate but only "
                                f"{dock.ready_group_count()} groups are ready (need {rollout_cfg.global_batch_size})")
         inputs, max_new = dock.generation_inputs(rows, round_tokens)
+        requests = build_requests(inputs, max_new, sampling)
         try:
-            responses = engine.generate(build_requests(inputs, max_new, sampling))
+            engine_start = time.perf_counter()
+            responses = engine.generate(requests)
+            stats.engine_s += time.perf_counter() - engine_start
             tokens, logprobs, stopped, version = parse_responses(responses, weight_version)
         except BaseException:
             dock.release(rows)  # the rows go back untouched: nothing half-written

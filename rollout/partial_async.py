@@ -73,9 +73,12 @@ def generate_until_ready_async(dock, engine: Generator, rollout_cfg, sampling: S
         stats.rounds += 1
         stats.requests += len(rows)
         round_ = _AsyncRound(dock, engine, rows, weight_version, stats, on_round, rollout_cfg.global_batch_size, start)
+        requests = build_requests(inputs, max_new, sampling)
+        engine_start = time.perf_counter()
         try:
-            engine.generate(build_requests(inputs, max_new, sampling), on_result=round_.on_result)
+            engine.generate(requests, on_result=round_.on_result)
         finally:
+            stats.engine_s += time.perf_counter() - engine_start
             round_.release_unwritten()  # rows whose answer never came go back untouched
     stats.ready_groups = dock.ready_group_count()
     stats.time_s = time.perf_counter() - start
