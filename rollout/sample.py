@@ -73,6 +73,8 @@ class Sample:
                                  f"but {len(loss_mask)} loss-mask entries")
         if loss_mask is None and self.loss_mask is not None:
             loss_mask = [1] * len(tokens)
+        if loss_mask is not None and self.loss_mask is None:
+            self.loss_mask = [1] * len(self.response_tokens)  # earlier tokens had the default mask (all ones)
         self.response_tokens = list(self.response_tokens) + list(tokens)
         self.rollout_logprobs = list(self.rollout_logprobs) + [float(x) for x in logprobs]
         self.weight_versions = list(self.weight_versions) + versions

@@ -54,3 +54,10 @@ def test_json_round_trip():
     s.append_segment([1, 2], [-0.5, -1.5], [1, 2], loss_mask=[1, 0])
     back = Sample.from_json(s.to_json())
     assert back == s and back.status is Status.ABORTED
+
+
+def test_first_explicit_mask_keeps_earlier_tokens_trained():
+    s = make()
+    s.append_segment([1, 2, 3], [-0.1] * 3, 0)
+    s.append_segment([4], [-0.4], 0, loss_mask=[0])
+    assert s.loss_mask == [1, 1, 1, 0]
