@@ -51,3 +51,16 @@ def read_run(path: Path) -> dict:
 
 def offline_segments(directory: Path) -> list[Path]:
     return sorted(Path(directory).glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def read_segments(directory: Path, count: int, timeout_s: float = 20.0) -> list[dict]:
+    """The `count` offline segments under directory, once each has its run record (wandb's service process
+    may still be writing a file for a moment after run.finish() returns)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = [read_run(p) for p in offline_segments(directory)]
+        if (len(runs) == count and all(r["run_id"] for r in runs)) or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.2)

@@ -10,7 +10,7 @@ from infra.prefect_artifacts import RunArtifacts, artifact_key, metrics_table
 from infra.terminal_progress import TerminalProgress, progress_fields
 from infra.tracking import RunTracker, length_histogram, summary_markdown, wandb_payload
 from rollout.sample import Sample
-from wandb_records import offline_segments, read_run
+from wandb_records import read_segments
 
 METRICS = {"iteration": 3, "reward_mean": 0.5, "reward_std": 0.1, "response_length_p50": 7.0, "response_length_max": 16,
            "partial_rows": 5, "age_histogram": {"0": 3, "1": 2}, "loss": 0.25, "kl": 0.01, "tis_weight_mean": 0.98,
@@ -118,7 +118,7 @@ def test_tracker_offline_wandb_records_iterations_and_resumes_the_same_run(tmp_p
     resumed.on_iteration({**METRICS, "iteration": 2, "loss": 0.2})
     resumed.finish(baseline=None)
     resumed.close()
-    segments = [read_run(p) for p in offline_segments(tmp_path)]
+    segments = read_segments(tmp_path, 2)
     assert [s["run_id"] for s in segments] == [run_id, run_id]
     logged = [(int(h["iteration"]), float(h["train/loss"])) for s in segments for h in s["history"]
               if "train/loss" in h]
