@@ -1,0 +1,36 @@
+"""prefect.yaml -> the deployments `spillover serve` registers (built locally, no server)."""
+from __future__ import annotations
+
+import pytest
+
+from flows.serve import build_deployments, config_parameter, read_deployment_specs
+from infra.config import ConfigError, load_config
+
+
+def test_prefect_yaml_declares_train_and_nightly_smoke():
+    specs = {s["name"]: s for s in read_deployment_specs()}
+    assert specs["train"]["entrypoint"] == "flows/train.py:grpo_train"
+    assert specs["nightly-smoke"]["entrypoint"] == "flows/serve.py:nightly_smoke"
+    assert specs["nightly-smoke"]["schedules"][0]["cron"] == "0 3 * * *"
+
+
+def test_serve_builds_deployments_with_the_config_as_default_and_the_cron():
+    cfg = load_config("configs/tiny.yaml", ["run_dir=runs/served", "schedule.num_iterations=5"])
+    train, smoke = build_deployments(cfg, cron="5 4 * * *")
+    assert (train.name, smoke.name) == ("train", "nightly-smoke")
+    assert train.parameters["config"]["run_dir"] == "runs/served"
+    assert train.parameters["config"]["schedule"]["num_iterations"] == 5
+    assert "RunConfig" in str(train._parameter_openapi_schema.model_dump())
+    assert not train.schedules and [s.schedule.cron for s in smoke.schedules] == ["5 4 * * *"]
+    assert smoke.entrypoint == "flows.serve.nightly_smoke" and train.entrypoint == "flows.train.grpo_train"
+    cron_from_config = load_config("configs/tiny.yaml", ["schedule.cron=1 2 * * *"])
+    assert [s.schedule.cron for s in build_deployments(cron_from_config, only=["nightly-smoke"])[0].schedules] == [
+        "1 2 * * *"]
+    with pytest.raises(ConfigError, match="prefect.yaml declares train, nightly-smoke"):
+        build_deployments(cfg, only=["nope"])
+
+
+def test_secrets_never_go_into_deployment_parameters():
+    cfg = load_config("configs/tiny.yaml", ["storage.access_key_id=AKIA123", "storage.secret_access_key=s3cr3t"])
+    data = config_parameter(cfg)
+    assert data["storage"]["access_key_id"] is None and "s3cr3t" not in str(data)
