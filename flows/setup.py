@@ -11,6 +11,7 @@ from infra.imports import load_function
 from infra.models import load_tokenizer, resolve_model_path
 from rollout import toy_task
 from rollout.data_source import PromptCursor, read_prompts
+from rollout.controller import RolloutController
 from rollout.dock import TransferDock
 from tasks.run_state import RunState
 
@@ -51,6 +52,7 @@ def build_run(cfg: RunConfig, with_engines: bool = True) -> RunState:
     save_run_config(cfg, run_dir)
     reward_fn = load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
                               required_params=("response", "label"))
+    controller = RolloutController(cfg)
     model_path = resolve_model_path(cfg.model, run_dir, max_position=max(512, cfg.rollout.max_model_len))
     tokenizer = load_tokenizer(model_path)
     max_prompt = cfg.rollout.max_model_len - cfg.rollout.max_tokens
@@ -69,11 +71,14 @@ def build_run(cfg: RunConfig, with_engines: bool = True) -> RunState:
 
     policy, ref = create_learners(model_path, cfg)
     engine = None
-    if with_engines and not cfg.schedule.debug_train_only:
+    # engines generate; replayed debug data and SFT samples need them only for eval
+    needs_engines = not cfg.schedule.debug_train_only and (not cfg.rollout.sft or bool(cfg.data.eval_paths))
+    if with_engines and needs_engines:
         from rollout.manager import RolloutManager
 
         engine = RolloutManager(cfg.engines, str(model_path))
     run = RunState(cfg, run_dir, tokenizer, prompts, cursor, dock, engine, policy, ref, reward_fn, stop_ids)
+    run.controller = controller
     run.model_path = model_path
     run.exact_match_fn = toy_task.exact_match if cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD else None
     run.baseline = (toy_task.prompt_independent_baseline(prompts.labels)[1]

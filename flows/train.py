@@ -43,6 +43,9 @@ def run_iteration(run: RunState, iteration: int, on_round=None) -> dict:
     _timed(it, "compute_old_logprob", compute_old_logprob, run)
     if not run.cfg.schedule.debug_rollout_only:
         _timed(it, "update", update, run)
+    interval = run.cfg.schedule.eval_interval
+    if interval and (iteration + 1) % interval == 0:
+        it.metrics.update(_timed(it, "eval", run.controller.eval, iteration, run, run.weight_version))
     _timed(it, "clear_and_age_sort", clear_and_age_sort, run)
     it.metrics["time_s"] = time.perf_counter() - start
     it.metrics["task_s"] = dict(it.task_s)

@@ -59,6 +59,9 @@ class DataConfig(_Section):
     shuffle: bool = Field(True, description="Shuffle prompt order (seeded by model.seed).")
 
 
+SFT_ROLLOUT_FUNCTION = "rollout.sft.generate_sft_rollout"
+
+
 class RolloutConfig(_Section):
     global_batch_size: int = Field(16, ge=1, description="GBS: prompt groups trained per iteration.")
     n_samples_per_prompt: int = Field(8, description="Responses per prompt (group size n). GRPO needs >= 2.")
@@ -89,9 +92,13 @@ class RolloutConfig(_Section):
     def effective_max_age(self) -> int:
         return self.max_split if self.max_age is None else self.max_age
 
+    @property
+    def sft(self) -> bool:
+        return self.rollout_function_path == SFT_ROLLOUT_FUNCTION
+
     @model_validator(mode="after")
     def _check(self) -> "RolloutConfig":
-        if self.n_samples_per_prompt < 2:
+        if self.n_samples_per_prompt < 2 and not self.sft:
             raise ValueError("rollout.n_samples_per_prompt must be >= 2 for GRPO (group-normalised advantages "
                              f"need a group); got {self.n_samples_per_prompt}")
         if self.max_split < 1:
@@ -200,6 +207,9 @@ class RunConfig(_Section):
             raise ValueError(
                 f"grpo.micro_batch_size ({self.grpo.micro_batch_size}) must divide the global batch in samples "
                 f"(rollout.global_batch_size x rollout.n_samples_per_prompt = {rows})")
+        if self.rollout.sft and self.grpo.tis:
+            raise ValueError("grpo.tis must be false in SFT mode (rollout.rollout_function_path="
+                             f"{SFT_ROLLOUT_FUNCTION}): pre-generated samples have no rollout logprobs")
         if self.schedule.debug_train_only and not self.storage.load_debug_rollout_data:
             raise ValueError("schedule.debug_train_only needs storage.load_debug_rollout_data (a path template)")
         return self

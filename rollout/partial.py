@@ -123,3 +123,48 @@ def generate_until_ready_sync(dock, engine: Generator, rollout_cfg, sampling: Sa
                       "elapsed_s": time.perf_counter() - start})
     stats.time_s = time.perf_counter() - start
     return stats
+
+
+def generate_batch(dock, engine: Generator, rollout_cfg, stop_token_ids, weight_version: int, drain: bool,
+                   on_round: Callable[[dict], None] | None = None) -> GenerationStats:
+    """Generate until the dock is ready (sync or async mode), then choose the training batch once."""
+    from rollout.partial_async import generate_until_ready_async
+
+    sampling = SamplingSettings.from_rollout(rollout_cfg, stop_token_ids)
+    driver = generate_until_ready_async if rollout_cfg.mode == "async" else generate_until_ready_sync
+    stats = driver(dock, engine, rollout_cfg, sampling, weight_version, drain, on_round)
+    dock.select_batch()
+    return stats
+
+
+def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
+    """The default rollout function (seed signature): partial rollout over the run's dock.
+
+    args: the RunConfig; data_source: the run (dock, engine, weight_version, ...). Training: the GBS
+    groups the dock chose (generation stats go to the iteration's metrics). evaluation=True: every data set
+    of data.eval_paths, generated greedily once per prompt -> {key: groups}.
+    """
+    if evaluation:
+        return _evaluate(args, data_source)
+    drain = rollout_id == args.schedule.num_iterations - 1
+    stats = generate_batch(data_source.dock, data_source.engine, args.rollout, data_source.stop_token_ids,
+                           data_source.weight_version, drain, getattr(data_source, "on_round", None))
+    if getattr(data_source, "current", None) is not None:
+        data_source.current.metrics.update(stats.as_dict())
+    return data_source.dock.batch_samples()
+
+
+def _evaluate(args, data_source) -> dict:
+    from rollout.data_source import read_prompts
+    from rollout.evaluation import run_eval
+
+    if getattr(data_source, "eval_sets", None) is None:
+        max_prompt = args.rollout.max_model_len - args.rollout.max_tokens
+        data_source.eval_sets = {key: read_prompts(path, data_source.tokenizer, max_prompt, args.data.prompt_key,
+                                                   args.data.label_key, args.data.over_long_prompts)
+                                 for key, path in args.data.eval_paths.items()}
+    return run_eval(data_source.eval_sets, data_source.engine.generate, data_source.reward_fn,
+                    tokenizer=data_source.tokenizer, stop_token_ids=data_source.stop_token_ids,
+                    max_new_tokens=args.rollout.max_tokens, max_model_len=args.rollout.max_model_len,
+                    temperature=0.0, top_p=1.0, top_k=-1,  # greedy: eval measures the policy's best guess
+                    reward_fn_path=args.grpo.reward_function_path)

@@ -12,6 +12,10 @@ from tasks.checkpoint import save_run_checkpoint, should_checkpoint
 
 def clear_dock(run) -> dict:
     it = run.current
+    if not run.controller.uses_dock:  # custom, SFT or replayed samples never entered the dock
+        ids = sorted({s.group_index for g in it.samples for s in g})
+        it.metrics.update(trained_group_ids=ids, trained_stream_ids=ids, carried_rows=0, partial_rows=0)
+        return {"trained_groups": len(ids)}
     trained = run.dock.batch_group_ids()
     it.metrics["trained_group_ids"] = [int(i) for i in run.cursor.dataset_indices(trained)]
     it.metrics["trained_stream_ids"] = [int(i) for i in trained]

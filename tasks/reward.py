@@ -10,6 +10,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from rollout.sample import Sample, Status, convert_samples_to_train_data
+from rollout.sft import is_sft_batch
 from tasks.batching import TrainBatch
 from tasks.grpo_loss import group_advantages
 
@@ -69,6 +70,17 @@ def build_train_batch(groups: list[list[Sample]], rewards: np.ndarray) -> tuple[
     return batch, adv
 
 
+def build_sft_batch(groups: list[list[Sample]]) -> TrainBatch:
+    """SFT samples -> TrainBatch with advantage 1 on every sample: at ratio 1 the clipped loss's gradient
+    is the NLL gradient (rollout/sft.py). The learner must compute old logprobs (see needs_old_logprob_pass)."""
+    flat = [s for g in groups for s in g]
+    for s in flat:
+        s.reward = 0.0
+    data = convert_samples_to_train_data(flat)
+    return TrainBatch.from_train_data(data, [1.0] * len(flat), [s.rollout_logprobs for s in flat],
+                                      [s.weight_versions for s in flat])
+
+
 def reward_metrics(groups: list[list[Sample]], rewards: np.ndarray, exact) -> dict:
     flat = [s for g in groups for s in g]
     lengths = np.array([s.response_length for s in flat])
@@ -87,12 +99,18 @@ def compute_reward(run) -> dict:
     import ray
 
     it = run.current
-    groups = run.dock.batch_samples()
+    groups = it.samples
     flat = [s for g in groups for s in g]
-    indices = run.cursor.dataset_indices(np.array([g[0].group_index for g in groups]))
-    for group, idx in zip(groups, indices):
-        for s in group:
-            s.prompt = run.prompts.texts[idx]
+    if is_sft_batch(groups):
+        it.train_batch = build_sft_batch(groups)
+        it.train_batch_ref = ray.put(it.train_batch)
+        it.metrics.update({"reward_mean": 0.0, "sft_samples": len(flat)})
+        return {"sft_samples": len(flat)}
+    if run.controller.uses_dock:
+        indices = run.cursor.dataset_indices(np.array([g[0].group_index for g in groups]))
+        for group, idx in zip(groups, indices):
+            for s in group:
+                s.prompt = run.prompts.texts[idx]
     decode_responses(flat, run.tokenizer, run.stop_token_ids)
     raw = score_samples(flat, run.reward_fn, run.cfg.grpo.reward_function_path)
     rewards = run.cfg.grpo.rule_reward_weight * raw

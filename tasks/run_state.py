@@ -42,6 +42,9 @@ class RunState:
         self.reward_fn = reward_fn
         self.stop_token_ids = stop_token_ids
         self.weight_version = 0
+        self.controller = None          # rollout.controller.RolloutController
+        self.on_round = None            # progress callback during generation
+        self.eval_sets = None           # eval PromptSets, read on first eval
         self.checkpoint_store = None    # infra.storage.Store, or None: no checkpoints
         self.wandb_run_id: str | None = None
         self.current: IterationData | None = None
