@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,12 @@ def make_workload(n: int, vocab: int, seed: int, median: float, sigma: float, ma
     lengths = np.clip(np.round(rng.lognormal(math.log(median), sigma, n)), 1, max_tokens).astype(int)
     prompts = [rng.integers(2, vocab, int(rng.integers(4, 17))).tolist() for _ in range(n)]
     return list(zip(prompts, lengths.tolist()))
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds a live process has used (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_engine(model_dir: Path, port: int, max_running: int, threads: int) -> subprocess.Popen:
@@ -120,7 +127,9 @@ def bench(concurrency: int, args, model_dir: Path) -> dict:
         asyncio.run(wait_healthy(engine_url))
         router = Router.launch(host="127.0.0.1", worker_urls=[engine_url])
         asyncio.run(run_engine(router.url, workload[:concurrency], concurrency))  # warm-up
+        cpu0 = process_cpu_s(engine.pid) + process_cpu_s(router.proc.pid) + time.process_time()
         engine_tokens, engine_s = asyncio.run(run_engine(router.url, workload, concurrency))
+        engine_cpu = process_cpu_s(engine.pid) + process_cpu_s(router.proc.pid) + time.process_time() - cpu0
         direct = asyncio.run(latency_p50_ms(engine_url))
         routed = asyncio.run(latency_p50_ms(router.url))
     finally:
@@ -131,14 +140,17 @@ def bench(concurrency: int, args, model_dir: Path) -> dict:
 
     torch.set_num_threads(args.hf_threads)
     run_hf(model_dir, workload[:concurrency], concurrency)  # warm-up
+    cpu0 = time.process_time()
     hf_tokens, hf_s = run_hf(model_dir, workload, concurrency)
+    hf_cpu = time.process_time() - cpu0
     assert hf_tokens == engine_tokens, (hf_tokens, engine_tokens)
     engine_tps, hf_tps = engine_tokens / engine_s, hf_tokens / hf_s
     log(f"concurrency {concurrency}: engine {engine_tokens} tok in {engine_s:.2f}s, hf {hf_tokens} tok in {hf_s:.2f}s")
     return {"concurrency": concurrency, "requests": len(workload), "completion_tokens": engine_tokens,
             "engine_tokens_per_s": round(engine_tps, 1), "hf_generate_tokens_per_s": round(hf_tps, 1),
             "ratio": round(engine_tps / hf_tps, 3), "router_overhead_ms_p50": round(routed - direct, 3),
-            "engine_s": round(engine_s, 3), "hf_s": round(hf_s, 3), "engine_threads": args.engine_threads,
+            "engine_s": round(engine_s, 3), "hf_s": round(hf_s, 3),
+            "engine_cpu_s": round(engine_cpu, 3), "hf_cpu_s": round(hf_cpu, 3), "cpu_ratio": round(hf_cpu / engine_cpu, 3), "engine_threads": args.engine_threads,
             "hf_threads": args.hf_threads}
 
 

@@ -2,9 +2,9 @@
 
 Each running request owns a cache slot (the lowest free one, so active slots stay packed at the front).
 Every step: handle commands (new requests, aborts, control calls), prefill waiting requests into free
-slots in one padded batch, then one decode step for all running requests. A decode step runs the
-contiguous slot range [0, hi) as a view when at least half of it is active, else gathers the active
-rows. Finished requests free their slot at once, so new ones join without waiting for the batch.
+slots in one padded batch (admission waits a few steps to batch prefills), then one decode step for
+all running requests (slot_runner.py). Finished requests free their slot at once, so new ones join
+without waiting for the batch.
 
 Callers talk to the thread through `submit`, `abort` and `call` (all thread-safe); results come back as
 `concurrent.futures.Future`s holding the SGLang-shaped /generate answer (a dict).
@@ -20,12 +20,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
-from rollout.engines.attn_plan import plan_attention
-from rollout.engines.lean_forward import AttnGroup, KVCache, LeanDecoder
+from rollout.engines.lean_forward import LeanDecoder
 from rollout.engines.protocol import SamplingParams
-from rollout.engines.sampling import GREEDY_EPS, sample_tokens
+from rollout.engines.slot_runner import SlotRunner
 
 log = logging.getLogger(__name__)
 IDLE_TICK_S = 0.05
@@ -48,17 +45,15 @@ class EngineRequest:
 
 
 class ContinuousBatcher:
-    """The engine loop. `decoder` computes logits; the batcher owns the cache and the slots."""
+    """The engine loop: owns requests and slot assignment; `runner` owns the tensors (cache, slot state)."""
 
     def __init__(self, decoder: LeanDecoder, max_running_requests: int, max_len: int, seed: int = 0,
                  weight_version: int | str = 0, prefill_token_budget: int = 8192):
-        self.decoder, self.device = decoder, decoder.device
+        self.decoder = decoder
+        self.runner = SlotRunner(decoder, max_running_requests, max_len, seed)
         self.num_slots, self.max_len = max_running_requests, max_len
         self.prefill_token_budget = prefill_token_budget
         self.weight_version = weight_version
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.cache: KVCache | None = None
-        self._alloc_cache()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -72,16 +67,6 @@ class ContinuousBatcher:
         self._waiting_since = 0  # the step at which the waiting queue last became non-empty
         self.heartbeat = time.monotonic()
         self.generated_tokens = 0
-        n, dev = self.num_slots, self.device
-        self._all_rows = torch.arange(n, device=dev)
-        self._zeros = torch.zeros(n, dtype=torch.long, device=dev)
-        self._ones = torch.ones(n, dtype=torch.long, device=dev)
-        self.slot_len = torch.zeros(n, dtype=torch.long, device=dev)  # tokens in the cache per slot
-        self.slot_token = torch.zeros(n, dtype=torch.long, device=dev)  # next token to feed per slot
-        self.temperature = torch.zeros(n, device=dev)
-        self.top_p = torch.ones(n, device=dev)
-        self.top_k = torch.full((n,), -1, dtype=torch.long, device=dev)
-        self.min_p = torch.zeros(n, device=dev)
 
     # ---- thread-safe API -------------------------------------------------------------------------
     def start(self) -> None:
@@ -127,7 +112,7 @@ class ContinuousBatcher:
             self._drain_inbox()
             if self._pending_drain and not self.running:
                 self._run_drain_calls()
-            can_step = not self.paused and self.cache is not None
+            can_step = not self.paused and self.runner.cache is not None
             admitting = can_step and not self._pending_drain and self._should_admit()
             if not admitting and not (can_step and self.running):
                 self._wake.wait(IDLE_TICK_S)
@@ -192,8 +177,7 @@ class ContinuousBatcher:
     def _release(self, req: EngineRequest) -> None:
         if req.slot >= 0:
             self.running.pop(req.slot, None)
-            self.slot_len[req.slot] = 0
-            self.slot_token[req.slot] = 0
+            self.runner.free(req.slot)
             heapq.heappush(self._free, req.slot)
             req.slot = -1
 
@@ -209,19 +193,16 @@ class ContinuousBatcher:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids)]
         req.future.set_result({"output_ids": req.output_ids, "meta_info": meta})
 
-    def _alloc_cache(self) -> None:
-        d = self.decoder
-        self.cache = KVCache(d.shape, self.num_slots, self.max_len, d.dtype, d.device)
+    @property
+    def cache(self):
+        return self.runner.cache
 
     def release_cache(self) -> None:
         """Engine thread only, when idle: drop the KV cache (release_memory_occupation)."""
-        self.cache = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.runner.release_cache()
 
     def resume_cache(self) -> None:
-        if self.cache is None:
-            self._alloc_cache()
+        self.runner.alloc_cache()
 
     def _should_admit(self) -> bool:
         """Prefill in batches: wait (at most ADMIT_MAX_WAIT_STEPS decode steps) until about 1/8 of the
@@ -251,83 +232,29 @@ class ContinuousBatcher:
             batch.append(req)
         return batch
 
-    def _set_slot_params(self, batch: list[EngineRequest], slots: torch.Tensor) -> None:
-        p = [r.params for r in batch]
-        dev = self.device
-        self.temperature[slots] = torch.tensor([x.temperature for x in p], device=dev)
-        self.top_p[slots] = torch.tensor([x.top_p for x in p], device=dev)
-        self.top_k[slots] = torch.tensor([x.top_k for x in p], dtype=torch.long, device=dev)
-        self.min_p[slots] = torch.tensor([x.min_p for x in p], device=dev)
-
     def _prefill(self) -> None:
         batch = self._admit()
-        if not batch:
-            return
-        dev = self.device
-        lengths = [len(r.input_ids) for r in batch]
-        T = max(lengths)
-        tokens = torch.zeros(len(batch), T, dtype=torch.long)
-        for i, r in enumerate(batch):
-            tokens[i, :lengths[i]] = torch.tensor(r.input_ids)
-        slots = torch.tensor([r.slot for r in batch], device=dev)
-        positions = torch.arange(T, device=dev).expand(len(batch), T)
-        last = torch.tensor(lengths, device=dev) - 1
-        logits = self.decoder.forward(tokens.to(dev), positions, self.cache, slots, None, last_index=last)
-        self._set_slot_params(batch, slots)
-        self.slot_len[slots] = torch.tensor(lengths, device=dev)
-        self._sample_and_append(batch, slots, logits)
+        if batch:
+            out = self.runner.prefill([r.slot for r in batch], [r.input_ids for r in batch],
+                                      [r.params for r in batch], any(r.return_logprob for r in batch))
+            self._append(batch, *out)
 
     def _decode(self) -> None:
         self.steps += 1
         batch = [self.running[s] for s in sorted(self.running)]
-        active = [r.slot for r in batch]
-        kv_lens = [len(r.input_ids) + len(r.output_ids) for r in batch]
-        use_view, plan = plan_attention(active, kv_lens)
-        dev = self.device
-        slots = torch.tensor(active, device=dev)
-        if use_view:
-            hi = active[-1] + 1
-            tokens, positions = self.slot_token[:hi], self.slot_len[:hi]
-            write_rows = self._all_rows[:hi]
-            groups = [AttnGroup(None, slice(0, hi), plan[0][1])]
-        else:
-            tokens, positions = self.slot_token.index_select(0, slots), self.slot_len.index_select(0, slots)
-            write_rows = slots
-            if len(plan) == 1:
-                groups = [AttnGroup(None, slots, plan[0][1])]
-            else:
-                groups = []
-                for index, kv_len in plan:
-                    index_t = torch.tensor(index, device=dev)
-                    groups.append(AttnGroup(index_t, slots.index_select(0, index_t), kv_len))
-        B = tokens.shape[0]
-        logits = self.decoder.forward(tokens.view(B, 1), positions.view(B, 1), self.cache, write_rows, groups,
-                                      last_index=self._zeros[:B])
-        if B > len(active):
-            logits = logits.index_select(0, slots)
-        self.slot_len.index_add_(0, slots, self._ones[:len(active)])
-        self._sample_and_append(batch, slots, logits)
+        out = self.runner.decode([r.slot for r in batch], [len(r.input_ids) + len(r.output_ids) for r in batch],
+                                 [r.params for r in batch], any(r.return_logprob for r in batch))
+        self._append(batch, *out)
 
-    def _sample_and_append(self, batch: list[EngineRequest], slots: torch.Tensor, logits: torch.Tensor) -> None:
-        all_greedy = all(r.params.temperature <= GREEDY_EPS for r in batch)
-        needs_filter = any(r.params.top_p < 1 or r.params.top_k > 0 or r.params.min_p > 0 for r in batch)
-        if all_greedy:
-            params = (None, None, None, None)
-        else:
-            params = tuple(t.index_select(0, slots) for t in (self.temperature, self.top_p, self.top_k, self.min_p))
-        tokens, logprobs = sample_tokens(logits, *params, all_greedy, needs_filter, self.generator)
-        self.slot_token.index_copy_(0, slots, tokens)
-        want_logprobs = any(r.return_logprob for r in batch)
-        token_list = tokens.tolist()
-        logprob_list = logprobs.tolist() if want_logprobs else None
+    def _append(self, batch: list[EngineRequest], tokens: list[int], logprobs: list[float] | None) -> None:
         self.generated_tokens += len(batch)
         for i, req in enumerate(batch):
-            tok = token_list[i]
+            tok = tokens[i]
             req.output_ids.append(tok)
             if req.return_logprob:
-                req.logprobs.append(logprob_list[i])
+                req.logprobs.append(logprobs[i])
             n = len(req.output_ids)
-            if n >= req.max_output:
+            if n >= req.max_output:  # checked first: EOS on the last allowed position reports length
                 self._finish(req, {"type": "length", "length": n})
             elif tok in req.stop_ids:
                 self._finish(req, {"type": "stop", "matched": tok})

@@ -44,6 +44,12 @@ async def read_json(request: Request) -> Any:
     return json.loads(raw)
 
 
+async def wait_disconnect(request: Request) -> None:
+    """Returns once the client has disconnected (after the body is read, receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def build_app(server: "TorchEngineServer") -> FastAPI:
     from rollout.engines.torch_server import BadRequest
 
@@ -68,11 +74,18 @@ def build_app(server: "TorchEngineServer") -> FastAPI:
         except BadRequest as bad:
             return error_response(str(bad))
         server.live_rids.add(engine_req.rid)
+        result_future = asyncio.wrap_future(batcher.submit(engine_req))
+        gone = asyncio.ensure_future(wait_disconnect(request))
         try:
-            result = await asyncio.wrap_future(batcher.submit(engine_req))
+            await asyncio.wait((result_future, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not result_future.done():  # the caller went away: free the slot, as SGLang does
+                batcher.abort(engine_req.rid)
+                return Response(status_code=499)
+            result = result_future.result()
         except Exception as failure:
             return error_response(f"generation failed: {failure}", 500)
         finally:
+            gone.cancel()
             server.live_rids.discard(engine_req.rid)
         text = server.decode_text(result["output_ids"], body.sampling_params.skip_special_tokens)
         if text is not None:

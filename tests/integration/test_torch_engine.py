@@ -246,3 +246,21 @@ def test_client_transport_errors_are_httpx_transport_errors():
                 await client.generate([5], {"max_new_tokens": 1})
 
     run(scenario())
+
+
+def test_client_disconnect_aborts_its_request(varied_engine):
+    async def scenario():
+        async with EngineClient(varied_engine.url) as client:
+            await client.post("/pause_generation", json={"mode": "in_place"})  # hold it: only an abort removes it
+            task = asyncio.create_task(client.generate([5, 6], {"max_new_tokens": 8}))
+            while varied_engine.batcher.counts() == (0, 0):
+                await asyncio.sleep(0.002)
+            task.cancel()  # closes the connection mid-request
+            deadline = time.monotonic() + 5
+            while varied_engine.batcher.counts() != (0, 0) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            counts = varied_engine.batcher.counts()
+            await client.post("/continue_generation")
+            return counts
+
+    assert run(scenario()) == (0, 0)
