@@ -1,0 +1,86 @@
+"""The rollout controller inside the flow: debug data saved and replayed without engines, eval metrics,
+and SFT mode training on pre-generated samples."""
+import json
+
+import pytest
+import torch
+
+from infra.config import ConfigError, load_config
+from infra.imports import ImportPathError
+
+from test_train_flow import prefect_harness, small_config  # noqa: F401  (shared fixture and config)
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_debug_data_replay_reproduces_training_and_eval_is_logged(prefect_harness, ray_session, tmp_path):  # noqa: F811
+    from flows.train import grpo_train
+
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("".join(json.dumps({"prompt": f"a*{n}=", "label": n}) + "\n" for n in (2, 3, 5)))
+    template = str(tmp_path / "debug" / "rollout_{rollout_id}.parquet")
+    first = tmp_path / "first"
+    grpo_train(small_config(first, iterations=2, **{"storage.save_debug_rollout_data": template,
+                                                    "schedule.eval_interval": 1,
+                                                    "data.eval_paths": json.dumps({"toy": str(eval_file)})}))
+    original = rows(first)
+    assert (tmp_path / "debug" / "rollout_1.parquet").is_file()
+    for row in original:
+        assert {"eval/toy", "eval/toy-truncated_ratio", "eval/step"} <= set(row)
+        assert 0.0 <= row["eval/toy"] <= 1.0 and row["eval/step"] == row["iteration"]
+
+    replay = tmp_path / "replay"
+    grpo_train(small_config(replay, iterations=2, **{"storage.load_debug_rollout_data": template,
+                                                     "schedule.debug_train_only": "true"}))
+    replayed = rows(replay)
+    for a, b in zip(original, replayed):
+        assert a["trained_stream_ids"] == b["trained_stream_ids"]
+        assert a["reward_mean"] == pytest.approx(b["reward_mean"])
+        assert a["response_length_max"] == b["response_length_max"]
+    # same samples, same initial weights, deterministic learner: the first update is the same
+    assert original[0]["loss"] == pytest.approx(replayed[0]["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_sft_mode_raises_the_likelihood_of_the_given_responses(prefect_harness, ray_session, tmp_path):  # noqa: F811
+    from flows.train import grpo_train
+    from infra.checkpoint import load_latest_checkpoint
+    from infra.models import load_causal_lm
+    from infra.storage import open_store
+
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": f"a*{n}=", "response": "a" * n}) + "\n" for n in (1, 2, 3, 4)))
+    run_dir = tmp_path / "sft_run"
+    cfg = small_config(run_dir, iterations=4, **{"rollout.rollout_function_path": "rollout.sft.generate_sft_rollout",
+                                                 "rollout.n_samples_per_prompt": 1, "grpo.micro_batch_size": 4,
+                                                 "grpo.tis": "false", "data.sft_path": str(sft),
+                                                 "optimizer.lr": 0.01})
+    grpo_train(cfg)
+    assert [r["sft_samples"] for r in rows(run_dir)] == [4, 4, 4, 4]
+
+    ids = [14, 44, 7, 41]  # "a*3=" in the tiny char tokenizer
+    resp = [14, 14, 14, 1]  # "aaa" + EOS
+    tokens = torch.tensor([ids + resp])
+
+    def response_logprob(model):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(tokens).logits[0, len(ids) - 1:-1], -1)
+        return float(logp.gather(1, torch.tensor(resp)[:, None]).sum())
+
+    model = load_causal_lm(run_dir / "tiny_model")
+    before = response_logprob(model)
+    state = load_latest_checkpoint(open_store(str(run_dir / "checkpoints")))
+    weights = {k[len("model/"):]: v for k, v in state.tensors["policy"].items() if k.startswith("model/")}
+    model.load_state_dict(weights, strict=False)
+    assert response_logprob(model) > before + 1.0
+
+
+def test_wrong_rollout_function_fails_at_start_naming_the_path(prefect_harness, tmp_path):  # noqa: F811
+    from flows.setup import build_run
+
+    with pytest.raises(ImportPathError, match="rollout.rollout_function_path='rollout.partial.nope'"):
+        build_run(small_config(tmp_path / "bad", iterations=1,
+                               **{"rollout.rollout_function_path": "rollout.partial.nope"}), with_engines=False)
+    with pytest.raises(ConfigError, match="grpo.tis must be false in SFT mode"):
+        load_config("configs/tiny.yaml", ["rollout.rollout_function_path=rollout.sft.generate_sft_rollout"])
