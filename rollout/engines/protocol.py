@@ -13,7 +13,7 @@ from __future__ import annotations
 import secrets
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 RID_HEX_CHARS = 32  # SGLang matches abort rids by prefix: fixed-length random hex keeps them unambiguous
 
@@ -70,6 +70,14 @@ class GenerateRequest(BaseModel):
     return_logprob: bool = False
     rid: str | None = None
     stream: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_text(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "input_ids" not in data and data.get("text") is not None:
+            raise ValueError("input_ids: Field required (text input is not supported by this engine: send "
+                             "token ids)")
+        return data
 
     @field_validator("input_ids", mode="before")
     @classmethod

@@ -43,6 +43,16 @@ def model_dtype(model_path: str | Path, device: torch.device) -> torch.dtype:
     return DTYPES.get(config.get("dtype") or config.get("torch_dtype") or "float32", torch.float32)
 
 
+def check_kv_cache_size(shape, slots: int, max_len: int, dtype: torch.dtype, limit_gb: float) -> None:
+    """The fixed-slot cache holds slots x max_len positions up front; refuse a size over limit_gb."""
+    size_gb = (2 * shape.num_layers * slots * max_len * shape.num_kv_heads * shape.head_dim
+               * torch.finfo(dtype).bits / 8) / 2**30
+    if size_gb > limit_gb:
+        raise ValueError(f"torch engine: the KV cache would take {size_gb:.1f} GiB ({slots} slots x {max_len} "
+                         f"positions), over max_kv_cache_gb={limit_gb}: lower max_model_len or "
+                         f"max_running_requests, or use the sglang backend for this model")
+
+
 class BadRequest(ValueError):
     """A request the engine refuses with HTTP 400; the message names the field and the fix."""
 
@@ -52,12 +62,14 @@ class TorchEngineServer:
 
     def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 0, max_running_requests: int = 128,
                  device: str | None = None, seed: int = 0, weight_version: int = 0,
-                 torch_threads: int | None = None, max_model_len: int | None = None):
+                 torch_threads: int | None = None, max_model_len: int | None = None,
+                 max_kv_cache_gb: float = 8.0):
         self.model_path, self.host, self.port = str(model_path), host, port
         self.max_running_requests, self.seed = max_running_requests, seed
         self.device = pick_device(device)
         self.initial_weight_version = weight_version
         self.torch_threads, self.max_model_len = torch_threads, max_model_len
+        self.max_kv_cache_gb = max_kv_cache_gb
         self.url = ""
         self.batcher: ContinuousBatcher | None = None
         self.tokenizer = None
@@ -72,9 +84,10 @@ class TorchEngineServer:
             torch.set_num_threads(self.torch_threads)
         shape = read_shape(self.model_path)
         dtype = model_dtype(self.model_path, self.device)
-        decoder = LeanDecoder(shape, read_safetensors(self.model_path), dtype, self.device)
         self.shape = shape
         self.max_len = min(shape.max_position, self.max_model_len or shape.max_position)
+        check_kv_cache_size(shape, self.max_running_requests, self.max_len, dtype, self.max_kv_cache_gb)
+        decoder = LeanDecoder(shape, read_safetensors(self.model_path), dtype, self.device)
         self.batcher = ContinuousBatcher(decoder, self.max_running_requests, self.max_len, seed=self.seed,
                                          weight_version=self.initial_weight_version)
         self.batcher.start()
@@ -183,6 +196,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--weight-version", default="0")
     p.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads for this process")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-kv-cache-gb", type=float, default=8.0, help="refuse a larger fixed-slot KV cache")
     return p.parse_args(argv)
 
 
@@ -191,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     version = int(args.weight_version) if args.weight_version.isdigit() else args.weight_version
     server = TorchEngineServer(args.model_path, args.host, args.port, args.max_running_requests, args.device,
-                               args.seed, version, args.torch_threads, args.max_model_len)
+                               args.seed, version, args.torch_threads, args.max_model_len, args.max_kv_cache_gb)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
