@@ -11,7 +11,8 @@ from rollout.engines.protocol import GenerateResponse
 from rollout.engines.simulated import EngineTiming, SimulatedEngine
 from rollout.engines.simulated_workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths,
                                                 TableLengths, parse_simulated_input, simulated_prompt)
-from tasks.generate import generate_batch
+from rollout.partial import SamplingSettings, generate_until_ready_sync
+from rollout.partial_async import generate_until_ready_async
 from tasks.prompts import groups_for_iteration
 
 EOS = DEFAULT_EOS
@@ -158,7 +159,9 @@ def run_iterations(mode: str, max_split: int, iterations: int = 4, extra: int = 
         dock.load_groups(np.arange(next_id, next_id + count), [simulated_prompt(g, 8) for g in range(next_id, next_id + count)],
                          [0] * count)
         next_id += count
-        generate_batch(dock, eng, cfg, [EOS], weight_version=it, drain=False)
+        driver = generate_until_ready_async if mode == "async" else generate_until_ready_sync
+        driver(dock, eng, cfg, SamplingSettings(stop_token_ids=[EOS]), weight_version=it)
+        dock.select_batch()
         batch = dock.batch_arrays()
         assert not dock.in_flight.any() and len(batch["group_ids"]) == 16
         tokens += int(batch["response_lengths"].sum())
