@@ -106,7 +106,8 @@ def plot_carryover(rows: list[dict], path: Path) -> None:
     bottom = np.zeros(len(rows))
     for age in ages:
         counts = np.array([float((r.get("age_histogram") or {}).get(age, 0)) for r in rows])
-        ax.bar(its, counts, bottom=bottom, label=f"age {age}")
+        ax.bar(its, counts, bottom=bottom, label="not generated yet (age 0)" if age == "0" else
+               f"carried over, age {age}")
         bottom += counts
     ax.plot(its, _column(rows, "partial_rows", 0.0), color="black", marker="o", ms=3, label="partial rows")
     ax.set(xlabel="iteration", ylabel="rows in the dock after clear",
@@ -132,6 +133,11 @@ def plot_task_time(rows: list[dict], path: Path) -> None:
 
 
 def _save(fig, path: Path) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in fig.axes:
+        if ax.get_xlabel() == "iteration":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     _pyplot().close(fig)

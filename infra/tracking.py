@@ -103,7 +103,7 @@ def wandb_payload(metrics: dict) -> dict:
 
 def summary_markdown(m: dict) -> str:
     """A short markdown summary of one iteration for the Prefect UI."""
-    tasks = " | ".join(f"{name} {sec:.2f}s" for name, sec in sorted((m.get("task_s") or {}).items(),
+    tasks = ", ".join(f"{name} {sec:.2f}s" for name, sec in sorted((m.get("task_s") or {}).items(),
                                                                    key=lambda kv: -kv[1]))
     ages = ", ".join(f"age {a}: {n}" for a, n in sorted((m.get("age_histogram") or {}).items())) or "none"
     return "\n".join([

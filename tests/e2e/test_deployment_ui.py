@@ -160,7 +160,10 @@ def check_in_browser(url: str, auth: str, run_name: str, run_id: str, iteration_
             page.wait_for_function("() => localStorage.getItem('prefect-password') !== null")
 
             page.goto(f"{url}/runs/flow-run/{run_id}")
-            for text in (run_name, "Completed", "iteration-0000", "iteration-0001"):
+            for text in (run_name, "Completed"):
+                page.get_by_text(text).first.wait_for()
+            page.get_by_text("Subflow Runs", exact=True).first.click()  # the timeline itself is a canvas
+            for text in ("iteration-0000", "iteration-0001"):
                 page.get_by_text(text).first.wait_for()
             page.get_by_text("Artifacts", exact=True).first.click()
             page.get_by_text("spillover-e2e-run-report").first.wait_for()
@@ -168,13 +171,16 @@ def check_in_browser(url: str, auth: str, run_name: str, run_id: str, iteration_
             checked.append("run page: name, Completed, both iteration subflows, report artifact")
 
             page.goto(f"{url}/runs/flow-run/{iteration_id}")
-            page.get_by_text("generate_until_ready").first.wait_for()
+            page.get_by_text("Task Runs", exact=True).first.click()
+            for task in ("load_prompts", "generate_until_ready", "compute_reward", "compute_ref_logprob",
+                         "compute_old_logprob", "update-", "clear_and_age_sort"):
+                page.get_by_text(task).first.wait_for()
             page.get_by_text("Artifacts", exact=True).first.click()
             for key in ("spillover-e2e-run-metrics", "spillover-e2e-run-summary", "spillover-e2e-run-progress"):
                 page.get_by_text(key).first.wait_for()
             page.wait_for_timeout(1000)
             page.screenshot(path=str(OUT / "ui-iteration.png"))
-            checked.append("iteration page: seven tasks on the timeline, metrics/summary/progress artifacts")
+            checked.append("iteration page: its seven task runs, metrics/summary/progress artifacts")
 
             page.goto(f"{url}/artifacts/artifact/{report_id}")
             images = page.locator("img[src^='data:image/png']")
