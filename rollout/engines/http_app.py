@@ -5,7 +5,7 @@ Errors follow SGLang's shape: HTTP 400 with {"object": "error", "message", "type
 from __future__ import annotations
 
 import asyncio
-import json
+import orjson
 import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -41,7 +41,7 @@ async def read_json(request: Request) -> Any:
     raw = await request.body()
     if not raw:
         return {}
-    return json.loads(raw)
+    return orjson.loads(raw)
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -59,7 +59,7 @@ def build_app(server: "TorchEngineServer") -> FastAPI:
     async def parse(request: Request, model):
         try:
             return model.model_validate(await read_json(request)), None
-        except json.JSONDecodeError as err:
+        except orjson.JSONDecodeError as err:
             return None, error_response(f"request body is not valid JSON: {err}")
         except ValidationError as err:
             return None, error_response(validation_message(err))
@@ -90,7 +90,7 @@ def build_app(server: "TorchEngineServer") -> FastAPI:
         text = server.decode_text(result["output_ids"], body.sampling_params.skip_special_tokens)
         if text is not None:
             result = {"text": text, **result}
-        return JSONResponse(result)
+        return Response(orjson.dumps(result), media_type="application/json")
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
