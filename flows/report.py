@@ -69,12 +69,13 @@ def plot_lengths(rows: list[dict], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     if hist is not None:
         width = hist["bin_width"]
-        bottom = None
-        for age, counts in hist["by_age"].items():
-            x = np.arange(len(counts)) * width
-            label = "finished in one iteration" if age == "0" else f"carried over {age} iteration(s)"
-            left.bar(x, counts, width=width, align="edge", bottom=bottom, label=label, alpha=0.85)
-            bottom = counts if bottom is None else bottom + counts
+        total = sum(hist["by_age"].values())
+        x = np.arange(len(total)) * width
+        left.bar(x, total, width=width, align="edge", color="lightgray", label="all trained samples")
+        for age, counts in hist["by_age"].items():  # lines, not stacked bars: stacks mislead on a log axis
+            label = "age 0: loaded and trained in one iteration" if age == "0" else \
+                f"age {age}: waited {age} iteration(s) in the dock"
+            left.step(np.append(x, x[-1] + width), np.append(counts, counts[-1]), where="post", label=label)
         cut = hist["round_tokens"]
         for k in range(1, hist["max_tokens"] // max(cut, 1)):
             left.axvline(k * cut, color="gray", ls="--", lw=1, label="partial-rollout cut (round end)" if k == 1 else None)
