@@ -30,7 +30,7 @@ FORMAT = "spillover-checkpoint/1"
 MANIFEST = "manifest.json"
 META = "meta.json"
 MAX_OBJECT_BYTES = 256 << 20  # shard size: bounds retry cost and memory per in-flight object
-SMALL_LOCAL_BYTES = 16 << 20  # local checkpoints below this are written/read on one thread (no pool cost)
+SMALL_BYTES = 16 << 20  # a checkpoint below this counts as small for choosing threads
 _NAME = re.compile(r"^ckpt-(\d{8,})$")
 _GROUP = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -127,6 +127,15 @@ def plan_objects(state: CheckpointState, max_object_bytes: int) -> tuple[dict[st
     return objects, groups
 
 
+def _auto_workers(store: Store, total_bytes: int) -> int:
+    """Threads moving objects (each hashes what it moves). Local: none for small checkpoints (thread costs
+    dominate), else 4 so hashing spreads over cores. S3: 4 for small objects (latency bound); 2 for large
+    ones, whose parts s3fs already uploads 10 at a time."""
+    if store.is_local:
+        return 1 if total_bytes < SMALL_BYTES else 4
+    return 4 if total_bytes < SMALL_BYTES else 2
+
+
 def _run_all(calls: dict, workers: int) -> dict:
     """{key: (fn, *args)} -> {key: fn(*args)} on `workers` threads; the first error cancels what has not
     started (so a storage outage fails once, not once per object) and is raised."""
@@ -141,7 +150,7 @@ def _run_all(calls: dict, workers: int) -> dict:
 
 
 def save_checkpoint(store: Store, state: CheckpointState, keep: int | None = None, *,
-                    max_object_bytes: int = MAX_OBJECT_BYTES, workers: int = 4) -> str:
+                    max_object_bytes: int = MAX_OBJECT_BYTES, workers: int | None = None) -> str:
     """Write `state` as ckpt-<iteration>/ (objects first, manifest last), then prune to `keep` complete
     checkpoints when given. Returns the checkpoint's URL. Raises StorageError when storage stays down past
     the retry deadline; the partial prefix is then not a checkpoint."""
@@ -161,7 +170,7 @@ def save_checkpoint(store: Store, state: CheckpointState, keep: int | None = Non
     total = sum(len(b) for bufs in objects.values() for b in bufs)
     infos: dict[str, ObjectInfo] = _run_all(
         {key: (store.put_buffers, f"{name}/{key}", bufs) for key, bufs in objects.items()},
-        1 if store.is_local and total < SMALL_LOCAL_BYTES else workers)
+        workers or _auto_workers(store, total))
     manifest = {"format": FORMAT, "iteration": state.iteration, "created_unix": time.time(), "groups": groups,
                 "meta": META, "objects": {k: {"size": i.size, "sha256": i.sha256} for k, i in infos.items()}}
     store.put_bytes(f"{name}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
@@ -191,7 +200,7 @@ def _read_manifest(store: Store, name: str) -> dict:
         raise CheckpointError(f"manifest {url} is unreadable (truncated or corrupt): {err}") from None
 
 
-def _read_object(store: Store, name: str, key: str, spec: dict) -> bytearray:
+def _read_object(store: Store, name: str, key: str, spec: dict) -> memoryview:
     url = store.key_url(f"{name}/{key}")
     try:
         buf, info = store.get_buffer(f"{name}/{key}", size=spec["size"])
@@ -203,7 +212,7 @@ def _read_object(store: Store, name: str, key: str, spec: dict) -> bytearray:
     return buf
 
 
-def load_checkpoint(store: Store, iteration: int, *, workers: int = 4) -> CheckpointState:
+def load_checkpoint(store: Store, iteration: int, *, workers: int | None = None) -> CheckpointState:
     """Load and verify one checkpoint; CheckpointError if it is incomplete or any object does not match."""
     name = checkpoint_name(iteration)
     manifest = _read_manifest(store, name)
@@ -213,9 +222,9 @@ def load_checkpoint(store: Store, iteration: int, *, workers: int = 4) -> Checkp
     objects = manifest["objects"]
     total = sum(spec["size"] for spec in objects.values())
     bufs = _run_all({key: (_read_object, store, name, key, spec) for key, spec in objects.items()},
-                    1 if store.is_local and total < SMALL_LOCAL_BYTES else workers)
+                    workers or _auto_workers(store, total))
     try:
-        state = CheckpointState(iteration=iteration, meta=json.loads(bufs[manifest["meta"]]))
+        state = CheckpointState(iteration=iteration, meta=json.loads(bytes(bufs[manifest["meta"]])))
         for group, keys in manifest["groups"].get("tensors", {}).items():
             state.tensors[group] = {n: t for k in keys for n, t in codec.decode_tensors(bufs[k])[0].items()}
         for group, keys in manifest["groups"].get("arrays", {}).items():
@@ -225,7 +234,7 @@ def load_checkpoint(store: Store, iteration: int, *, workers: int = 4) -> Checkp
     return state
 
 
-def load_latest_checkpoint(store: Store, *, workers: int = 4) -> CheckpointState | None:
+def load_latest_checkpoint(store: Store, *, workers: int | None = None) -> CheckpointState | None:
     """The newest checkpoint that verifies, or None. Corrupt or incomplete ones are reported and skipped;
     storage that cannot be reached raises (an outage must not silently roll the run back)."""
     for info in reversed(list_checkpoints(store)):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 from urllib.parse import urlsplit
 
@@ -18,14 +17,10 @@ from fsspec.implementations.local import LocalFileSystem
 from infra.config import StorageConfig
 from infra.storage_errors import (Fixes, ObjectMissing, Redactor, RetryPolicy, StorageAuthError, StorageError,
                                   StorageUnreachable, log, with_retries)
-from infra.storage_io import (ObjectInfo, OrderedHasher, chunks_of, local_get, local_put, s3_delete, s3_get,
-                              s3_put)
+from infra.storage_io import ObjectInfo, chunks_of, local_get, local_put, s3_delete, s3_get, s3_put
 
-__all__ = ["Store", "ObjectInfo", "open_store", "check_storage", "StorageError", "StorageAuthError",
+__all__ = ["Store", "ObjectInfo", "open_store", "check_storage", "resolve_storage_url", "StorageError", "StorageAuthError",
            "StorageUnreachable", "ObjectMissing", "RetryPolicy"]
-
-INLINE_HASH_BYTES = 4 << 20  # objects up to this size are hashed on the calling thread
-
 
 def _plain_url(url: str) -> str:
     """The URL without user:password@ (never echo credentials a user pasted into a URL)."""
@@ -41,7 +36,6 @@ class Store:
     def __init__(self, fs, root: str, url: str, redact: Redactor, retry: RetryPolicy, fixes: Fixes):
         self.fs, self.root, self.url, self.retry = fs, root.rstrip("/"), url, retry
         self._redact, self._fixes = redact, fixes
-        self._hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
         self.is_local = isinstance(fs, LocalFileSystem)
 
     def __repr__(self) -> str:
@@ -69,28 +63,25 @@ class Store:
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
         return self.put_buffers(key, [data])
 
-    def _hasher(self, size: int) -> OrderedHasher:
-        return OrderedHasher(self._hash_pool if size > INLINE_HASH_BYTES else None)
-
     def _put_once(self, key: str, buffers: Sequence) -> ObjectInfo:
         chunks = chunks_of(buffers)
-        hasher = self._hasher(sum(len(c) for c in chunks))
         if self.is_local:
-            return local_put(self.path(key), chunks, hasher)
-        return s3_put(self.fs, self.path(key), buffers, chunks, hasher)
+            return local_put(self.path(key), chunks)
+        return s3_put(self.fs, self.path(key), buffers, chunks)
 
     # ---- reads
     def get_bytes(self, key: str) -> bytes:
         return self._retry("read", key, lambda: self.fs.cat_file(self.path(key)))
 
-    def get_buffer(self, key: str, size: int | None = None) -> tuple[bytearray, ObjectInfo]:
+    def get_buffer(self, key: str, size: int | None = None) -> tuple[memoryview, ObjectInfo]:
         """The object in a writable buffer (tensors may view it without copying), hashed while read.
         With `size` (e.g. from a manifest) at most that many bytes are read: compare the returned size."""
         return self._retry("read", key, lambda: self._get_once(key, size))
 
-    def _get_once(self, key: str, size: int | None) -> tuple[bytearray, ObjectInfo]:
-        get = local_get if self.is_local else (lambda path, n, make: s3_get(self.fs, path, n, make))
-        return get(self.path(key), size, self._hasher)
+    def _get_once(self, key: str, size: int | None) -> tuple[memoryview, ObjectInfo]:
+        if self.is_local:
+            return local_get(self.path(key), size)
+        return s3_get(self.fs, self.path(key), size)
 
     # ---- listing and deletion
     def exists(self, key: str) -> bool:
@@ -134,6 +125,11 @@ def _env(*names: str) -> str | None:
 
 def _secret(value) -> str | None:
     return value.get_secret_value() if value is not None else None
+
+
+def resolve_storage_url(cfg: StorageConfig, run_dir: str) -> str:
+    """storage.url, or <run_dir>/checkpoints when it is empty."""
+    return cfg.url or os.path.join(os.path.abspath(run_dir), "checkpoints")
 
 
 def open_store(url: str, cfg: StorageConfig | None = None, *, retry: RetryPolicy | None = None,

@@ -2,12 +2,14 @@
 files and for S3 (s3fs), with no retries here (Store wraps every call in them)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
+
+import numpy as np
 
 CHUNK_BYTES = 16 << 20  # hashing/reading granularity
 
@@ -18,32 +20,20 @@ class ObjectInfo:
     sha256: str
 
 
-class OrderedHasher:
-    """sha256 over chunks fed in order. With a (single-thread) pool the hashing runs there (hashlib releases
-    the GIL), overlapping the I/O of the next chunk; without one it runs inline (small objects)."""
+class Hasher:
+    """sha256 and size of the chunks of one object, fed in order on the thread moving its bytes (hashlib
+    releases the GIL; objects are moved on several threads, so hashing runs on all cores)."""
 
-    def __init__(self, pool: ThreadPoolExecutor | None):
+    def __init__(self):
         self._hash = hashlib.sha256()
-        self._pool = pool
-        self._pending: list = []
         self.size = 0
 
     def update(self, chunk: memoryview) -> None:
         self.size += len(chunk)
-        if self._pool is None:
-            self._hash.update(chunk)
-            return
-        self._pending.append(self._pool.submit(self._hash.update, chunk))
-        if len(self._pending) > 4:  # bound the memory pinned by queued chunks
-            self._pending.pop(0).result()
+        self._hash.update(chunk)
 
     def result(self) -> ObjectInfo:
-        for fut in self._pending:
-            fut.result()
         return ObjectInfo(self.size, self._hash.hexdigest())
-
-
-MakeHasher = Callable[[int], OrderedHasher]  # object size -> hasher
 
 
 def chunks_of(buffers: Sequence) -> list[memoryview]:
@@ -54,71 +44,65 @@ def chunks_of(buffers: Sequence) -> list[memoryview]:
     return out
 
 
-def local_put(path: str, chunks: list[memoryview], hasher: OrderedHasher) -> ObjectInfo:
+def local_put(path: str, chunks: list[memoryview]) -> ObjectInfo:
     """Write through a temp file renamed into place: a reader never sees half an object."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp, hasher = f"{path}.tmp-{uuid.uuid4().hex[:8]}", Hasher()
     try:
         with open(tmp, "wb") as f:
             for chunk in chunks:
                 hasher.update(chunk)
                 f.write(chunk)
-        info = hasher.result()
         os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
-    return info
+        raise
+    return hasher.result()
 
 
-def local_get(path: str, size: int | None, make_hasher: MakeHasher) -> tuple[bytearray, ObjectInfo]:
+def empty_buffer(size: int) -> memoryview:
+    """A writable buffer that is not zero-filled first (bytearray(n) is, which costs as much as the read)."""
+    return memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+
+
+def local_get(path: str, size: int | None) -> tuple[memoryview, ObjectInfo]:
     with open(path, "rb") as f:
         size = min(os.fstat(f.fileno()).st_size, size if size is not None else 1 << 62)
-        hasher = make_hasher(size)
-        buf = bytearray(size)
-        view = memoryview(buf)
+        hasher, view = Hasher(), empty_buffer(size)
         for start in range(0, size, CHUNK_BYTES):
             chunk = view[start:start + CHUNK_BYTES]
             got = f.readinto(chunk)
             hasher.update(chunk[:got])
             if got < len(chunk):  # shrank while read: the caller sees the size mismatch
-                return buf[:hasher.size], hasher.result()
-    return buf, hasher.result()
+                return view[:hasher.size], hasher.result()
+    return view, hasher.result()
 
 
-def s3_put(fs, path: str, buffers: Sequence, chunks: list[memoryview], hasher: OrderedHasher) -> ObjectInfo:
-    """One contiguous body (botocore wants bytes-like), filled chunk by chunk while the previous chunk is
-    hashed; s3fs uploads it in parallel parts when large."""
-    if len(buffers) == 1 and isinstance(buffers[0], (bytes, bytearray)):
-        body = buffers[0]
-        for chunk in chunks:
-            hasher.update(chunk)
-    else:
-        body = bytearray(sum(len(c) for c in chunks))
-        view, offset = memoryview(body), 0
-        for chunk in chunks:
-            view[offset:offset + len(chunk)] = chunk
-            hasher.update(view[offset:offset + len(chunk)])
-            offset += len(chunk)
-    info = hasher.result()
+def s3_put(fs, path: str, buffers: Sequence, chunks: list[memoryview]) -> ObjectInfo:
+    """One contiguous bytes body (what botocore takes), joined in one copy without zero-filling first;
+    s3fs uploads it in parallel parts when large."""
+    hasher = Hasher()
+    for chunk in chunks:
+        hasher.update(chunk)
+    body = buffers[0] if len(buffers) == 1 and isinstance(buffers[0], (bytes, bytearray)) else b"".join(chunks)
     fs.pipe_file(path, body)
-    return info
+    return hasher.result()
 
 
-def s3_get(fs, path: str, size: int | None, make_hasher: MakeHasher) -> tuple[bytearray, ObjectInfo]:
+def s3_get(fs, path: str, size: int | None) -> tuple[memoryview, ObjectInfo]:
     """Ranged GETs in parallel batches into one writable buffer, hashed in order."""
     if size is None:
         size = fs.info(path)["size"]
-    hasher = make_hasher(size)
+    hasher = Hasher()
     if size == 0:
         fs.info(path)  # still an error when it does not exist
-        return bytearray(), hasher.result()
+        return empty_buffer(0), hasher.result()
     if size <= CHUNK_BYTES:
-        buf = bytearray(fs.cat_file(path, start=0, end=size))
-        hasher.update(memoryview(buf))
-        return buf, hasher.result()
-    buf = bytearray(size)
-    view = memoryview(buf)
+        view = memoryview(bytearray(fs.cat_file(path, start=0, end=size)))
+        hasher.update(view)
+        return view, hasher.result()
+    view = empty_buffer(size)
     starts = list(range(0, size, CHUNK_BYTES))
     batch = max(1, getattr(fs, "max_concurrency", 8))
     for i in range(0, len(starts), batch):
@@ -129,8 +113,8 @@ def s3_get(fs, path: str, size: int | None, make_hasher: MakeHasher) -> tuple[by
             view[start:start + len(data)] = data
             hasher.update(view[start:start + len(data)])
             if start + len(data) < min(start + CHUNK_BYTES, size):  # shorter than `size`
-                return buf[:hasher.size], hasher.result()
-    return buf, hasher.result()
+                return view[:hasher.size], hasher.result()
+    return view, hasher.result()
 
 
 def s3_delete(fs, path: str) -> None:

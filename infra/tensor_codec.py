@@ -83,7 +83,7 @@ def encoded_size(entries: Iterable[Entry]) -> int:
     return sum(len(raw) for _, _, raw in entries)
 
 
-def _parse(buf: bytearray) -> tuple[dict, int, dict[str, str]]:
+def _parse(buf) -> tuple[dict, int, dict[str, str]]:
     if len(buf) < 8:
         raise FormatError(f"object of {len(buf)} bytes is too short for a safetensors header")
     (n,) = struct.unpack_from("<Q", buf, 0)
@@ -108,8 +108,8 @@ def _parse(buf: bytearray) -> tuple[dict, int, dict[str, str]]:
     return header, 8 + n, metadata
 
 
-def decode_tensors(buf: bytearray) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors viewing `buf` (no copy; writable when buf is a bytearray), and the header metadata."""
+def decode_tensors(buf) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors viewing `buf` (any bytes-like; no copy, writable when buf is), and the header metadata."""
     header, base, metadata = _parse(buf)
     out = {}
     for name, spec in header.items():
@@ -123,7 +123,7 @@ def decode_tensors(buf: bytearray) -> tuple[dict[str, torch.Tensor], dict[str, s
     return out, metadata
 
 
-def decode_arrays(buf: bytearray) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def decode_arrays(buf) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """numpy arrays viewing `buf` (no copy), and the header metadata."""
     header, base, metadata = _parse(buf)
     out = {}

@@ -14,7 +14,7 @@ from pydantic import SecretStr
 from infra.config import StorageConfig
 from infra.seaweed import free_ports
 from infra.storage import (ObjectMissing, StorageAuthError, StorageError, StorageUnreachable, check_storage,
-                           open_store)
+                           open_store, resolve_storage_url)
 from infra.storage_errors import Fixes, Redactor, RetryPolicy, is_transient, with_retries
 
 
@@ -26,7 +26,7 @@ def test_round_trip_list_delete(storage_target):
     assert (info.size, info.sha256) == (len(whole), hashlib.sha256(whole).hexdigest())
     assert store.get_bytes("a/b.bin") == whole
     buf, got = store.get_buffer("a/b.bin")
-    assert isinstance(buf, bytearray) and buf == whole and got == info
+    assert not buf.readonly and bytes(buf) == whole and got == info
     store.put_bytes("c.json", b"{}")
     assert store.list() == ["a", "c.json"] and store.list("a") == ["b.bin"] and store.list("nope") == []
     assert store.exists("a/b.bin") and not store.exists("a/zz")
@@ -39,6 +39,8 @@ def test_round_trip_list_delete(storage_target):
 
 def test_plain_paths_and_file_urls_are_the_same_store(tmp_path):
     assert open_store(str(tmp_path / "s")).url == open_store(f"file://{tmp_path}/s").url == f"file://{tmp_path}/s"
+    assert resolve_storage_url(StorageConfig(), str(tmp_path)) == f"{tmp_path}/checkpoints"
+    assert resolve_storage_url(StorageConfig(url="s3://b/run"), str(tmp_path)) == "s3://b/run"
 
 
 def test_wrong_credentials_clear_error_no_secret_anywhere(s3_server, caplog):
