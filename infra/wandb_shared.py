@@ -59,8 +59,19 @@ def join_shared_run(run_id: str, *, project: str = "spillover", mode: str = "off
     """
     if mode == "disabled" or not run_id:
         return None
+    _use_own_service()
     label = label or f"actor-{socket.gethostname()}-{os.getpid()}"
     return _init(mode, run_id, project, Path(directory) if directory else None, primary=False, label=label)
+
+
+def _use_own_service() -> None:
+    """Forget a wandb service inherited from another process (WANDB_SERVICE names the pid that started
+    it): a Ray worker started after the driver's wandb.init inherits it, and that service refuses a second
+    writer of the same run id ("run ID ... is in use")."""
+    token = os.environ.get("WANDB_SERVICE", "")
+    parts = token.split("-")
+    if token and (len(parts) < 2 or parts[1] != str(os.getpid())):
+        os.environ.pop("WANDB_SERVICE", None)
 
 
 def log_at_iteration(run, metrics: dict[str, Any], iteration: int) -> None:
