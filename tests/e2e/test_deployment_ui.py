@@ -126,12 +126,14 @@ def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(tmp_path):
         assert sorted(iteration_ids) == ["iteration-0000", "iteration-0001"]
         for i, name in enumerate(sorted(iteration_ids)):
             by_type = {a["type"]: a for a in _artifacts(api, [iteration_ids[name]])}
-            assert set(by_type) == {"table", "markdown", "progress"}, by_type.keys()
             table = {row["metric"]: row["value"] for row in json.loads(by_type["table"]["data"])}
             assert table["iteration"] == str(i) and "reward_mean" in table and "task_s.update" in table
             assert by_type["table"]["key"] == "spillover-e2e-run-metrics"
             assert f"### Iteration {i}" in by_type["markdown"]["data"]
-            assert by_type["progress"]["data"] == 100.0 and by_type["progress"]["task_run_id"]
+            # a progress artifact for every iteration that generated (the first always does)
+            assert (table["rounds"] != "0") == ("progress" in by_type), (table["rounds"], by_type.keys())
+            if "progress" in by_type:
+                assert by_type["progress"]["data"] == 100.0 and by_type["progress"]["task_run_id"]
         report = [a for a in _artifacts(api, [first]) if a["key"] == "spillover-e2e-run-report"]
         assert report and "data:image/png;base64," in report[0]["data"]
         assert sorted(p.name for p in (run_dir / "report").iterdir()) == [
