@@ -80,6 +80,10 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (the learner uses the same).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(-1, description="Top-k sampling; -1 = off.")
+    deterministic_sampling: bool = Field(
+        False, description="Seed every request (SGLang's sampling_params.sampling_seed, from model.seed, the group "
+        "and the sample index): samples then do not depend on batching, timing or restarts, so a resumed run "
+        "repeats an uninterrupted one. The sglang backend needs --enable-deterministic-inference for it.")
     rollout_function_path: str = Field(
         "rollout.partial.generate_rollout", description="Import path of the rollout function.")
     eval_function_path: str | None = Field(None, description="Import path of the eval function (empty = rollout's).")
@@ -136,6 +140,24 @@ class OptimizerConfig(_Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    lr_decay: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning-rate schedule over decay_steps updates (then held at its end value).")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Decayed learning rate as a share of lr.")
+    decay_steps: int | None = Field(None, ge=1, description="Updates to decay over; empty = schedule.num_iterations.")
+
+    def lr_at(self, step: int, default_steps: int) -> float:
+        """Learning rate of update `step` (0-based): a pure function of the step, so resume needs no state."""
+        import math
+
+        total = self.decay_steps or default_steps
+        done = min(max(step, 0), total) / max(total, 1)
+        if self.lr_decay == "linear":
+            factor = 1.0 - done
+        elif self.lr_decay == "cosine":
+            factor = 0.5 * (1.0 + math.cos(math.pi * done))
+        else:
+            return self.lr
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * factor)
 
 
 class EnginesConfig(_Section):

@@ -32,7 +32,7 @@ class LearnerActor:
 
     def __init__(self, model_path: str, grpo_cfg: GRPOConfig, optim_cfg: OptimizerConfig, temperature: float,
                  seed: int, trainable: bool, dtype: str = "float32", num_threads: int | None = 1,
-                 device: str = "cpu"):
+                 device: str = "cpu", total_steps: int = 1):
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
@@ -41,6 +41,7 @@ class LearnerActor:
             raise ValueError(f"rollout.temperature must be > 0 for logprobs; got {temperature}")
         self.model_path, self.grpo, self.optim_cfg = str(model_path), grpo_cfg, optim_cfg
         self.temperature, self.trainable, self.device = float(temperature), bool(trainable), device
+        self.total_steps = int(total_steps)
         self.model = load_causal_lm(self.model_path, dtype=dtype, device=device)
         self.model.eval()
         cfg = self.model.config
@@ -140,6 +141,8 @@ class LearnerActor:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.grad_clip)) if total_tokens else 0.0
         stepped = total_tokens > 0 and np.isfinite(grad_norm)
         if stepped:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.optim_cfg.lr_at(self._version, self.total_steps)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         trained_on = self._version
@@ -153,7 +156,7 @@ class LearnerActor:
             "entropy": sums["entropy"] / tokens, "old_logprob_source": old_source,
             "num_samples": len(batch), "num_tokens": int(total_tokens), "stepped": bool(stepped),
             "trained_weight_version": trained_on, "weight_version": self._version,
-            "update_s": time.perf_counter() - started,
+            "update_s": time.perf_counter() - started, "lr": self.optimizer.param_groups[0]["lr"],
         }
 
     # ----- weights and state -----
@@ -259,6 +262,7 @@ def create_learners(model_path, cfg, num_cpus: float = 0, num_threads: int = 1, 
     device = "cuda" if num_gpus else "cpu"
     actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(LearnerActor)
     common = dict(grpo_cfg=cfg.grpo, optim_cfg=cfg.optimizer, temperature=cfg.rollout.temperature,
+                  total_steps=cfg.schedule.num_iterations,
                   seed=cfg.model.seed, dtype=cfg.model.dtype, num_threads=num_threads, device=device)
     policy = actor.remote(str(model_path), trainable=True, **common)
     ref = actor.remote(str(model_path), trainable=False, **common) if cfg.grpo.kl_coef > 0 else None

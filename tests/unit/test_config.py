@@ -55,3 +55,14 @@ def test_every_field_has_a_description():
 def test_secrets_are_hidden_in_repr():
     cfg = build_config({"storage": {"secret_access_key": "hunter2"}})
     assert "hunter2" not in repr(cfg) and "hunter2" not in cfg.model_dump_json()
+
+
+def test_lr_schedules_are_pure_functions_of_the_step():
+    from infra.config import OptimizerConfig
+
+    cos = OptimizerConfig(lr=1.0, lr_decay="cosine", min_lr_ratio=0.1)
+    assert cos.lr_at(0, 100) == pytest.approx(1.0) and cos.lr_at(100, 100) == pytest.approx(0.1)
+    assert cos.lr_at(50, 100) == pytest.approx(0.55) and cos.lr_at(500, 100) == pytest.approx(0.1)
+    lin = OptimizerConfig(lr=2.0, lr_decay="linear", min_lr_ratio=0.0, decay_steps=10)
+    assert lin.lr_at(5, 100) == pytest.approx(1.0)
+    assert OptimizerConfig(lr=0.5).lr_at(7, 10) == 0.5
