@@ -24,7 +24,7 @@ demo: $(STAMP)
 # The deployment/UI e2e test drives Debian's chromium (installed once, skipped when present).
 browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
 test: $(STAMP) browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
