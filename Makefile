@@ -11,15 +11,19 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m pip install -q "$(TORCH_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -c "import torch, prefect, ray, transformers, sglang_router, s3fs"
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# The demo starts afresh in runs/demo each time (a train run refuses a location holding checkpoints).
+DEMO_DIR ?= runs/demo
 demo: $(STAMP)
-	$(VENV)/bin/spillover train --config configs/tiny.yaml $(ARGS)
+	rm -rf $(DEMO_DIR)
+	$(VENV)/bin/spillover train --config configs/tiny.yaml run_dir=$(DEMO_DIR) $(ARGS)
 
 # The deployment/UI e2e test drives Debian's chromium (installed once, skipped when present).
 browser:
