@@ -142,8 +142,8 @@ def summarize(mode: str, cfg: RolloutConfig, rows: list[dict], wall_s: float, sl
            "wall_s": round(wall_s, 1)}
     if slots and "engine_busy_s" in rows[0]:
         engines, per_engine = slots
-        out["engine_idle_share"] = round(1 - total("engine_busy_s") / (engines * rollout), 4)
-        out["slot_idle_share"] = round(1 - total("slot_busy_s") / (engines * per_engine * rollout), 4)
+        out["engine_idle_share"] = round(max(0.0, 1 - total("engine_busy_s") / (engines * rollout)), 4)
+        out["slot_idle_share"] = round(max(0.0, 1 - total("slot_busy_s") / (engines * per_engine * rollout)), 4)
     if "prefill_tokens" in rows[0]:
         out["prefill_tokens_per_iteration"] = round(total("prefill_tokens") / len(rows))
     return out
@@ -194,12 +194,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--real", action="store_true", help="2 CPU engines with the tiny model, wall time (small workload)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
-    p.add_argument("--iterations", type=int, default=None, help="measured iterations per mode (default 3)")
+    p.add_argument("--iterations", type=int, default=None, help="measured iterations per mode (sim 3, real 5)")
     p.add_argument("--warmup", type=int, default=None, help="iterations run before measuring (default 2)")
-    p.add_argument("--gbs", type=int, default=None, help="groups per batch (sim 512, real 16)")
+    p.add_argument("--gbs", type=int, default=None, help="groups per batch (sim 512, real 32)")
     p.add_argument("--n", type=int, default=None, help="samples per group (sim 16, real 4)")
-    p.add_argument("--max-tokens", type=int, default=None, help="response token limit (sim 32768, real 256)")
-    p.add_argument("--median", type=float, default=None, help="median natural length (sim 2000, real 24)")
+    p.add_argument("--max-tokens", type=int, default=None, help="response token limit (sim 32768, real 512)")
+    p.add_argument("--median", type=float, default=None, help="median natural length (sim 2000, real 32)")
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of natural lengths")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="sim: prompt length (256); real: room left for the prompt in max_model_len (16)")
@@ -217,8 +217,8 @@ def parse_args(argv=None):
                    help="sim: one simulated token stands for this many (default 8; 1 = exact, ~8x slower)")
     args = p.parse_args(argv)
     sim = not args.real
-    defaults = {"iterations": 3, "warmup": 2, "token_scale": 8 if sim else 1, "gbs": 512 if sim else 16, "n": 16 if sim else 4,
-                "max_tokens": 32768 if sim else 256, "median": 2000.0 if sim else 24.0,
+    defaults = {"iterations": 3 if sim else 5, "warmup": 2, "token_scale": 8 if sim else 1, "gbs": 512 if sim else 32,
+                "n": 16 if sim else 4, "max_tokens": 32768 if sim else 512, "median": 2000.0 if sim else 32.0,
                 "prompt_tokens": 256 if sim else 16, "slots": 256 if sim else 16, "engines": 8 if sim else 2}
     for key, value in defaults.items():
         if getattr(args, key) is None:

@@ -134,10 +134,13 @@ class RealRun:
         from infra.models import build_tiny_model, load_tokenizer
         from rollout.manager import RolloutManager
 
+        if args.token_scale != 1:
+            raise SystemExit("--token-scale applies to the simulated engine only; drop it with --real")
         self.args = args
         init_ray()
         self.tmp = tempfile.TemporaryDirectory(prefix="longtail-")
-        self.model_dir = build_tiny_model(Path(self.tmp.name) / "tiny", max_position=512)
+        self.model_dir = build_tiny_model(Path(self.tmp.name) / "tiny",
+                                         max_position=max(512, args.max_tokens + args.prompt_tokens))
         self.tokenizer = load_tokenizer(self.model_dir)
         cfg = EnginesConfig(rollout_num_gpus=args.engines, gpus_per_engine=1, max_running_requests=args.slots,
                             health_timeout_s=30.0)

@@ -177,3 +177,21 @@ def test_partial_rollout_beats_no_partial_on_a_long_tail():
     async_, async_stale = run_iterations("async", 2)
     assert base_stale == 0 and async_stale > 0
     assert sync4 > 1.1 * base and async_ > 1.2 * base, (base, sync4, async_)
+
+
+def test_longtail_bench_prints_one_json_line_per_mode(capsys):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.longtail import MODES, main
+
+    main(["--gbs", "8", "--n", "4", "--max-tokens", "512", "--median", "40", "--engines", "2", "--slots", "8",
+          "--prompt-tokens", "8", "--token-scale", "1", "--iterations", "1", "--warmup", "1", "--update-s", "1"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["mode"] for line in lines] == list(MODES)
+    for line in lines:
+        assert {"tokens_per_s", "iteration_s", "engine_idle_share", "stale_token_share", "speedup"} <= set(line)
+        assert line["tokens_per_s"] > 0 and 0 <= line["engine_idle_share"] <= 1
+    assert lines[0]["speedup"] == 1.0 and lines[0]["stale_token_share"] == 0
