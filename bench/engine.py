@@ -79,14 +79,19 @@ async def run_engine(url: str, workload, concurrency: int) -> tuple[int, float]:
         return sum(counts), time.perf_counter() - start
 
 
-async def latency_p50_ms(url: str, n: int = 40) -> float:
-    async with EngineClient(url) as client:
-        samples = []
+async def router_overhead_p50_ms(engine_url: str, router_url: str, n: int = 60) -> float:
+    """p50 over n pairs of (routed - direct) latency of a 1-token request, the pair run back to back so
+    both see the same machine load."""
+    params = {"max_new_tokens": 1, "temperature": 0}
+    async with EngineClient(engine_url) as direct, EngineClient(router_url) as routed:
+        diffs = []
         for _ in range(n):
             t0 = time.perf_counter()
-            await client.generate([5, 6, 7], {"max_new_tokens": 1, "temperature": 0}, return_logprob=False)
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(samples))
+            await direct.generate([5, 6, 7], params, return_logprob=False)
+            t1 = time.perf_counter()
+            await routed.generate([5, 6, 7], params, return_logprob=False)
+            diffs.append((time.perf_counter() - t1) - (t1 - t0))
+    return float(np.median(diffs)) * 1e3
 
 
 def run_hf(model_dir: Path, workload, batch_size: int) -> tuple[int, float]:
@@ -130,8 +135,7 @@ def bench(concurrency: int, args, model_dir: Path) -> dict:
         cpu0 = process_cpu_s(engine.pid) + process_cpu_s(router.proc.pid) + time.process_time()
         engine_tokens, engine_s = asyncio.run(run_engine(router.url, workload, concurrency))
         engine_cpu = process_cpu_s(engine.pid) + process_cpu_s(router.proc.pid) + time.process_time() - cpu0
-        direct = asyncio.run(latency_p50_ms(engine_url))
-        routed = asyncio.run(latency_p50_ms(router.url))
+        overhead_ms = asyncio.run(router_overhead_p50_ms(engine_url, router.url))
     finally:
         if router is not None:
             router.stop()
@@ -148,7 +152,7 @@ def bench(concurrency: int, args, model_dir: Path) -> dict:
     log(f"concurrency {concurrency}: engine {engine_tokens} tok in {engine_s:.2f}s, hf {hf_tokens} tok in {hf_s:.2f}s")
     return {"concurrency": concurrency, "requests": len(workload), "completion_tokens": engine_tokens,
             "engine_tokens_per_s": round(engine_tps, 1), "hf_generate_tokens_per_s": round(hf_tps, 1),
-            "ratio": round(engine_tps / hf_tps, 3), "router_overhead_ms_p50": round(routed - direct, 3),
+            "ratio": round(engine_tps / hf_tps, 3), "router_overhead_ms_p50": round(overhead_ms, 3),
             "engine_s": round(engine_s, 3), "hf_s": round(hf_s, 3),
             "engine_cpu_s": round(engine_cpu, 3), "hf_cpu_s": round(hf_cpu, 3), "cpu_ratio": round(hf_cpu / engine_cpu, 3), "engine_threads": args.engine_threads,
             "hf_threads": args.hf_threads}
