@@ -1,4 +1,4 @@
-"""`spillover` command line: train, serve, submit, report. Exit codes: 0 ok, 1 run failed,
+"""`spillover` command line: train, resume, serve, submit, report. Exit codes: 0 ok, 1 run failed,
 2 bad config or input."""
 from __future__ import annotations
 
@@ -25,6 +25,16 @@ def cmd_train(args) -> int:
     from flows.train import grpo_train
 
     summary = grpo_train(cfg)
+    print(json.dumps(summary, indent=2))
+    return EXIT_OK
+
+
+def cmd_resume(args) -> int:
+    from flows.setup import load_run_config
+    from flows.train import grpo_train
+
+    cfg = load_run_config(args.run_dir, args.overrides)
+    summary = grpo_train(cfg, resume=True)
     print(json.dumps(summary, indent=2))
     return EXIT_OK
 
@@ -63,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train from a config (local Ray, CPU engines, ephemeral Prefect)")
     _add_config_args(train)
     train.set_defaults(fn=cmd_train)
+
+    resume = sub.add_parser("resume", help="continue a run from its newest verified checkpoint",
+                            description="Continue the run in RUN_DIR (its config.json) from the newest verified "
+                            "checkpoint, partial responses included. Storage credentials are not saved with the run: "
+                            "give them again (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or key=value).")
+    resume.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir of an earlier `spillover train`")
+    resume.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides, e.g. schedule.num_iterations=200 (model, data and batch shape "
+                        "must stay as they were)")
+    resume.set_defaults(fn=cmd_resume)
 
     serve = sub.add_parser("serve", help="serve the deployments of prefect.yaml from this process (needs "
                            "PREFECT_API_URL of a running `prefect server`)",

@@ -23,10 +23,13 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = -1
     stop_token_ids: Sequence[int] = ()
+    seed: int | None = None  # set: every request carries a sampling_seed (see request_seeds)
 
     @classmethod
-    def from_rollout(cls, rollout_cfg, stop_token_ids: Sequence[int]) -> "SamplingSettings":
-        return cls(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k, tuple(stop_token_ids))
+    def from_rollout(cls, rollout_cfg, stop_token_ids: Sequence[int], seed: int | None = None) -> "SamplingSettings":
+        """seed (model.seed) is used only with rollout.deterministic_sampling."""
+        seed = seed if getattr(rollout_cfg, "deterministic_sampling", False) else None
+        return cls(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k, tuple(stop_token_ids), seed)
 
 
 @dataclass
@@ -49,15 +52,39 @@ def make_rid() -> str:
     return secrets.token_hex(16)
 
 
-def build_requests(inputs: list[list[int]], max_new_tokens: np.ndarray, sampling: SamplingSettings) -> list[dict]:
-    """Dock inputs -> SGLang /generate payloads (one per row)."""
-    return [{
+def build_requests(inputs: list[list[int]], max_new_tokens: np.ndarray, sampling: SamplingSettings,
+                   seeds: np.ndarray | None = None) -> list[dict]:
+    """Dock inputs -> SGLang /generate payloads (one per row); seeds[k] (optional) -> sampling_seed."""
+    requests = [{
         "input_ids": list(map(int, ids)),
         "sampling_params": {"max_new_tokens": int(m), "temperature": sampling.temperature, "top_p": sampling.top_p,
                             "top_k": sampling.top_k, "stop_token_ids": list(sampling.stop_token_ids)},
         "return_logprob": True,
         "rid": make_rid(),
     } for ids, m in zip(inputs, max_new_tokens)]
+    if seeds is not None:
+        for request, seed in zip(requests, seeds.tolist()):
+            request["sampling_params"]["sampling_seed"] = seed
+    return requests
+
+
+def request_seeds(dock, rows: np.ndarray, sampling: SamplingSettings) -> np.ndarray | None:
+    """Per-row sampling seeds from (sampling.seed, group id, sample index) -> int64[k] in [0, 2^31), or None
+    when sampling is not seeded. The engine hashes the seed with each token's absolute position, so a row
+    continued from its partial response draws exactly what one uninterrupted request would have drawn."""
+    if sampling.seed is None:
+        return None
+    rows = np.asarray(rows, dtype=np.int64)
+    parts = (np.full(len(rows), sampling.seed), dock.group_ids[rows // dock.n], rows % dock.n)
+    h = np.zeros(len(rows), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for part in parts:  # splitmix64 over the three parts (wrapping uint64 arithmetic)
+            h = h ^ np.asarray(part).astype(np.int64).astype(np.uint64)
+            h = h + np.uint64(0x9E3779B97F4A7C15)
+            h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            h = h ^ (h >> np.uint64(31))
+    return (h & np.uint64(0x7FFFFFFF)).astype(np.int64)
 
 
 def parse_responses(responses: list[dict], default_version: int) -> tuple[list[list[int]], list[list[float]],
@@ -103,7 +130,7 @@ def generate_until_ready_sync(dock, engine: Generator, rollout_cfg, sampling: Sa
             raise RuntimeError(f"generation cannot finish: no row left to generate but only "
                                f"{dock.ready_group_count()} groups are ready (need {rollout_cfg.global_batch_size})")
         inputs, max_new = dock.generation_inputs(rows, round_tokens)
-        requests = build_requests(inputs, max_new, sampling)
+        requests = build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling))
         try:
             engine_start = time.perf_counter()
             responses = engine.generate(requests)
@@ -126,11 +153,12 @@ def generate_until_ready_sync(dock, engine: Generator, rollout_cfg, sampling: Sa
 
 
 def generate_batch(dock, engine: Generator, rollout_cfg, stop_token_ids, weight_version: int, drain: bool,
-                   on_round: Callable[[dict], None] | None = None) -> GenerationStats:
-    """Generate until the dock is ready (sync or async mode), then choose the training batch once."""
+                   on_round: Callable[[dict], None] | None = None, seed: int | None = None) -> GenerationStats:
+    """Generate until the dock is ready (sync or async mode), then choose the training batch once.
+    seed: model.seed, used with rollout.deterministic_sampling."""
     from rollout.partial_async import generate_until_ready_async
 
-    sampling = SamplingSettings.from_rollout(rollout_cfg, stop_token_ids)
+    sampling = SamplingSettings.from_rollout(rollout_cfg, stop_token_ids, seed)
     driver = generate_until_ready_async if rollout_cfg.mode == "async" else generate_until_ready_sync
     stats = driver(dock, engine, rollout_cfg, sampling, weight_version, drain, on_round)
     dock.select_batch()
@@ -148,7 +176,7 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
         return _evaluate(args, data_source)
     drain = rollout_id == args.schedule.num_iterations - 1
     stats = generate_batch(data_source.dock, data_source.engine, args.rollout, data_source.stop_token_ids,
-                           data_source.weight_version, drain, getattr(data_source, "on_round", None))
+                           data_source.weight_version, drain, getattr(data_source, "on_round", None), args.model.seed)
     if getattr(data_source, "current", None) is not None:
         data_source.current.metrics.update(stats.as_dict())
     return data_source.dock.batch_samples()

@@ -14,7 +14,8 @@ from typing import Callable
 
 import numpy as np
 
-from rollout.partial import GenerationStats, Generator, SamplingSettings, build_requests, parse_responses
+from rollout.partial import (GenerationStats, Generator, SamplingSettings, build_requests, parse_responses,
+                             request_seeds)
 
 
 class _AsyncRound:
@@ -73,7 +74,7 @@ def generate_until_ready_async(dock, engine: Generator, rollout_cfg, sampling: S
         stats.rounds += 1
         stats.requests += len(rows)
         round_ = _AsyncRound(dock, engine, rows, weight_version, stats, on_round, rollout_cfg.global_batch_size, start)
-        requests = build_requests(inputs, max_new, sampling)
+        requests = build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling))
         engine_start = time.perf_counter()
         try:
             engine.generate(requests, on_result=round_.on_result)

@@ -44,6 +44,9 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    sampling_seed: int | None = Field(
+        None, description="Per-request seed (SGLang's; it needs --enable-deterministic-inference there): the "
+        "sample is a function of (seed, position, token) only, independent of batching and timing.")
 
     @field_validator("max_new_tokens")
     @classmethod

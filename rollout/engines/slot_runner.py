@@ -11,7 +11,7 @@ import torch
 from rollout.engines.attn_plan import plan_attention
 from rollout.engines.lean_forward import AttnGroup, KVCache, LeanDecoder
 from rollout.engines.protocol import SamplingParams
-from rollout.engines.sampling import GREEDY_EPS, sample_tokens
+from rollout.engines.sampling import GREEDY_EPS, sample_tokens, seed_key
 
 StepOutput = tuple[list[int], list[float] | None]  # sampled token per row, and its logprob (if wanted)
 
@@ -33,6 +33,8 @@ class SlotRunner:
         self.top_p = torch.ones(n, device=dev)
         self.top_k = torch.full((n,), -1, dtype=torch.long, device=dev)
         self.min_p = torch.zeros(n, device=dev)
+        self.seed_key = torch.zeros(n, dtype=torch.long, device=dev)  # sampling_seed, hashed (see sampling.py)
+        self.seeded = torch.zeros(n, dtype=torch.bool, device=dev)
 
     def alloc_cache(self) -> None:
         if self.cache is None:
@@ -66,6 +68,9 @@ class SlotRunner:
         self.top_p[slot_t] = torch.tensor([p.top_p for p in params], device=dev)
         self.top_k[slot_t] = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
         self.min_p[slot_t] = torch.tensor([p.min_p for p in params], device=dev)
+        seeds = [p.sampling_seed for p in params]
+        self.seeded[slot_t] = torch.tensor([s is not None for s in seeds], device=dev)
+        self.seed_key[slot_t] = torch.tensor([seed_key(s) if s is not None else 0 for s in seeds], device=dev)
         self.slot_len[slot_t] = torch.tensor(lengths, device=dev)
         return self._sample(slot_t, logits, params, want_logprobs)
 
@@ -105,6 +110,8 @@ class SlotRunner:
             per_row = (None, None, None, None)
         else:
             per_row = tuple(t.index_select(0, slot_t) for t in (self.temperature, self.top_p, self.top_k, self.min_p))
-        tokens, logprobs = sample_tokens(logits, *per_row, all_greedy, needs_filter, self.generator)
+        seeded = () if all_greedy or all(p.sampling_seed is None for p in params) else tuple(
+            t.index_select(0, slot_t) for t in (self.seed_key, self.seeded, self.slot_len))  # slot_len: new token's position
+        tokens, logprobs = sample_tokens(logits, *per_row, all_greedy, needs_filter, self.generator, *seeded)
         self.slot_token.index_copy_(0, slot_t, tokens)
         return tokens.tolist(), (logprobs.tolist() if want_logprobs else None)
