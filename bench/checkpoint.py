@@ -84,62 +84,78 @@ def plain_payloads(state: CheckpointState, max_object_bytes: int) -> dict[str, C
     return out
 
 
-def plain_put(fs, store, payloads) -> tuple[float, int]:
-    """Seconds spent in fs.pipe_file over all objects (one after another, each with s3fs's own parallel
-    multipart upload: faster on weed than fs.pipe(dict)), and the bytes written."""
-    elapsed, total = 0.0, 0
+class Clock:
+    """Accumulates wall seconds and process CPU seconds (all threads) of the timed blocks."""
+
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+
+    def __enter__(self):
+        self._t, self._c = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall += time.perf_counter() - self._t
+        self.cpu += time.process_time() - self._c
+
+
+def plain_put(fs, store, payloads) -> tuple[Clock, int]:
+    """fs.pipe_file over all objects, one after another (each with s3fs's own parallel multipart upload:
+    faster on weed than fs.pipe(dict)); the bytes are made outside the clock."""
+    clock, total = Clock(), 0
     for key, make in payloads.items():
         data = make()
-        t = time.perf_counter()
-        fs.pipe_file(store.path(f"plain/{key}"), data)
-        elapsed += time.perf_counter() - t
+        with clock:
+            fs.pipe_file(store.path(f"plain/{key}"), data)
         total += len(data)
         del data
-    return elapsed, total
+    return clock, total
 
 
-def plain_get(fs, store, name, keys) -> float:
-    t = time.perf_counter()
-    for key in keys:
-        data = fs.cat_file(store.path(f"{name}/{key}"))
-        del data
-    return time.perf_counter() - t
+def plain_get(fs, store, name, keys) -> Clock:
+    with Clock() as clock:
+        for key in keys:
+            data = fs.cat_file(store.path(f"{name}/{key}"))
+            del data
+    return clock
 
 
 def measure(store, state: CheckpointState, repeats: int) -> dict:
     fs = LocalFileSystem(auto_mkdir=True) if store.is_local else store.fs  # plain put makes its directories
     payloads = plain_payloads(state, MAX_OBJECT_BYTES)
     name = checkpoint_name(state.iteration)
-    times: dict[str, list[float]] = {"plain_put": [], "write": [], "plain_get": [], "load": []}
+    runs: dict[str, list[Clock]] = {"plain_put": [], "write": [], "plain_get": [], "load": []}
     for _ in range(repeats):  # plain and checkpoint alternate, so load on the machine hits both alike
         store.delete("plain")
         gc.collect()
-        elapsed, total = plain_put(fs, store, payloads)
-        times["plain_put"].append(elapsed)
+        clock, total = plain_put(fs, store, payloads)
+        runs["plain_put"].append(clock)
         store.delete(name)
         gc.collect()
-        t = time.perf_counter()
-        save_checkpoint(store, state)
-        times["write"].append(time.perf_counter() - t)
+        with Clock() as clock:
+            save_checkpoint(store, state)
+        runs["write"].append(clock)
         gc.collect()
-        times["plain_get"].append(plain_get(fs, store, name, payloads))
+        runs["plain_get"].append(plain_get(fs, store, name, payloads))
         gc.collect()
-        t = time.perf_counter()
-        loaded = load_checkpoint(store, state.iteration)
-        times["load"].append(time.perf_counter() - t)
+        with Clock() as clock:
+            loaded = load_checkpoint(store, state.iteration)
+        runs["load"].append(clock)
         del loaded
         gc.collect()
     store.delete("plain")
     store.delete(name)
     mb = total / 1e6
-    best = {k: min(v) for k, v in times.items()}
-    med = {k: statistics.median(v) for k, v in times.items()}
-    log.info("%s raw times: %s", store.url, {k: [round(x, 3) for x in v] for k, v in times.items()})
+    best = {k: min(c.wall for c in v) for k, v in runs.items()}
+    med = {k: statistics.median(c.wall for c in v) for k, v in runs.items()}
+    cpu = {k: min(c.cpu for c in v) for k, v in runs.items()}
+    log.info("%s wall s: %s", store.url, {k: [round(c.wall, 3) for c in v] for k, v in runs.items()})
     out = {"bytes": total, "objects": len(payloads), "repeats": repeats,
            "write_mb_s": mb / best["write"], "load_mb_s": mb / best["load"],
            "plain_put_mb_s": mb / best["plain_put"], "plain_get_mb_s": mb / best["plain_get"],
            "write_ratio": best["plain_put"] / best["write"], "load_ratio": best["plain_get"] / best["load"],
-           "write_ratio_median": med["plain_put"] / med["write"], "load_ratio_median": med["plain_get"] / med["load"]}
+           "write_ratio_median": med["plain_put"] / med["write"], "load_ratio_median": med["plain_get"] / med["load"],
+           **{f"{k}_cpu_s": v for k, v in cpu.items()}}
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 
