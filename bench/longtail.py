@@ -234,7 +234,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    # force: importing Prefect (tasks.prompts) put its own handler on the root logger
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s", force=True)
     args = parse_args(argv)
     log.info("config: %s", vars(args))
     if args.real:
@@ -242,6 +243,8 @@ def main(argv=None) -> None:
         runner = RealRun(args)
     else:
         runner = SimulatedRun(args)
+    for name in ("longtail", "longtail.real"):  # importing Prefect (via the engines) disables existing loggers
+        logging.getLogger(name).disabled = False
     work = Workload(args.gbs, args.n, args.max_tokens, args.prompt_tokens, args.async_max_age,
                     args.over_sampling_groups, args.update_s, args.token_scale)
     results = []
