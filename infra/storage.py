@@ -17,7 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 from infra.config import StorageConfig
 from infra.storage_errors import (Fixes, ObjectMissing, Redactor, RetryPolicy, StorageAuthError, StorageError,
                                   StorageUnreachable, log, with_retries)
-from infra.storage_io import ObjectInfo, chunks_of, local_get, local_put, s3_delete, s3_get, s3_put
+from infra.storage_io import CallTimeout, ObjectInfo, chunks_of, local_get, local_put, s3_delete, s3_get, s3_put
 
 __all__ = ["Store", "ObjectInfo", "open_store", "check_storage", "resolve_storage_url", "StorageError", "StorageAuthError",
            "StorageUnreachable", "ObjectMissing", "RetryPolicy"]
@@ -33,8 +33,9 @@ def _plain_url(url: str) -> str:
 class Store:
     """An fsspec filesystem and a root; keys are '/'-separated paths below the root."""
 
-    def __init__(self, fs, root: str, url: str, redact: Redactor, retry: RetryPolicy, fixes: Fixes):
-        self.fs, self.root, self.url, self.retry = fs, root.rstrip("/"), url, retry
+    def __init__(self, fs, root: str, url: str, redact: Redactor, retry: RetryPolicy, fixes: Fixes,
+                 timeout: CallTimeout | None = None):
+        self.fs, self.root, self.url, self.retry, self.timeout = fs, root.rstrip("/"), url, retry, timeout
         self._redact, self._fixes = redact, fixes
         self.is_local = isinstance(fs, LocalFileSystem)
 
@@ -67,11 +68,15 @@ class Store:
         chunks = chunks_of(buffers)
         if self.is_local:
             return local_put(self.path(key), chunks)
-        return s3_put(self.fs, self.path(key), buffers, chunks)
+        return s3_put(self.fs, self.path(key), buffers, chunks, self.timeout)
 
     # ---- reads
+    def _kw(self) -> dict:
+        """Extra arguments of a small s3fs call: its time limit (local calls take none)."""
+        return {} if self.is_local else {"timeout": self.timeout()}
+
     def get_bytes(self, key: str) -> bytes:
-        return self._retry("read", key, lambda: self.fs.cat_file(self.path(key)))
+        return self._retry("read", key, lambda: self.fs.cat_file(self.path(key), **self._kw()))
 
     def get_buffer(self, key: str, size: int | None = None) -> tuple[memoryview, ObjectInfo]:
         """The object in a writable buffer (tensors may view it without copying), hashed while read.
@@ -81,17 +86,18 @@ class Store:
     def _get_once(self, key: str, size: int | None) -> tuple[memoryview, ObjectInfo]:
         if self.is_local:
             return local_get(self.path(key), size)
-        return s3_get(self.fs, self.path(key), size)
+        return s3_get(self.fs, self.path(key), size, self.timeout)
 
     # ---- listing and deletion
     def exists(self, key: str) -> bool:
-        return self._retry("check", key, lambda: self.fs.exists(self.path(key)))
+        return self._retry("check", key, lambda: self.fs.exists(self.path(key), **self._kw()))
 
     def list(self, prefix: str = "") -> list[str]:
         """Names of the direct children (objects and 'directories') under `prefix`; [] if none."""
         def ls():
             try:
-                entries = self.fs.ls(self.path(prefix), detail=False, **({} if self.is_local else {"refresh": True}))
+                extra = {} if self.is_local else {"refresh": True, **self._kw()}
+                entries = self.fs.ls(self.path(prefix), detail=False, **extra)
             except FileNotFoundError:
                 return []
             here = self.path(prefix).rstrip("/")
@@ -102,7 +108,7 @@ class Store:
         """Delete one object (one request); missing is fine."""
         def rm_file():
             try:
-                self.fs.rm_file(self.path(key))
+                self.fs.rm_file(self.path(key), **self._kw())
             except FileNotFoundError:
                 pass
         self._retry("delete", key, rm_file)
@@ -111,7 +117,7 @@ class Store:
         """Delete an object or everything under a prefix; missing is fine."""
         def rm():
             if not self.is_local:
-                return s3_delete(self.fs, self.path(key))
+                return s3_delete(self.fs, self.path(key), self.timeout)
             try:
                 self.fs.rm(self.path(key), recursive=True)
             except FileNotFoundError:
@@ -176,7 +182,7 @@ def open_store(url: str, cfg: StorageConfig | None = None, *, retry: RetryPolicy
              "storage.secret_access_key, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
         unreachable=f"start {server}, or set storage.endpoint_url (or AWS_ENDPOINT_URL_S3) to a reachable one")
     root = f"{bucket}/{prefix}" if prefix else bucket
-    return Store(fs, root, f"s3://{root}", redact, retry, fixes)
+    return Store(fs, root, f"s3://{root}", redact, retry, fixes, CallTimeout(connect_timeout_s + read_timeout_s))
 
 
 def check_storage(url: str, cfg: StorageConfig | None = None, *, deadline_s: float = 10.0) -> Store:

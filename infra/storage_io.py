@@ -15,6 +15,17 @@ CHUNK_BYTES = 16 << 20  # hashing/reading granularity
 
 
 @dataclass(frozen=True)
+class CallTimeout:
+    """Longest one s3fs call may take: base_s, plus time for the bytes it moves at min_mb_s. botocore's
+    read timeout alone does not bound a call: a request body sent to a hung server blocks forever."""
+    base_s: float
+    min_mb_s: float = 8.0
+
+    def __call__(self, nbytes: int = 0) -> float:
+        return self.base_s + nbytes / (self.min_mb_s * 1e6)
+
+
+@dataclass(frozen=True)
 class ObjectInfo:
     size: int
     sha256: str
@@ -79,27 +90,27 @@ def local_get(path: str, size: int | None) -> tuple[memoryview, ObjectInfo]:
     return view, hasher.result()
 
 
-def s3_put(fs, path: str, buffers: Sequence, chunks: list[memoryview]) -> ObjectInfo:
+def s3_put(fs, path: str, buffers: Sequence, chunks: list[memoryview], timeout: CallTimeout) -> ObjectInfo:
     """One contiguous bytes body (what botocore takes), joined in one copy without zero-filling first;
     s3fs uploads it in parallel parts when large."""
     hasher = Hasher()
     for chunk in chunks:
         hasher.update(chunk)
     body = buffers[0] if len(buffers) == 1 and isinstance(buffers[0], (bytes, bytearray)) else b"".join(chunks)
-    fs.pipe_file(path, body)
+    fs.pipe_file(path, body, timeout=timeout(len(body)))
     return hasher.result()
 
 
-def s3_get(fs, path: str, size: int | None) -> tuple[memoryview, ObjectInfo]:
+def s3_get(fs, path: str, size: int | None, timeout: CallTimeout) -> tuple[memoryview, ObjectInfo]:
     """Ranged GETs in parallel batches into one writable buffer, hashed in order."""
     if size is None:
-        size = fs.info(path)["size"]
+        size = fs.info(path, timeout=timeout())["size"]
     hasher = Hasher()
     if size == 0:
-        fs.info(path)  # still an error when it does not exist
+        fs.info(path, timeout=timeout())  # still an error when it does not exist
         return empty_buffer(0), hasher.result()
     if size <= CHUNK_BYTES:
-        view = memoryview(bytearray(fs.cat_file(path, start=0, end=size)))
+        view = memoryview(bytearray(fs.cat_file(path, start=0, end=size, timeout=timeout(size))))
         hasher.update(view)
         return view, hasher.result()
     view = empty_buffer(size)
@@ -108,7 +119,7 @@ def s3_get(fs, path: str, size: int | None) -> tuple[memoryview, ObjectInfo]:
     for i in range(0, len(starts), batch):
         group = starts[i:i + batch]
         datas = fs.cat_ranges([path] * len(group), group, [min(s + CHUNK_BYTES, size) for s in group],
-                              on_error="raise")
+                              on_error="raise", timeout=timeout(len(group) * CHUNK_BYTES))
         for start, data in zip(group, datas):
             view[start:start + len(data)] = data
             hasher.update(view[start:start + len(data)])
@@ -117,20 +128,20 @@ def s3_get(fs, path: str, size: int | None) -> tuple[memoryview, ObjectInfo]:
     return view, hasher.result()
 
 
-def s3_delete(fs, path: str) -> None:
+def s3_delete(fs, path: str, timeout: CallTimeout) -> None:
     """Delete an object or prefix, and the 'directory' markers SeaweedFS keeps listing otherwise."""
     try:
-        found = fs.find(path, withdirs=True, detail=True)
+        found = fs.find(path, withdirs=True, detail=True, timeout=timeout())
     except FileNotFoundError:
         found = {}
     markers = [p for p, d in found.items() if d.get("type") == "directory"]
     if any(p.rstrip("/") != path for p in found):
         markers.append(path)
     try:
-        fs.rm(path, recursive=True)
+        fs.rm(path, recursive=True, timeout=timeout())
     except FileNotFoundError:
         pass
     for marker in sorted(set(markers), key=lambda p: -p.count("/")):  # deepest first
         bucket, _, prefix = marker.partition("/")
         if prefix:
-            fs.call_s3("delete_object", Bucket=bucket, Key=prefix.rstrip("/") + "/")
+            fs.call_s3("delete_object", Bucket=bucket, Key=prefix.rstrip("/") + "/", timeout=timeout())

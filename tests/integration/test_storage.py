@@ -144,3 +144,19 @@ def test_retries_back_off_until_success_or_deadline(caplog):
     assert 0.4 < time.monotonic() - start < 2
     assert "s3://b/k" in str(err.value) and "start the server" in str(err.value)
     assert "SecretXYZ1" not in str(err.value)
+
+
+def test_a_hung_server_cannot_block_a_call_forever(s3_server):
+    """SIGSTOPped server: the request body fills the socket buffers and botocore's read timeout never
+    starts; the per-call time limit must end the attempt so the deadline can fail it."""
+    store = open_store(s3_server.url("hung"), s3_server.storage_config(), connect_timeout_s=1, read_timeout_s=1,
+                       retry=RetryPolicy(deadline_s=1, first_backoff_s=0.1))
+    s3_server.pause()
+    start = time.monotonic()
+    try:
+        with pytest.raises(StorageUnreachable, match="hung/big"):
+            store.put_bytes("big", b"x" * (8 << 20))
+    finally:
+        s3_server.resume()
+    assert time.monotonic() - start < 12
+    store.put_bytes("big", b"ok")  # and it works again once the server runs
