@@ -89,35 +89,57 @@ def generate_and_select(dock: TransferDock, engine, cfg: RolloutConfig, eos_ids:
     return stats.as_dict()
 
 
-def run_mode(mode: str, work: Workload, engine, prompt_for, clock, update, iterations: int, warmup: int,
-             eos_ids: list[int], usage=None) -> dict:
-    """The iteration loop of one mode. prompt_for(group_id) -> token ids; clock() -> seconds;
-    update(version) -> seconds the weight update took; usage() -> cumulative engine counters."""
-    cfg = work.rollout_config(mode)
-    dock = build_dock(cfg, eos_ids)
-    rows = []
-    next_id, wall0 = 0, time.perf_counter()
-    for it in range(warmup + iterations):
+class ModeRun:
+    """The iteration loop of one mode, one iteration per step() (so that --real can interleave the modes
+    and share the machine's load fluctuations fairly). prompt_for(group_id) -> token ids; clock() ->
+    seconds; update(version) -> seconds the weight update took; usage() -> cumulative engine counters;
+    prepare(version), if given, runs before each iteration's generation (untimed)."""
+
+    def __init__(self, mode: str, work: Workload, engine, prompt_for, clock, update, eos_ids: list[int],
+                 usage=None, prepare=None):
+        self.mode, self.work, self.engine, self.prompt_for = mode, work, engine, prompt_for
+        self.clock, self.update, self.eos_ids, self.usage, self.prepare = clock, update, eos_ids, usage, prepare
+        self.cfg = work.rollout_config(mode)
+        self.dock = build_dock(self.cfg, eos_ids)
+        self.rows: list[dict] = []
+        self.next_id, self.wall_s = 0, 0.0
+
+    def step(self) -> None:
+        wall0, it, dock = time.perf_counter(), len(self.rows), self.dock
         count = groups_for_iteration(dock, it, ENDLESS)
-        ids = np.arange(next_id, next_id + count)
-        dock.load_groups(ids, [prompt_for(int(g)) for g in ids], [0] * count)
-        next_id += count
-        before, start = usage() if usage else {}, clock()
-        stats = generate_and_select(dock, engine, cfg, eos_ids, it)
-        rollout_s = clock() - start
-        after = usage() if usage else {}
+        ids = np.arange(self.next_id, self.next_id + count)
+        dock.load_groups(ids, [self.prompt_for(int(g)) for g in ids], [0] * count)
+        self.next_id += count
+        if self.prepare:
+            self.prepare(it)
+        before, start = self.usage() if self.usage else {}, self.clock()
+        stats = generate_and_select(dock, self.engine, self.cfg, self.eos_ids, it)
+        rollout_s = self.clock() - start
+        after = self.usage() if self.usage else {}
         batch = dock.batch_arrays()
         versions = batch["weight_versions"]
-        rows.append({"rollout_s": rollout_s, "rounds": stats["rounds"], "trained": int(batch["response_lengths"].sum()),
-                     "stale": int((versions < it).sum()), "max_lag": int(it - versions.min()) if len(versions) else 0,
-                     "generated": stats["tokens_generated"],
-                     **{k: after[k] - before[k] for k in after if k != "clock_s"}})
+        row = {"rollout_s": rollout_s, "rounds": stats["rounds"], "trained": int(batch["response_lengths"].sum()),
+               "stale": int((versions < it).sum()), "max_lag": int(it - versions.min()) if len(versions) else 0,
+               "generated": stats["tokens_generated"], **{k: after[k] - before[k] for k in after if k != "clock_s"}}
         dock.clear()
-        rows[-1]["update_s"] = update(it + 1)
-        log.info("%s iteration %d: %s", mode, it, {k: round(v, 3) if isinstance(v, float) else v
-                                                   for k, v in rows[-1].items()})
-    return summarize(mode, cfg, rows[warmup:], time.perf_counter() - wall0, getattr(engine, "slots", None),
-                     work.token_scale)
+        row["update_s"] = self.update(it + 1)
+        self.rows.append(row)
+        self.wall_s += time.perf_counter() - wall0
+        log.info("%s iteration %d: %s", self.mode, it, {k: round(v, 3) if isinstance(v, float) else v
+                                                       for k, v in row.items()})
+
+    def result(self, warmup: int) -> dict:
+        return summarize(self.mode, self.cfg, self.rows[warmup:], self.wall_s, getattr(self.engine, "slots", None),
+                         self.work.token_scale)
+
+
+def run_mode(mode: str, work: Workload, engine, prompt_for, clock, update, iterations: int, warmup: int,
+             eos_ids: list[int], usage=None) -> dict:
+    """All iterations of one mode -> its JSON summary (see ModeRun)."""
+    run = ModeRun(mode, work, engine, prompt_for, clock, update, eos_ids, usage)
+    for _ in range(warmup + iterations):
+        run.step()
+    return run.result(warmup)
 
 
 TOKEN_KEYS = ("trained", "stale", "generated", "tokens_generated", "prefill_tokens")
@@ -249,10 +271,17 @@ def main(argv=None) -> None:
                     args.over_sampling_groups, args.update_s, args.token_scale)
     results = []
     try:
-        for mode in args.modes:
-            results.append(runner.run(mode, work))
-            add_speedups(results)
-            log.info("%s", json.dumps(results[-1]))
+        if args.real:  # one iteration of each mode in turn: load on the shared CPUs hits every mode alike
+            runs = [runner.mode_run(mode, work) for mode in args.modes]
+            for _ in range(args.warmup + args.iterations):
+                for run in runs:
+                    run.step()
+            results = [run.result(args.warmup) for run in runs]
+        else:
+            for mode in args.modes:
+                results.append(runner.run(mode, work))
+                log.info("%s", json.dumps(results[-1]))
+        add_speedups(results)
     finally:
         if hasattr(runner, "close"):
             runner.close()

@@ -171,26 +171,33 @@ class RealRun:
         self.sampler = LoadSampler(self.manager.urls)
         self.slots = (args.engines, args.slots)
         self.eos = int(self.tokenizer.eos_token_id)
+        self.version = 0
 
-    def run(self, mode: str, work) -> dict:
-        from bench.longtail import run_mode
+    def mode_run(self, mode: str, work):
+        """One mode's ModeRun on the shared engines; the engines are set to the mode's version first."""
+        from bench.longtail import ModeRun
 
         lengths = LognormalLengths(n=work.n, median=self.args.median, sigma=self.args.sigma, seed=self.args.seed)
         engine = NaturalLengths(self.manager, lengths)
         engine.slots = self.slots
-        self.manager.update_weights(str(self.model_dir), 0)
 
         def prompt_for(group: int) -> list[int]:
             ids = self.tokenizer(f"q{group}:", add_special_tokens=False)["input_ids"]
             return engine.register_prompt(group, ids)
 
+        def prepare(version: int) -> None:
+            if self.version != version:
+                self.manager.update_weights(str(self.model_dir), version)
+                self.version = version
+
         def update(version: int) -> float:
             start = time.perf_counter()
             self.manager.update_weights(str(self.model_dir), version)
+            self.version = version
             return time.perf_counter() - start
 
-        return run_mode(mode, work, engine, prompt_for, time.perf_counter, update, self.args.iterations,
-                        self.args.warmup, [self.eos], self.sampler.usage)
+        return ModeRun(mode, work, engine, prompt_for, time.perf_counter, update, [self.eos], self.sampler.usage,
+                       prepare)
 
     def close(self) -> None:
         import ray
