@@ -30,9 +30,9 @@ class LoopThread:
             return await coro
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
-    def schedule(self, coro: Coroutine) -> None:
-        """Start coro on the loop without waiting for it."""
-        asyncio.run_coroutine_threadsafe(coro, self.loop)
+    def schedule(self, coro: Coroutine):
+        """Start coro on the loop without waiting for it; -> its concurrent.futures.Future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.thread.is_alive():

@@ -50,6 +50,7 @@ class RolloutManager:
         self.router: Router | None = None
         self.weight_versions: dict[int, int | str | None] = {}
         self.restarts = 0
+        self._pending_aborts: list = []  # abort_all calls scheduled from callbacks, awaited by generate()
         self._latest_weights: tuple[str, Any, int | str] | None = None  # ("disk" | "tensor", path | ref, version)
         self._offloaded = False
         self._clients: dict[str, EngineClient] = {}
@@ -102,10 +103,25 @@ class RolloutManager:
     def generate(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
         """SGLang /generate answers for `batch` (dicts of input_ids, sampling_params, rid?, return_logprob?),
         in input order, through the router; on_result(index, answer) is called as each one finishes."""
-        return self._loop.call(self._gen.generate_batch(batch, on_result))
+        answers = self._loop.call(self._gen.generate_batch(batch, on_result))
+        self._settle_aborts()
+        return answers
 
     async def async_generate(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
-        return await self._loop.run(self._gen.generate_batch(batch, on_result))
+        answers = await self._loop.run(self._gen.generate_batch(batch, on_result))
+        for future in self._take_aborts():
+            await asyncio.wrap_future(future)
+        return answers
+
+    def _take_aborts(self) -> list:
+        pending, self._pending_aborts = self._pending_aborts, []
+        return pending
+
+    def _settle_aborts(self) -> None:
+        """An abort_all scheduled from a callback must end before generate() returns: left running, it
+        would stop the next round and abort its requests on the engines."""
+        for future in self._take_aborts():
+            future.result()
 
     def eval(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
         """Evaluation generation: the same path as rollouts (abort_all stops it too)."""
@@ -119,7 +135,7 @@ class RolloutManager:
         when called on the manager's loop, e.g. from an on_result callback)."""
         self._gen.stop_rounds()
         if self._loop.on_loop_thread():
-            self._loop.schedule(self._gen.abort_all(timeout_s))
+            self._pending_aborts.append(self._loop.schedule(self._gen.abort_all(timeout_s)))
         else:
             self._loop.call(self._gen.abort_all(timeout_s))
 

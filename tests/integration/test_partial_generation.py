@@ -67,6 +67,10 @@ def test_async_abort_keeps_exactly_the_tokens_produced(rollout_manager):
     partial = dock.generated & ~dock.complete
     assert partial.any(), "with 8 groups and a long budget some rows should have been cut"
     assert not dock.in_flight.any()
+    # the abort started from a callback is over when generate() returns: the next round is not cut
+    after = rollout_manager.generate([{"input_ids": [14, 44, 11, 41], "sampling_params": {
+        "max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}}])
+    assert after[0]["meta_info"]["finish_reason"]["type"] == "length" and len(after[0]["output_ids"]) == 3
     # a cut row continues from its tokens: the next dispatch sends prompt + partial response
     rows = np.flatnonzero(partial)[:3]
     inputs, max_new = dock.generation_inputs(rows, None)
