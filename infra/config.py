@@ -71,7 +71,7 @@ class RolloutConfig(_Section):
         2, description="Partial rollout: a response is generated in up to max_split rounds of "
         "max_tokens // max_split tokens. 1 = plain GRPO (no partial rollout).")
     max_age: int | None = Field(
-        None, description="Most iterations a row may be carried over; empty = max_split.")
+        None, description="Most iterations a row may be carried over; empty = max_split (async: at least 2).")
     require_max_age_all_finished: bool = Field(
         False, description="Hold the update until every row at max age has finished.")
     mode: Literal["sync", "async"] = Field("sync", description="sync: chunked rounds; async: stop signal + abort.")
@@ -94,7 +94,10 @@ class RolloutConfig(_Section):
 
     @property
     def effective_max_age(self) -> int:
-        return self.max_split if self.max_age is None else self.max_age
+        """max_age, else max_split; async mode carries aborted rows at least once (APRIL over-sampling)."""
+        if self.max_age is not None:
+            return self.max_age
+        return max(2, self.max_split) if self.mode == "async" else self.max_split
 
     @property
     def sft(self) -> bool:

@@ -84,7 +84,7 @@ class TransferDock:
     def from_config(cls, rollout_cfg, eos_token_ids: Sequence[int]) -> "TransferDock":
         """From an infra.config.RolloutConfig."""
         return cls(rollout_cfg.global_batch_size, rollout_cfg.n_samples_per_prompt, rollout_cfg.max_split,
-                   rollout_cfg.max_tokens, rollout_cfg.max_model_len, eos_token_ids, rollout_cfg.max_age,
+                   rollout_cfg.max_tokens, rollout_cfg.max_model_len, eos_token_ids, rollout_cfg.effective_max_age,
                    rollout_cfg.require_max_age_all_finished, rollout_cfg.over_sampling_groups)
 
     # ---- derived views -------------------------------------------------------------------------
