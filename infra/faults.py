@@ -1,6 +1,10 @@
 """Fault injection for crash tests: SPILLOVER_KILL_AT="<task>:<iteration>" makes the training process
 SIGKILL itself when that task of that iteration starts (the kill -9 matrix in tests/e2e). Unset in
-normal runs; reading one environment variable per task costs nothing."""
+normal runs; reading one environment variable per task costs nothing.
+
+Points: the seven task names of flows/train.py (at the task's start) and "checkpoint_manifest" (inside
+infra.checkpoint.save_checkpoint, after every object of the checkpoint is written and before its manifest:
+a half-written checkpoint)."""
 from __future__ import annotations
 
 import os

@@ -108,7 +108,12 @@ def open_and_check(cfg: RunConfig, resume: bool) -> tuple[Store, CheckpointState
     from infra.checkpoint import list_checkpoints
     from infra.storage import check_storage
 
-    store = check_storage(checkpoint_url(cfg), cfg.storage)
+    from infra.storage import StorageError
+
+    try:
+        store = check_storage(checkpoint_url(cfg), cfg.storage)
+    except StorageError as err:  # at start: a config to fix (URL, endpoint, credentials), not a crashed run
+        raise ConfigError(str(err)) from None
     if not resume:
         done = [c.iteration for c in list_checkpoints(store) if c.complete]
         if done:
