@@ -295,3 +295,41 @@ def test_kill_9_at_task_start_then_resume_matches_uninterrupted(task, reference,
     kill_and_resume(spillover, run_dir, f"{task}:1",
                     before_resume=lambda: assert_checkpoints(checkpoints, [(0, True)]))  # iteration 1 is redone
     assert_same_as_reference(run_dir, final_state(str(run_dir / "checkpoints")), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_s3_kill_9_between_objects_and_manifest_then_resume_without_leaking_credentials(
+        s3_server, reference, spillover, prefect_api, tmp_path):
+    """Checkpoints on the real S3 server (keys given as config values to `train`, from the environment to
+    `resume`, since config.json never holds them). The kill comes in iteration 1's checkpoint write, after
+    every object and before the manifest: that half-written checkpoint is never loaded, resume starts from
+    iteration 0's and the end is still the uninterrupted run's. Neither key appears in the run directory,
+    the processes' output, the checkpoint objects or the Prefect database (parameters, logs, artifacts)."""
+    run_dir = tmp_path / "run"
+    url = s3_server.url(f"kill-resume-{uuid.uuid4().hex[:8]}")
+    s3_cfg = s3_server.storage_config()
+    location = [f"storage.url={url}", f"storage.endpoint_url={s3_server.endpoint_url}", "storage.region=us-east-1"]
+    keys = [f"storage.access_key_id={s3_server.access_key}", f"storage.secret_access_key={s3_server.secret_key}"]
+    kill_and_resume(spillover, run_dir, "checkpoint_manifest:1", train_extra=location + keys,
+                    before_resume=lambda: assert_checkpoints(url, [(0, True), (1, False)], s3_cfg),
+                    AWS_ACCESS_KEY_ID=s3_server.access_key, AWS_SECRET_ACCESS_KEY=s3_server.secret_key)
+    state = final_state(url, s3_cfg)
+    assert_same_as_reference(run_dir, state, reference)
+    assert_checkpoints(url, [(1, True), (2, True)], s3_cfg)
+
+    from infra.storage import open_store
+
+    store = open_store(url, s3_cfg)
+    texts = {str(p): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    texts.update({str(log): log.read_bytes() for log in spillover.logs})
+    texts.update({f"{url}/ckpt-{i:08d}/{name}": store.get_bytes(f"ckpt-{i:08d}/{name}")
+                  for i in (1, 2) for name in ("meta.json", "manifest.json")})
+    db = prefect_api[1]
+    assert db is not None and db.is_file()
+    texts.update({str(p): p.read_bytes() for p in db.parent.glob(db.name + "*")})  # the db and its -wal
+    assert str(run_dir / "config.json") in texts
+    assert any(url.encode() in data for name, data in texts.items() if ".db" in name)  # the flow's config is there
+    for secret in (s3_server.secret_key, s3_server.access_key):
+        leaked = [name for name, data in texts.items() if secret.encode() in data]
+        assert leaked == [], f"a storage credential is in {leaked}"
