@@ -1,0 +1,162 @@
+"""Faults during a training run, in process with real parts (Ray actors, torch engines behind the real
+sglang-router, the SeaweedFS S3 server, Prefect's test harness): the run goes on, or stops with a clear
+message and resumes from the last checkpoint; every prompt group is trained exactly once either way.
+
+- The S3 server stopped ~10 s in the middle of a checkpoint write. SIGSTOP/SIGCONT: the kernel still
+  accepts connections, so requests stall (no error, no retry: the read timeout is 60 s) and complete once it
+  runs again. SIGKILL and restart on the same ports: connections are refused and storage retries with
+  backoff. Either way the checkpoint verifies and the run goes on.
+- An engine actor SIGKILLed while it generates, in the same run as a reward function that raises on its
+  first call (compute_reward has retries=1).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+
+from test_train_flow import prefect_harness, small_config  # noqa: F401  (shared fixture and config)
+
+pytestmark = pytest.mark.timeout(900)
+REWARD_CALLS = {"n": 0, "raised": 0}
+
+
+def reward_raising_once(response: str, label, **_) -> float:
+    """The built-in task's reward, but the first call of the run raises (a flaky remote scorer)."""
+    from rollout.toy_task import reward
+
+    REWARD_CALLS["n"] += 1
+    if REWARD_CALLS["n"] == 1:
+        REWARD_CALLS["raised"] += 1
+        raise ConnectionError("reward service hiccup")
+    return reward(response, label)
+
+
+def rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_each_group_trained_once(run_dir, iterations: int, gbs: int = 4) -> list[dict]:
+    got = rows(run_dir)
+    assert [r["iteration"] for r in got] == list(range(iterations))
+    assert sorted(g for r in got for g in r["trained_stream_ids"]) == list(range(iterations * gbs))
+    return got
+
+
+@pytest.mark.parametrize("outage", ["paused", "killed"])
+def test_s3_down_10s_during_a_checkpoint_write_the_run_goes_on(outage, prefect_harness, ray_session,  # noqa: F811
+                                                               s3_server, monkeypatch, caplog, tmp_path):
+    import tasks.checkpoint as checkpoint_task
+    from infra.checkpoint import list_checkpoints, load_checkpoint
+    from infra.storage import open_store
+    from flows.train import grpo_train
+
+    url = s3_server.url(f"faults-{outage}-{uuid.uuid4().hex[:8]}")
+    cfg = small_config(tmp_path / "run", iterations=3, **{
+        "storage.url": url, "storage.endpoint_url": s3_server.endpoint_url, "storage.region": "us-east-1",
+        "storage.access_key_id": s3_server.access_key, "storage.secret_access_key": s3_server.secret_key})
+    stop, restart = (s3_server.pause, s3_server.resume) if outage == "paused" else (s3_server.kill, s3_server.start)
+    real_save = checkpoint_task.save_checkpoint
+    outage_log: dict = {}
+
+    def save_with_outage(store, state, **kwargs):
+        if state.iteration != 1:
+            return real_save(store, state, **kwargs)
+        real_put = store.put_buffers
+        written = []
+
+        def put(key, buffers):  # the server goes away after the first object of this checkpoint
+            if len(written) == 1 and "at" not in outage_log:
+                outage_log["at"] = time.monotonic()
+                stop()
+                outage_log["timer"] = threading.Timer(10.0, restart)
+                outage_log["timer"].start()
+            info = real_put(key, buffers)
+            written.append(key)
+            return info
+        store.put_buffers = put
+        try:
+            return real_save(store, state, **kwargs, workers=1)  # one object at a time: the outage hits mid-write
+        finally:
+            del store.put_buffers
+            outage_log["done"] = time.monotonic()
+
+    monkeypatch.setattr(checkpoint_task, "save_checkpoint", save_with_outage)
+    caplog.set_level(logging.WARNING, logger="spillover.storage")
+    try:
+        summary = grpo_train(cfg)
+    finally:
+        if "timer" in outage_log:
+            outage_log["timer"].join()
+        s3_server.start()  # a no-op when it is up
+    assert summary["iterations"] == 3
+    assert outage_log["done"] - outage_log["at"] >= 9.5  # the write waited the outage out
+    got = assert_each_group_trained_once(tmp_path / "run", 3)
+    assert got[1]["checkpoint_s"] >= 9.5
+    retried = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
+    if outage == "killed":
+        assert retried and all(url in m or "ckpt-00000001" in m for m in retried)  # names the object, no secret
+    assert not any(s3_server.secret_key in r.getMessage() for r in caplog.records)
+    store = open_store(url, s3_server.storage_config())
+    assert [(c.iteration, c.complete) for c in list_checkpoints(store)] == [(1, True), (2, True)]
+    assert load_checkpoint(store, 1).meta["next_iteration"] == 2  # the checkpoint written through the outage verifies
+
+
+def loads(url: str) -> int:
+    return httpx.get(url + "/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"]
+
+
+def test_engine_killed_mid_generation_and_reward_raising_once_run_completes(prefect_harness, ray_session,  # noqa: F811
+                                                                            monkeypatch, tmp_path):
+    """Engine 0's actor is SIGKILLed while it runs requests of the run's third generation round (after the
+    first checkpoint): the router retries them on engine 1, and the manager restarts engine 0 with the
+    current weights. The reward function raises once: the task is retried. The run completes with every
+    group trained once."""
+    from flows.train import grpo_train
+    from rollout.manager import RolloutManager
+
+    REWARD_CALLS.update(n=0, raised=0)
+    cfg = small_config(tmp_path / "run", iterations=3, **{
+        "rollout.max_tokens": 192, "rollout.max_model_len": 224,  # 96-token rounds: long enough to be caught
+        "grpo.reward_function_path": "test_faults.reward_raising_once"})
+    real_generate = RolloutManager.generate
+    seen: dict = {"calls": 0}
+
+    def kill_when_busy(manager: RolloutManager) -> None:
+        victim = manager.engines[0]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if loads(victim.url) > 0:
+                    os.kill(victim.pids[0], signal.SIGKILL)
+                    seen.update(killed_pid=victim.pids[0], killed_url=victim.url)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.005)
+
+    def generate(self, batch, on_result=None):
+        seen["calls"] += 1
+        if seen["calls"] == 3:  # iteration 0 takes one or two rounds: this one comes after its checkpoint
+            seen["killer"] = threading.Thread(target=kill_when_busy, args=(self,), daemon=True)
+            seen["killer"].start()
+            seen["manager"] = self
+        return real_generate(self, batch, on_result)
+
+    monkeypatch.setattr(RolloutManager, "generate", generate)
+    summary = grpo_train(cfg)
+    seen["killer"].join(1)
+    assert "killed_pid" in seen, "engine 0 was never seen generating: the kill did not happen"
+    assert summary["iterations"] == 3
+    assert REWARD_CALLS["raised"] == 1 and REWARD_CALLS["n"] > 1
+    got = assert_each_group_trained_once(tmp_path / "run", 3)
+    assert [r["weight_version"] for r in got] == [1, 2, 3]
+    manager = seen["manager"]
+    assert manager.restarts >= 1 or manager.engines[0].pids[0] != seen["killed_pid"]
