@@ -83,13 +83,15 @@ def grpo_train(config: RunConfig, resume: bool = False) -> dict:
         iteration_flow = make_iteration_flow(run, tracker.on_round)
         # Heartbeats stay on for this outer flow (crash detection); per-iteration subflows skip them,
         # which saves ~1 s of fixed cost per iteration.
+        loop_start = time.perf_counter()
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             for iteration in range(first, config.schedule.num_iterations):
                 start = time.perf_counter()
                 metrics = iteration_flow(iteration)
                 metrics["iteration_wall_s"] = time.perf_counter() - start  # incl. the subflow's own cost
                 tracker.on_iteration(metrics, samples=run.current.samples)
-        return tracker.finish(run.baseline)
+                tracker.settle()
+        return tracker.finish(run.baseline, loop_wall_s=time.perf_counter() - loop_start)
     finally:
         if tracker is not None:
             tracker.close()

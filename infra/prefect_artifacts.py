@@ -93,6 +93,16 @@ class ArtifactSink:
                     self.errors.append(f"{type(err).__name__}: {err}")
                     log.warning("prefect artifact not sent: %s: %s", type(err).__name__, err)
 
+    def drain(self, timeout_s: float = 10.0) -> None:
+        """Wait until everything queued is sent. The flow calls it before the next iteration's subflow: on
+        a SQLite-backed server a write landing while that subflow is created makes the server refuse it
+        ("database is locked") and the client retries only after ~2 s."""
+        if self._thread is None:
+            return
+        done = threading.Event()
+        self._queue.put(lambda client: done.set())
+        done.wait(timeout_s)
+
     def close(self, timeout_s: float = 30.0) -> None:
         if self._thread is None:
             return
@@ -188,6 +198,9 @@ class RunArtifacts:
             client.create_artifact(ArtifactCreate(type="markdown", key=f"{self.prefix}-{key_suffix}",
                                                   description=description, data=text, flow_run_id=parent))
         self.sink.send(send)
+
+    def drain(self) -> None:
+        self.sink.drain()
 
     def close(self) -> None:
         self.sink.close()

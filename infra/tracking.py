@@ -187,8 +187,11 @@ class RunTracker:
         self.next_iteration = iteration + 1
         self.partial_rows_in = int(metrics.get("partial_rows", 0))
 
-    def finish(self, baseline: float | None) -> dict:
+    def finish(self, baseline: float | None, loop_wall_s: float | None = None) -> dict:
+        """loop_wall_s: wall time of this process's iteration loop (Prefect, reporting and all)."""
         summary = summarize(read_metrics(self.run_dir), baseline)
+        if loop_wall_s is not None:
+            summary["loop_wall_s"] = loop_wall_s
         write_summary(self.run_dir, summary)
         self._attach_report(summary)
         self.finished = True
@@ -206,6 +209,10 @@ class RunTracker:
             return
         wandb_shared.log_images(self.wandb_run, {p.stem: p for p in plots}, max(0, self.next_iteration - 1))
         self.artifacts.markdown("report", report_markdown(self.run_dir, plots, summary), "run report")
+
+    def settle(self) -> None:
+        """Block until this iteration's reports have reached the Prefect server (see ArtifactSink.drain)."""
+        self.artifacts.drain()
 
     def close(self) -> None:
         from infra import wandb_shared

@@ -11,12 +11,10 @@ import pytest
 # actors and the engines they start take the host's address and Ray listens on every interface.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 from infra.cluster import set_loopback_env  # noqa: E402
+from infra.prefect_env import apply_process_defaults
 
 set_loopback_env()
-os.environ.setdefault("WANDB_MODE", "offline")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+apply_process_defaults()
 
 # Fixture modules of each area; add yours here.
 pytest_plugins: list[str] = ["fixtures_engines", "fixtures_s3", "fixtures_manager"]  # tests/ is on sys.path (rootdir conftest)
