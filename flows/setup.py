@@ -58,6 +58,9 @@ def build_run(cfg: RunConfig, with_engines: bool = True) -> RunState:
     max_prompt = cfg.rollout.max_model_len - cfg.rollout.max_tokens
     prompts = read_prompts(prepare_data(cfg, run_dir), tokenizer, max_prompt, cfg.data.prompt_key,
                            cfg.data.label_key, cfg.data.over_long_prompts)
+    if prompts.truncated_count:
+        log.warning("%d prompts longer than %d tokens were cut to their last %d tokens (data.over_long_prompts="
+                    "truncate); metrics: truncated_prompts", prompts.truncated_count, max_prompt, max_prompt)
     needed = cfg.schedule.num_iterations * cfg.rollout.global_batch_size
     if needed > len(prompts):
         log.warning("%d prompts for %d groups: the run goes over the data more than once", len(prompts), needed)

@@ -36,4 +36,6 @@ def load_prompt_groups(dock, cursor: PromptCursor, prompts: PromptSet, iteration
 @task(name="load_prompts", retries=2, retry_delay_seconds=1, cache_policy=NONE)
 def load_prompts(run, iteration: int) -> int:
     count = groups_for_iteration(run.dock, iteration, run.cfg.schedule.num_iterations)
+    if run.prompts.truncated_count and run.current is not None:  # data.over_long_prompts=truncate, counted
+        run.current.metrics["truncated_prompts"] = run.prompts.truncated_count
     return load_prompt_groups(run.dock, run.cursor, run.prompts, iteration, count)
