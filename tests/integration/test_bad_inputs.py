@@ -122,6 +122,7 @@ def checkpoints(run_dir) -> list[tuple[int, bool]]:
     return [(c.iteration, c.complete) for c in list_checkpoints(open_store(str(run_dir / "checkpoints")))]
 
 
+@pytest.mark.slow  # ~70 s: five flow runs on one run directory
 def test_bad_rewards_and_mismatched_resumes_stop_clearly_and_lose_nothing(prefect_harness, ray_session,  # noqa: F811
                                                                           caplog, tmp_path):
     """One run through the whole list, each step on the state the previous one left:
