@@ -3,8 +3,8 @@ sglang-router, the SeaweedFS S3 server, Prefect's test harness): the run goes on
 message and resumes from the last checkpoint; every prompt group is trained exactly once either way.
 
 - The S3 server stopped ~10 s in the middle of a checkpoint write. SIGSTOP/SIGCONT: the kernel still
-  accepts connections, so requests stall (no error, no retry: the read timeout is 60 s) and complete once it
-  runs again. SIGKILL and restart on the same ports: connections are refused and storage retries with
+  accepts connections, so requests stall (no error and no retry: a call's time limit is over a minute) and
+  complete once it runs again. SIGKILL and restart on the same ports: connections are refused and storage retries with
   backoff. Either way the checkpoint verifies and the run goes on.
 - An engine actor SIGKILLed while it generates, in the same run as a reward function that raises on its
   first call (compute_reward has retries=1).
