@@ -49,7 +49,6 @@ def build_run(cfg: RunConfig, with_engines: bool = True) -> RunState:
     """Everything the seven tasks need, in one explicit object. Fails early on bad config or input."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_run_config(cfg, run_dir)
     reward_fn = load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
                               required_params=("response", "label"))
     controller = RolloutController(cfg)
@@ -61,6 +60,7 @@ def build_run(cfg: RunConfig, with_engines: bool = True) -> RunState:
     if prompts.truncated_count:
         log.warning("%d prompts longer than %d tokens were cut to their last %d tokens (data.over_long_prompts="
                     "truncate); metrics: truncated_prompts", prompts.truncated_count, max_prompt, max_prompt)
+    save_run_config(cfg, run_dir)  # only once the config has proven loadable: resume starts from it
     needed = cfg.schedule.num_iterations * cfg.rollout.global_batch_size
     if needed > len(prompts):
         log.warning("%d prompts for %d groups: the run goes over the data more than once", len(prompts), needed)

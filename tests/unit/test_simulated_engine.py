@@ -187,8 +187,15 @@ def test_longtail_bench_prints_one_json_line_per_mode(capsys):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from bench.longtail import MODES, main
 
-    main(["--gbs", "8", "--n", "4", "--max-tokens", "512", "--median", "40", "--engines", "2", "--slots", "8",
-          "--prompt-tokens", "8", "--token-scale", "1", "--iterations", "1", "--warmup", "1", "--update-s", "1"])
+    import logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        main(["--gbs", "8", "--n", "4", "--max-tokens", "512", "--median", "40", "--engines", "2", "--slots", "8",
+              "--prompt-tokens", "8", "--token-scale", "1", "--iterations", "1", "--warmup", "1", "--update-s", "1"])
+    finally:  # the bench points the root logger at this test's captured stderr, closed after the test
+        root.handlers[:], _ = saved[0], root.setLevel(saved[1])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["mode"] for line in lines] == list(MODES)
     for line in lines:
