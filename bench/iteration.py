@@ -1,7 +1,7 @@
 """Iteration cost on the tiny config: time per task, the share of wall time that is Prefect + Ray
 overhead, and rollout time with max_split=1 vs max_split=4, measured side by side in one process.
 
-    python bench/iteration.py [--iterations 8] [--warmup 2]
+    python bench/iteration.py [--iterations 8] [--warmup 2] [key=value ...]
 
 One JSON line on stdout: task_s (mean seconds per task per iteration, max_split=4 run), overhead_share,
 rollout_time_ratio (generate time with max_split=1 / with max_split=4), and per-run details.
@@ -27,7 +27,7 @@ from infra.prefect_env import apply_process_defaults  # noqa: E402
 COMPUTE_KEYS = ("engine_s", "update_s", "old_logprob_s", "ref_logprob_s")
 
 
-def run_one(max_split: int, iterations: int, warmup: int, root: Path) -> dict:
+def run_one(max_split: int, iterations: int, warmup: int, root: Path, overrides: list[str]) -> dict:
     from flows.train import grpo_train
     from infra.config import load_config
     from infra.tracking import read_metrics
@@ -35,7 +35,7 @@ def run_one(max_split: int, iterations: int, warmup: int, root: Path) -> dict:
     run_dir = root / f"split{max_split}"
     cfg = load_config("configs/tiny.yaml", [f"run_dir={run_dir}", f"rollout.max_split={max_split}",
                                             f"schedule.num_iterations={iterations + warmup}",
-                                            "tracking.wandb_mode=disabled", "tracking.progress=false"])
+                                            "tracking.wandb_mode=disabled", "tracking.progress=false", *overrides])
     start = time.perf_counter()
     summary = grpo_train(cfg)
     total = time.perf_counter() - start
@@ -55,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iterations", type=int, default=8, help="measured iterations per run")
     parser.add_argument("--warmup", type=int, default=2, help="iterations left out of the per-task means")
+    parser.add_argument("overrides", nargs="*", help="config overrides (key=value) on top of configs/tiny.yaml")
     args = parser.parse_args()
     apply_process_defaults()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -63,8 +64,8 @@ def main() -> None:
 
         @flow(name="bench-iteration")
         def both() -> tuple[dict, dict]:
-            return (run_one(4, args.iterations, args.warmup, Path(tmp)),
-                    run_one(1, args.iterations, args.warmup, Path(tmp)))
+            return (run_one(4, args.iterations, args.warmup, Path(tmp), args.overrides),
+                    run_one(1, args.iterations, args.warmup, Path(tmp), args.overrides))
 
         import contextlib
 

@@ -11,6 +11,7 @@ from flows.run_lock import acquire_run_lock
 from flows.setup import build_run, shutdown_run
 from infra.config import RunConfig
 from infra.faults import maybe_kill
+from infra.prefect_artifacts import current_run_ids
 from infra.tracking import RunTracker
 from tasks.checkpoint import open_and_check, restore, rewind_metrics
 from tasks.clear import clear_and_age_sort
@@ -56,7 +57,9 @@ def make_iteration_flow(run: RunState, on_round=None):
     """A subflow bound to this run: its only parameter is the iteration, so the UI shows `iteration-0007`."""
     @flow(name="grpo-iteration", flow_run_name="iteration-{iteration:04d}", validate_parameters=False)
     def grpo_iteration(iteration: int) -> dict:
-        return run_iteration(run, iteration, on_round)
+        metrics = run_iteration(run, iteration, on_round)
+        run.current.flow_run_id = current_run_ids()[1]  # artifacts attach here without an API lookup
+        return metrics
     return grpo_iteration
 
 
@@ -89,7 +92,7 @@ def grpo_train(config: RunConfig, resume: bool = False) -> dict:
                 start = time.perf_counter()
                 metrics = iteration_flow(iteration)
                 metrics["iteration_wall_s"] = time.perf_counter() - start  # incl. the subflow's own cost
-                tracker.on_iteration(metrics, samples=run.current.samples)
+                tracker.on_iteration(metrics, samples=run.current.samples, flow_run_id=run.current.flow_run_id)
                 tracker.settle()
         return tracker.finish(run.baseline, loop_wall_s=time.perf_counter() - loop_start)
     finally:

@@ -123,6 +123,9 @@ class RolloutConfig(_Section):
 
 class GRPOConfig(_Section):
     micro_batch_size: int = Field(32, ge=1, description="Samples per forward/backward pass.")
+    num_steps_per_rollout: int = Field(
+        1, ge=1, description="Optimizer steps per iteration: the batch is cut into this many mini-batches in "
+        "group order, one AdamW step each; old logprobs are taken once, before the first (PPO-style).")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range (low).")
     clip_eps_high: float | None = Field(None, description="PPO clip range (high); empty = clip_eps.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference model.")
@@ -146,7 +149,8 @@ class OptimizerConfig(_Section):
     lr_decay: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="Learning-rate schedule over decay_steps updates (then held at its end value).")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Decayed learning rate as a share of lr.")
-    decay_steps: int | None = Field(None, ge=1, description="Updates to decay over; empty = schedule.num_iterations.")
+    decay_steps: int | None = Field(None, ge=1, description="Optimizer steps to decay over; empty = "
+                                       "schedule.num_iterations x grpo.num_steps_per_rollout.")
 
     def lr_at(self, step: int, default_steps: int) -> float:
         """Learning rate of update `step` (0-based): a pure function of the step, so resume needs no state."""
@@ -227,11 +231,15 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_section(self) -> "RunConfig":
-        rows = self.rollout.global_batch_size * self.rollout.n_samples_per_prompt
+        steps = self.grpo.num_steps_per_rollout
+        if self.rollout.global_batch_size % steps:
+            raise ValueError(f"grpo.num_steps_per_rollout ({steps}) must divide rollout.global_batch_size "
+                             f"({self.rollout.global_batch_size}): each step trains whole groups")
+        rows = self.rollout.global_batch_size * self.rollout.n_samples_per_prompt // steps
         if rows % self.grpo.micro_batch_size:
             raise ValueError(
-                f"grpo.micro_batch_size ({self.grpo.micro_batch_size}) must divide the global batch in samples "
-                f"(rollout.global_batch_size x rollout.n_samples_per_prompt = {rows})")
+                f"grpo.micro_batch_size ({self.grpo.micro_batch_size}) must divide the samples of one step "
+                f"(rollout.global_batch_size x rollout.n_samples_per_prompt / grpo.num_steps_per_rollout = {rows})")
         if self.rollout.sft and self.grpo.tis:
             raise ValueError("grpo.tis must be false in SFT mode (rollout.rollout_function_path="
                              f"{SFT_ROLLOUT_FUNCTION}): pre-generated samples have no rollout logprobs")

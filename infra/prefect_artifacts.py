@@ -168,8 +168,9 @@ class RunArtifacts:
             type="progress", key=f"{self.prefix}-progress", description=desc, data=float(pct),
             task_run_id=task_run_id, flow_run_id=flow_run_id)).id
 
-    def on_iteration(self, iteration: int, metrics: dict, summary_md: str) -> None:
-        """Table + markdown artifacts of a finished iteration, linked to its subflow run."""
+    def on_iteration(self, iteration: int, metrics: dict, summary_md: str, flow_run_id=None) -> None:
+        """Table + markdown artifacts of a finished iteration, linked to its subflow run (flow_run_id, else
+        looked up by name)."""
         if not self.sink.enabled:
             return
         table, parent = metrics_table(metrics), self.parent_flow_run_id
@@ -177,7 +178,7 @@ class RunArtifacts:
         def send(client):
             from prefect.client.schemas.actions import ArtifactCreate
 
-            run_id = find_iteration_run_id(client, parent, iteration) or parent
+            run_id = flow_run_id or find_iteration_run_id(client, parent, iteration) or parent
             client.create_artifact(ArtifactCreate(
                 type="table", key=f"{self.prefix}-metrics", description=f"iteration {iteration} metrics",
                 data=json.dumps(table), flow_run_id=run_id))

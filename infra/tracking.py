@@ -168,7 +168,7 @@ class RunTracker:
         self.terminal.update(self.next_iteration, progress, self.partial_rows_in)
         self.artifacts.on_round(self.next_iteration, progress)
 
-    def on_iteration(self, metrics: dict, samples=None) -> None:
+    def on_iteration(self, metrics: dict, samples=None, flow_run_id=None) -> None:
         """Record one finished iteration; samples (list[list[Sample]], the trained batch) add the length
         histogram used by the report."""
         from infra import wandb_shared
@@ -183,7 +183,7 @@ class RunTracker:
         append_metrics(self.run_dir, metrics)
         self.terminal.line(one_line(metrics))
         wandb_shared.log_at_iteration(self.wandb_run, wandb_payload(metrics), iteration)
-        self.artifacts.on_iteration(iteration, metrics, summary_markdown(metrics))
+        self.artifacts.on_iteration(iteration, metrics, summary_markdown(metrics), flow_run_id)
         self.next_iteration = iteration + 1
         self.partial_rows_in = int(metrics.get("partial_rows", 0))
 

@@ -209,6 +209,9 @@ class TokenRows(Sequence):
             raise IndexError(f"TokenRows: index {i} out of range for {len(self)} rows")
         return self.array(i % len(self)).tolist()
 
+    def __iter__(self):  # all rows at once: one gather, one tolist (per-row access costs ~30 us a row)
+        return iter(self.to_lists())
+
     def flat(self) -> np.ndarray:
         """All rows concatenated (int32[sum(lengths)]), row by row."""
         out = np.empty(int(self.lengths.sum()), dtype=np.int32)

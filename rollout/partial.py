@@ -47,21 +47,24 @@ class GenerationStats:
                 "generate_time_s": self.time_s, "engine_s": self.engine_s, "ready_groups": self.ready_groups}
 
 
-def make_rid() -> str:
-    # SGLang matches request ids by prefix: fixed-length random hex never prefixes another id.
-    return secrets.token_hex(16)
+def make_rids(count: int) -> list[str]:
+    """count unique request ids: one random prefix and a fixed-width counter. SGLang matches request ids by
+    prefix; ids of one fixed length never prefix one another."""
+    prefix = secrets.token_hex(12)
+    return [f"{prefix}{i:08x}" for i in range(count)]
 
 
-def build_requests(inputs: list[list[int]], max_new_tokens: np.ndarray, sampling: SamplingSettings,
+def build_requests(inputs: Sequence[Sequence[int]], max_new_tokens: np.ndarray, sampling: SamplingSettings,
                    seeds: np.ndarray | None = None) -> list[dict]:
     """Dock inputs -> SGLang /generate payloads (one per row); seeds[k] (optional) -> sampling_seed."""
+    params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+              "stop_token_ids": list(sampling.stop_token_ids)}
     requests = [{
-        "input_ids": list(map(int, ids)),
-        "sampling_params": {"max_new_tokens": int(m), "temperature": sampling.temperature, "top_p": sampling.top_p,
-                            "top_k": sampling.top_k, "stop_token_ids": list(sampling.stop_token_ids)},
+        "input_ids": ids if isinstance(ids, list) else list(map(int, ids)),
+        "sampling_params": {"max_new_tokens": m, **params},
         "return_logprob": True,
-        "rid": make_rid(),
-    } for ids, m in zip(inputs, max_new_tokens)]
+        "rid": rid,
+    } for ids, m, rid in zip(inputs, np.asarray(max_new_tokens).tolist(), make_rids(len(max_new_tokens)))]
     if seeds is not None:
         for request, seed in zip(requests, seeds.tolist()):
             request["sampling_params"]["sampling_seed"] = seed

@@ -65,9 +65,11 @@ class LearnerActor:
         index = mb.logit_positions.to(self.device).unsqueeze(-1).expand(-1, -1, logits.size(-1))
         return torch.gather(logits, 1, index)
 
-    def _micro_batches(self, batch: TrainBatch):
-        for indices in micro_batch_indices([len(t) for t in batch.tokens], self.grpo.micro_batch_size):
-            yield make_micro_batch(batch, indices, self.pad_id)
+    def _micro_batches(self, batch: TrainBatch, subset: list[int] | None = None):
+        subset = list(range(len(batch))) if subset is None else subset
+        lengths = [len(batch.tokens[i]) for i in subset]
+        for indices in micro_batch_indices(lengths, self.grpo.micro_batch_size):
+            yield make_micro_batch(batch, [subset[i] for i in indices], self.pad_id)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
@@ -90,7 +92,8 @@ class LearnerActor:
         return self.compute_logprobs(batch), "computed"
 
     def update(self, batch: TrainBatch, old_logprobs: list | None = None, ref_logprobs: list | None = None) -> dict:
-        """One optimizer step over the whole batch (micro-batches accumulate gradients) -> metrics."""
+        """One iteration's update: grpo.num_steps_per_rollout optimizer steps, each over one mini-batch (a
+        contiguous, group-aligned share of the batch; micro-batches accumulate gradients) -> metrics."""
         if not self.trainable:
             raise RuntimeError("update() called on a frozen reference learner (trainable=False)")
         started = time.perf_counter()
@@ -101,13 +104,37 @@ class LearnerActor:
                                  "(or set grpo.kl_coef=0)")
             _check_per_token("ref_logprobs", ref_logprobs, batch)
         old, old_source = self._old_logprobs(batch, old_logprobs)
-        total_tokens = float(sum(sum(m) for m in batch.loss_masks))
-        total_seqs = float(sum(1 for m in batch.loss_masks if sum(m) > 0))
-        sums = {"pg_loss": 0.0, "kl_loss": 0.0, "loss": 0.0, "clipped": 0.0, "tis": 0.0, "kl": 0.0,
-                "entropy": 0.0, "stale": 0.0, "ppo_kl": 0.0}
-        tis_max = 0.0
+        sums = dict.fromkeys(("pg_loss", "kl_loss", "loss", "clipped", "tis", "kl", "entropy", "stale", "ppo_kl",
+                              "tis_max"), 0.0)
+        steps = g.num_steps_per_rollout
+        norms, stepped = [], []
+        for k, chunk in enumerate(np.array_split(np.arange(len(batch)), steps)):
+            norm, did_step = self._step(batch, chunk.tolist(), old, ref_logprobs, sums, self._version * steps + k)
+            norms.append(norm)
+            stepped.append(did_step)
+        trained_on = self._version
+        self._version += 1
+        tokens = max(float(sum(sum(m) for m in batch.loss_masks)), 1.0)
+        return {
+            "loss": sums["loss"] / steps, "pg_loss": sums["pg_loss"] / steps, "kl_loss": sums["kl_loss"] / steps,
+            "kl": sums["kl"] / tokens, "clip_fraction": sums["clipped"] / tokens, "grad_norm": float(np.mean(norms)),
+            "tis_weight_mean": sums["tis"] / tokens, "tis_weight_max": sums["tis_max"],
+            "stale_token_share": sums["stale"] / tokens, "ppo_kl": sums["ppo_kl"] / tokens,
+            "entropy": sums["entropy"] / tokens, "old_logprob_source": old_source,
+            "num_samples": len(batch), "num_tokens": int(sum(sum(m) for m in batch.loss_masks)),
+            "stepped": all(stepped), "optimizer_steps": int(sum(stepped)),
+            "trained_weight_version": trained_on, "weight_version": self._version,
+            "update_s": time.perf_counter() - started, "lr": self.optimizer.param_groups[0]["lr"],
+        }
+
+    def _step(self, batch: TrainBatch, subset: list[int], old: list, ref_logprobs: list | None, sums: dict,
+              step: int) -> tuple[float, bool]:
+        """One AdamW step over the samples `subset`; adds its metric sums to `sums` -> (grad norm, stepped)."""
+        g = self.grpo
+        total_tokens = float(sum(sum(batch.loss_masks[i]) for i in subset))
+        total_seqs = float(sum(1 for i in subset if sum(batch.loss_masks[i]) > 0))
         self.optimizer.zero_grad(set_to_none=True)
-        for mb in self._micro_batches(batch):
+        for mb in self._micro_batches(batch, subset):
             logits = self._response_logits(mb)
             targets, mask = mb.targets.to(self.device), mb.loss_mask.to(self.device)
             logp = token_logprobs(logits, targets, self.temperature)
@@ -136,28 +163,16 @@ class LearnerActor:
                 sums["entropy"] += float((entropy_from_logits(logits.detach(), self.temperature) * mask).sum())
                 sums["stale"] += float(((mb.weight_versions < self._version).float() * mb.loss_mask).sum())
                 if mask.sum() > 0:
-                    tis_max = max(tis_max, float(weights[mask > 0].max()))
+                    sums["tis_max"] = max(sums["tis_max"], float(weights[mask > 0].max()))
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.grad_clip)) if total_tokens else 0.0
-        stepped = total_tokens > 0 and np.isfinite(grad_norm)
+        stepped = total_tokens > 0 and bool(np.isfinite(grad_norm))
         if stepped:
             for group in self.optimizer.param_groups:
-                group["lr"] = self.optim_cfg.lr_at(self._version, self.total_steps)
+                group["lr"] = self.optim_cfg.lr_at(step, self.total_steps * self.grpo.num_steps_per_rollout)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        trained_on = self._version
-        self._version += 1
-        tokens = max(total_tokens, 1.0)
-        return {
-            "loss": sums["loss"], "pg_loss": sums["pg_loss"], "kl_loss": sums["kl_loss"],
-            "kl": sums["kl"] / tokens, "clip_fraction": sums["clipped"] / tokens, "grad_norm": grad_norm,
-            "tis_weight_mean": sums["tis"] / tokens, "tis_weight_max": tis_max,
-            "stale_token_share": sums["stale"] / tokens, "ppo_kl": sums["ppo_kl"] / tokens,
-            "entropy": sums["entropy"] / tokens, "old_logprob_source": old_source,
-            "num_samples": len(batch), "num_tokens": int(total_tokens), "stepped": bool(stepped),
-            "trained_weight_version": trained_on, "weight_version": self._version,
-            "update_s": time.perf_counter() - started, "lr": self.optimizer.param_groups[0]["lr"],
-        }
+        return grad_norm, stepped
 
     # ----- weights and state -----
     def weight_version(self) -> int:

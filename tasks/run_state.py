@@ -25,6 +25,7 @@ class IterationData:
         self.metrics: dict[str, Any] = {"iteration": iteration}
         self.started = time.perf_counter()
         self.task_s: dict[str, float] = {}
+        self.flow_run_id: Any = None       # the iteration's Prefect subflow run (None outside Prefect)
 
 
 class RunState:

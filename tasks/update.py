@@ -11,7 +11,8 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 LOGGED = ("loss", "pg_loss", "kl", "clip_fraction", "grad_norm", "tis_weight_mean", "tis_weight_max",
-          "stale_token_share", "entropy", "old_logprob_source", "weight_version", "update_s", "lr")
+          "stale_token_share", "entropy", "old_logprob_source", "weight_version", "update_s", "lr",
+          "optimizer_steps")
 
 
 @task(name="update", retries=0, cache_policy=NONE)

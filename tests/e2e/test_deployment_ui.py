@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from processes import free_port, running, wait_http
+from small_run import SMALL_RUN
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
 
@@ -28,9 +29,7 @@ OUT = REPO / "test-outputs" / "e2e"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SMALL = ["schedule.num_iterations=2", "rollout.global_batch_size=4", "rollout.n_samples_per_prompt=4",
-         "rollout.max_tokens=16", "rollout.max_model_len=32", "rollout.max_split=2", "grpo.micro_batch_size=16",
-         "data.num_prompts=64", "engines.max_running_requests=32", "tracking.wandb_mode=offline"]
+SMALL = ["schedule.num_iterations=2", *SMALL_RUN, "tracking.wandb_mode=offline"]
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 

@@ -35,16 +35,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from small_run import SMALL_RUN
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TAG_ENV = "SPILLOVER_PROC_TAG"
 SEVEN_TASKS = ["load_prompts", "generate_until_ready", "compute_reward", "compute_ref_logprob",
                "compute_old_logprob", "update", "clear_and_age_sort"]
-SMALL = ["schedule.num_iterations=3", "rollout.global_batch_size=4", "rollout.n_samples_per_prompt=4",
-         "rollout.max_tokens=16", "rollout.max_model_len=32", "rollout.max_split=2", "grpo.micro_batch_size=16",
-         "tracking.wandb_mode=disabled", "tracking.progress=false", "data.num_prompts=64",
-         "engines.max_running_requests=32", "engines.rollout_num_gpus=1"]
+SMALL = ["schedule.num_iterations=3", *SMALL_RUN, "tracking.wandb_mode=disabled", "tracking.progress=false",
+         "engines.rollout_num_gpus=1"]
 DETERMINISTIC = ["rollout.deterministic_sampling=true", "grpo.skip_old_logprob=false", "grpo.tis=false",
                  "grpo.reward_function_path=test_kill_resume.distinct_chars"]
 LEFTOVER_GRACE_S = 30.0

@@ -18,12 +18,10 @@ import re
 import pytest
 
 from test_train_flow import prefect_harness  # noqa: F401  (shared fixture)
+from small_run import SMALL_RUN
 
 pytestmark = pytest.mark.timeout(900)
-SMALL = ["schedule.num_iterations=3", "rollout.global_batch_size=4", "rollout.n_samples_per_prompt=4",
-         "rollout.max_tokens=16", "rollout.max_model_len=32", "rollout.max_split=2", "grpo.micro_batch_size=16",
-         "tracking.wandb_mode=disabled", "tracking.progress=false", "data.num_prompts=64",
-         "engines.max_running_requests=32"]
+SMALL = ["schedule.num_iterations=3", *SMALL_RUN, "tracking.wandb_mode=disabled", "tracking.progress=false"]
 MAX_PROMPT = 32 - 16  # rollout.max_model_len - rollout.max_tokens
 SAMPLES_PER_ITERATION = 4 * 4
 REWARD_CALLS = {"n": 0}

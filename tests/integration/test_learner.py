@@ -141,3 +141,27 @@ def test_micro_batch_size_does_not_change_the_step(tiny_model_dir):
     assert states[0][0] == pytest.approx(states[1][0], rel=1e-5)
     for k, v in states[0][1].items():
         torch.testing.assert_close(v, states[1][1][k], atol=1e-6, rtol=1e-5)
+
+
+def test_steps_per_rollout_equal_successive_steps_on_the_halves(tiny_model_dir):
+    """num_steps_per_rollout=2: two AdamW steps, each on half the batch, old logprobs taken once before the
+    first, and the lr schedule advancing per step; the weight version advances once."""
+    batch = make_batch(40, n=8)
+    optim = OptimizerConfig(lr=1e-2, lr_decay="linear", min_lr_ratio=0.5)
+    two = LearnerActor(str(tiny_model_dir), GRPOConfig(num_steps_per_rollout=2), optim, 1.0, 0, True, total_steps=4)
+    old = two.compute_logprobs(batch)
+    metrics = two.update(batch, old_logprobs=old)
+    assert metrics["optimizer_steps"] == 2 and metrics["weight_version"] == 1
+    assert metrics["lr"] == pytest.approx(optim.lr_at(1, 8))
+
+    one = LearnerActor(str(tiny_model_dir), GRPOConfig(), optim, 1.0, 0, True, total_steps=8)
+    for k, half in enumerate((range(0, 4), range(4, 8))):
+        sub = TrainBatch(*[[getattr(batch, f)[i] for i in half] for f in
+                           ("tokens", "response_lengths", "loss_masks", "advantages", "rollout_logprobs",
+                            "weight_versions")])
+        one.update(sub, old_logprobs=[old[i] for i in half])
+    a, b = two.model.state_dict(), one.model.state_dict()
+    moved = max(float((a[k] - load_causal_lm(tiny_model_dir).state_dict()[k]).abs().max()) for k in a)
+    assert moved > 1e-4
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)

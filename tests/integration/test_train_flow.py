@@ -6,6 +6,7 @@ import time
 import pytest
 
 from infra.config import load_config
+from small_run import SMALL_RUN
 
 SEVEN_TASKS = ["clear_and_age_sort", "compute_old_logprob", "compute_ref_logprob", "compute_reward",
                "generate_until_ready", "load_prompts", "update"]
@@ -20,10 +21,8 @@ def prefect_harness():
 
 
 def small_config(run_dir, iterations=3, **extra):
-    overrides = [f"run_dir={run_dir}", f"schedule.num_iterations={iterations}", "rollout.global_batch_size=4",
-                 "rollout.n_samples_per_prompt=4", "rollout.max_tokens=16", "rollout.max_model_len=32",
-                 "rollout.max_split=2", "grpo.micro_batch_size=16", "tracking.wandb_mode=disabled",
-                 "data.num_prompts=64", "engines.max_running_requests=32"]
+    overrides = [f"run_dir={run_dir}", f"schedule.num_iterations={iterations}", *SMALL_RUN,
+                 "tracking.wandb_mode=disabled"]
     return load_config("configs/tiny.yaml", overrides + [f"{k}={v}" for k, v in extra.items()])
 
 
