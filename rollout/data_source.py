@@ -28,13 +28,19 @@ class PromptSet:
         return len(self.texts)
 
 
-def _parse_line(path: str, lineno: int, line: str, prompt_key: str, label_key: str) -> tuple[str, Any]:
+def parse_json_object(where: str, line: str, expected: str, error: type[Exception]) -> dict:
+    """One JSONL line -> its object; `error` naming `where` (path:line) for bad JSON or a non-object."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as err:
-        raise PromptFileError(f"{path}:{lineno}: not valid JSON ({err.msg}); fix or remove that line") from None
+        raise error(f"{where}: not valid JSON ({err.msg}); fix or remove that line") from None
     if not isinstance(row, dict):
-        raise PromptFileError(f"{path}:{lineno}: expected a JSON object with {prompt_key!r} and {label_key!r}")
+        raise error(f"{where}: expected a JSON object with {expected}")
+    return row
+
+
+def _parse_line(path: str, lineno: int, line: str, prompt_key: str, label_key: str) -> tuple[str, Any]:
+    row = parse_json_object(f"{path}:{lineno}", line, f"{prompt_key!r} and {label_key!r}", PromptFileError)
     for key, setting in ((prompt_key, "data.prompt_key"), (label_key, "data.label_key")):
         if key not in row:
             raise PromptFileError(f"{path}:{lineno}: missing key {key!r} (set {setting} if the file uses "

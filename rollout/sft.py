@@ -24,10 +24,10 @@ Note the config check `micro_batch_size divides GBS x n`: an SFT batch has GBS s
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from rollout.data_source import parse_json_object
 from rollout.sample import Sample, Status
 
 SFT_WEIGHT_VERSION = -1
@@ -86,12 +86,7 @@ def read_sft_lines(path: str | Path) -> list[tuple[int, str]]:
 def parse_sft_row(path, lineno: int, line: str, tokenizer, group_index: int) -> Sample:
     """One JSONL line -> a COMPLETED Sample with metadata {"sft": True, "sft_line": lineno}."""
     where = f"{path}:{lineno}"
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise SFTDataError(f"{where}: not valid JSON ({err.msg}); fix or remove that line") from None
-    if not isinstance(row, dict):
-        raise SFTDataError(f"{where}: expected a JSON object with prompt/response or prompt_tokens/response_tokens")
+    row = parse_json_object(where, line, "prompt/response or prompt_tokens/response_tokens", SFTDataError)
     if "prompt_tokens" in row or "response_tokens" in row:
         prompt_ids = _token_list(row, "prompt_tokens", where)
         response_ids = _token_list(row, "response_tokens", where)
