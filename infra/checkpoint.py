@@ -94,6 +94,9 @@ def prune(store: Store, keep: int) -> list[str]:
     return doomed
 
 
+_SCALAR_TYPES = {str, int, float, bool, type(None)}
+
+
 def _first_non_json(value, path: str = "meta") -> str | None:
     if isinstance(value, dict):
         for k, v in value.items():
@@ -104,6 +107,8 @@ def _first_non_json(value, path: str = "meta") -> str | None:
                 return bad
         return None
     if isinstance(value, (list, tuple)):
+        if set(map(type, value)) <= _SCALAR_TYPES:  # e.g. an RNG state of 625 ints, checked in C
+            return None
         return next((b for i, v in enumerate(value) if (b := _first_non_json(v, f"{path}[{i}]"))), None)
     ok = value is None or isinstance(value, (str, int, float, bool))
     return None if ok else f"{path} ({type(value).__name__})"
@@ -150,6 +155,15 @@ def _run_all(calls: dict, workers: int) -> dict:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _manifest_json(manifest: dict) -> bytes:
+    """Indented by hand, one object per line: json.dumps(indent=...) runs the pure-Python encoder."""
+    def line(value) -> str:
+        return json.dumps(value, separators=(",", ":"))
+    objects = ",\n  ".join(f"{line(k)}: {line(v)}" for k, v in manifest["objects"].items())
+    rest = [f"{line(k)}: {line(v)}" for k, v in manifest.items() if k != "objects"]
+    return ("{\n " + ",\n ".join(rest) + ',\n "objects": {\n  ' + objects + "\n }\n}\n").encode()
+
+
 def save_checkpoint(store: Store, state: CheckpointState, keep: int | None = None, *,
                     max_object_bytes: int = MAX_OBJECT_BYTES, workers: int | None = None) -> str:
     """Write `state` as ckpt-<iteration>/ (objects first, manifest last), then prune to `keep` complete
@@ -175,7 +189,7 @@ def save_checkpoint(store: Store, state: CheckpointState, keep: int | None = Non
     maybe_kill("checkpoint_manifest", state.iteration)  # crash tests: every object written, no manifest yet
     manifest = {"format": FORMAT, "iteration": state.iteration, "created_unix": time.time(), "groups": groups,
                 "meta": META, "objects": {k: {"size": i.size, "sha256": i.sha256} for k, i in infos.items()}}
-    store.put_bytes(f"{name}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+    store.put_bytes(f"{name}/{MANIFEST}", _manifest_json(manifest))
     log.info("checkpoint %s written: %d objects, %.1f MB in %.2f s", store.key_url(name), len(infos), total / 1e6,
              time.perf_counter() - start)
     if keep is not None:
@@ -202,7 +216,9 @@ def _read_manifest(store: Store, name: str) -> dict:
         raise CheckpointError(f"manifest {url} is unreadable (truncated or corrupt): {err}") from None
 
 
-def _read_object(store: Store, name: str, key: str, spec: dict) -> memoryview:
+def _read_object(store: Store, name: str, key: str, spec: dict, decode=None):
+    """The object's bytes once they match the manifest, decoded by `decode` when given (on the thread that
+    read them, while other threads still hash)."""
     url = store.key_url(f"{name}/{key}")
     try:
         buf, info = store.get_buffer(f"{name}/{key}", size=spec["size"])
@@ -211,28 +227,36 @@ def _read_object(store: Store, name: str, key: str, spec: dict) -> memoryview:
     if info.size != spec["size"] or info.sha256 != spec["sha256"]:
         raise CheckpointError(f"object {url} is corrupt: {info.size} bytes with sha256 {info.sha256[:12]}..., "
                               f"manifest says {spec['size']} bytes with sha256 {str(spec['sha256'])[:12]}...")
-    return buf
+    if decode is None:
+        return buf
+    try:
+        return decode(buf)[0]
+    except (ValueError, KeyError) as err:  # FormatError is a ValueError
+        raise CheckpointError(f"object {url} does not decode: {err}") from None
 
 
 def load_checkpoint(store: Store, iteration: int, *, workers: int | None = None) -> CheckpointState:
-    """Load and verify one checkpoint; CheckpointError if it is incomplete or any object does not match."""
+    """Load and verify one checkpoint; CheckpointError if it is incomplete or any object does not match.
+    Tensors and arrays view the verified buffers without copying (on file://, objects from 1 MiB on are
+    mapped copy-on-write: writing to a loaded tensor never changes the checkpoint)."""
     name = checkpoint_name(iteration)
     manifest = _read_manifest(store, name)
     if manifest.get("iteration") != iteration:
         raise CheckpointError(f"manifest {store.key_url(name + '/' + MANIFEST)} is for iteration "
                               f"{manifest.get('iteration')}, not {iteration}")
-    objects = manifest["objects"]
+    objects, groups = manifest["objects"], manifest["groups"]
+    decoders = {k: codec.decode_tensors for keys in groups.get("tensors", {}).values() for k in keys}
+    decoders.update({k: codec.decode_arrays for keys in groups.get("arrays", {}).values() for k in keys})
     total = sum(spec["size"] for spec in objects.values())
-    bufs = _run_all({key: (_read_object, store, name, key, spec) for key, spec in objects.items()},
-                    workers or _auto_workers(store, total))
+    got = _run_all({key: (_read_object, store, name, key, spec, decoders.get(key))
+                         for key, spec in objects.items()}, workers or _auto_workers(store, total))
     try:
-        state = CheckpointState(iteration=iteration, meta=json.loads(bytes(bufs[manifest["meta"]])))
-        for group, keys in manifest["groups"].get("tensors", {}).items():
-            state.tensors[group] = {n: t for k in keys for n, t in codec.decode_tensors(bufs[k])[0].items()}
-        for group, keys in manifest["groups"].get("arrays", {}).items():
-            state.arrays[group] = {n: a for k in keys for n, a in codec.decode_arrays(bufs[k])[0].items()}
-    except (ValueError, KeyError) as err:  # FormatError is a ValueError
-        raise CheckpointError(f"checkpoint {store.key_url(name)} does not decode: {err}") from None
+        state = CheckpointState(iteration=iteration, meta=json.loads(bytes(got[manifest["meta"]])))
+    except (ValueError, KeyError) as err:
+        raise CheckpointError(f"checkpoint {store.key_url(name)} meta does not decode: {err}") from None
+    for kind, out in (("tensors", state.tensors), ("arrays", state.arrays)):
+        for group, keys in groups.get(kind, {}).items():
+            out[group] = {n: v for k in keys for n, v in got[k].items()}
     return state
 
 

@@ -17,7 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 from infra.config import StorageConfig
 from infra.storage_errors import (Fixes, ObjectMissing, Redactor, RetryPolicy, StorageAuthError, StorageError,
                                   StorageUnreachable, log, with_retries)
-from infra.storage_io import CallTimeout, ObjectInfo, chunks_of, local_get, local_put, s3_delete, s3_get, s3_put
+from infra.storage_io import CallTimeout, ObjectInfo, local_get, local_get_bytes, local_put, s3_delete, s3_get, s3_put
 
 __all__ = ["Store", "ObjectInfo", "open_store", "check_storage", "resolve_storage_url", "StorageError", "StorageAuthError",
            "StorageUnreachable", "ObjectMissing", "RetryPolicy"]
@@ -65,10 +65,9 @@ class Store:
         return self.put_buffers(key, [data])
 
     def _put_once(self, key: str, buffers: Sequence) -> ObjectInfo:
-        chunks = chunks_of(buffers)
         if self.is_local:
-            return local_put(self.path(key), chunks)
-        return s3_put(self.fs, self.path(key), buffers, chunks, self.timeout)
+            return local_put(self.path(key), buffers)
+        return s3_put(self.fs, self.path(key), buffers, self.timeout)
 
     # ---- reads
     def _kw(self) -> dict:
@@ -76,6 +75,8 @@ class Store:
         return {} if self.is_local else {"timeout": self.timeout()}
 
     def get_bytes(self, key: str) -> bytes:
+        if self.is_local:
+            return self._retry("read", key, lambda: local_get_bytes(self.path(key)))
         return self._retry("read", key, lambda: self.fs.cat_file(self.path(key), **self._kw()))
 
     def get_buffer(self, key: str, size: int | None = None) -> tuple[memoryview, ObjectInfo]:

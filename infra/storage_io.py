@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import mmap
 import os
 import uuid
 from dataclasses import dataclass
 from typing import Sequence
 
-CHUNK_BYTES = 16 << 20  # hashing/reading granularity
+CHUNK_BYTES = 16 << 20  # granularity of S3 ranged reads and of buffers cut for writing
+WRITE_BATCH_BYTES = 4 << 20  # hashed, then written while still in the CPU cache
+IOV_BATCH = 512  # buffers per writev (Linux allows 1024)
+MMAP_MIN_BYTES = 1 << 20  # below this a copy into a fresh buffer is cheaper than mapping the file
 
 
 @dataclass(frozen=True)
@@ -45,23 +49,59 @@ class Hasher:
         return ObjectInfo(self.size, self._hash.hexdigest())
 
 
-def chunks_of(buffers: Sequence) -> list[memoryview]:
+def chunks_of(buffers: Sequence, chunk_bytes: int = CHUNK_BYTES) -> list[memoryview]:
+    """Flat byte views of `buffers`, large ones cut into `chunk_bytes` pieces; empty ones dropped."""
     out = []
     for buf in buffers:
         mv = memoryview(buf).cast("B")
-        out.extend(mv[i:i + CHUNK_BYTES] for i in range(0, len(mv), CHUNK_BYTES))
+        out.extend(mv[i:i + chunk_bytes] for i in range(0, len(mv), chunk_bytes))
     return out
 
 
-def local_put(path: str, chunks: list[memoryview]) -> ObjectInfo:
-    """Write through a temp file renamed into place: a reader never sees half an object."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+def _batches(chunks: list[memoryview]) -> list[list[memoryview]]:
+    """Consecutive chunks grouped into writev calls of at most WRITE_BATCH_BYTES and IOV_BATCH buffers, so a
+    hundred small tensors cost one syscall while a batch stays small enough to be hashed and written while
+    it is still in the CPU cache."""
+    out: list[list[memoryview]] = [[]]
+    size = 0
+    for chunk in chunks:
+        if out[-1] and (size + len(chunk) > WRITE_BATCH_BYTES or len(out[-1]) >= IOV_BATCH):
+            out.append([])
+            size = 0
+        out[-1].append(chunk)
+        size += len(chunk)
+    return out
+
+
+def _writev_all(fd: int, views: list[memoryview]) -> None:
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views = views[1:]
+        if views and n:
+            views = [views[0][n:], *views[1:]]
+
+
+def local_put(path: str, buffers: Sequence) -> ObjectInfo:
+    """Write through a temp file renamed into place: a reader never sees half an object. Each batch of
+    chunks is hashed, then written from the same (cache-warm) memory; the directory is made only when
+    missing."""
     tmp, hasher = f"{path}.tmp-{uuid.uuid4().hex[:8]}", Hasher()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                hasher.update(chunk)
-                f.write(chunk)
+        fd = os.open(tmp, flags, 0o666)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(tmp, flags, 0o666)
+    try:
+        try:
+            for batch in _batches(chunks_of(buffers, WRITE_BATCH_BYTES)):
+                for chunk in batch:
+                    hasher.update(chunk)
+                _writev_all(fd, batch)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -77,22 +117,43 @@ def new_buffer(size: int) -> memoryview:
 
 
 def local_get(path: str, size: int | None) -> tuple[memoryview, ObjectInfo]:
-    with open(path, "rb") as f:
-        size = min(os.fstat(f.fileno()).st_size, size if size is not None else 1 << 62)
-        hasher, view = Hasher(), new_buffer(size)
-        for start in range(0, size, CHUNK_BYTES):
-            chunk = view[start:start + CHUNK_BYTES]
-            got = f.readinto(chunk)
-            hasher.update(chunk[:got])
-            if got < len(chunk):  # shrank while read: the caller sees the size mismatch
-                return view[:hasher.size], hasher.result()
+    """The file's first `size` bytes (all when None), hashed. Objects from MMAP_MIN_BYTES on are mapped
+    copy-on-write instead of copied (as safetensors' own loader does): hashing reads the page cache
+    directly, so a verified load costs about one sha256 pass where a copy costs a read plus the pass; the
+    view is writable (a write copies just that page and never reaches the file). Store never changes a file
+    in place (temp file + rename; deleting a file leaves a mapping intact), so the bytes hashed are the bytes
+    the caller sees. Another program truncating or rewriting the file in place while it is mapped would
+    show through (truncation: SIGBUS on access); nothing in spillover does."""
+    hasher = Hasher()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        length = os.fstat(fd).st_size
+        length = min(length, size) if size is not None else length
+        if length >= MMAP_MIN_BYTES:
+            view = memoryview(mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE))
+        else:
+            view, got = new_buffer(length), 0
+            while got < length:
+                n = os.readv(fd, [view[got:]])
+                if not n:  # shrank while read: the caller sees the size mismatch
+                    view = view[:got]
+                    break
+                got += n
+    finally:
+        os.close(fd)
+    hasher.update(view)
     return view, hasher.result()
 
 
-def s3_put(fs, path: str, buffers: Sequence, chunks: list[memoryview], timeout: CallTimeout) -> ObjectInfo:
+def local_get_bytes(path: str) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        return f.readall()
+
+
+def s3_put(fs, path: str, buffers: Sequence, timeout: CallTimeout) -> ObjectInfo:
     """One contiguous bytes body (what botocore takes), joined in one copy without zero-filling first;
     s3fs uploads it in parallel parts when large."""
-    hasher = Hasher()
+    hasher, chunks = Hasher(), chunks_of(buffers)
     for chunk in chunks:
         hasher.update(chunk)
     body = buffers[0] if len(buffers) == 1 and isinstance(buffers[0], (bytes, bytearray)) else b"".join(chunks)

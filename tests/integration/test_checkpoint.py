@@ -224,3 +224,21 @@ def test_s3_down_10s_during_write_retries_with_backoff(s3_server, how, caplog):
     got = load_latest_checkpoint(store)
     assert got.iteration == 2 and got.meta == {"v": 2}
     assert all(torch.equal(got.tensors["policy"][k], v) for k, v in _BIG.items())
+
+
+def test_large_local_objects_corrupt_is_detected_and_loaded_tensors_are_private(tmp_path, caplog):
+    """Objects from MMAP_MIN_BYTES on are mapped copy-on-write when loaded from file://: a flipped byte is
+    still caught by the sha256 check, and writing to loaded tensors never changes the checkpoint."""
+    store = open_store(str(tmp_path / "store"))
+    big = {"w": torch.arange(1 << 20, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}  # 4 MiB
+    for it in (1, 2):
+        save_checkpoint(store, CheckpointState(it, {"policy": {k: v + it for k, v in big.items()}}, {}, {"it": it}))
+    got = load_checkpoint(store, 2)
+    assert torch.equal(got.tensors["policy"]["w"], big["w"] + 2)
+    got.tensors["policy"]["w"].zero_()  # a private copy of the touched pages only
+    assert torch.equal(load_checkpoint(store, 2).tensors["policy"]["w"], big["w"] + 2)
+    del got
+    _flip_bytes(store, "ckpt-00000002/tensors/policy-00000.safetensors")
+    caplog.set_level(logging.WARNING, logger="spillover.checkpoint")
+    assert load_latest_checkpoint(store).meta == {"it": 1}
+    assert "ckpt-00000002/tensors/policy-00000.safetensors is corrupt" in caplog.text

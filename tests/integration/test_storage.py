@@ -160,3 +160,25 @@ def test_a_hung_server_cannot_block_a_call_forever(s3_server):
         s3_server.resume()
     assert time.monotonic() - start < 12
     store.put_bytes("big", b"ok")  # and it works again once the server runs
+
+
+def test_large_local_objects_are_mapped_copy_on_write_and_verified(tmp_path):
+    """From MMAP_MIN_BYTES on a local object is mapped, not copied: the view is still hashed, writable, and a
+    write to it never reaches the file; a shorter or changed object shows in the returned size/sha256."""
+    from infra.storage_io import MMAP_MIN_BYTES
+
+    store = open_store(str(tmp_path / "s"))
+    data = bytes(range(256)) * ((MMAP_MIN_BYTES * 3) // 256)
+    info = store.put_buffers("big", [data[:100], memoryview(data)[100:]])
+    assert (info.size, info.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    buf, got = store.get_buffer("big", size=len(data))
+    assert got == info and not buf.readonly and bytes(buf) == data
+    buf[0] ^= 0xFF
+    assert store.get_bytes("big") == data and store.get_buffer("big")[1] == info
+    store.put_bytes("big", data[:MMAP_MIN_BYTES + 5])  # truncated (a new file, as every write makes)
+    assert store.get_buffer("big", size=len(data))[1].size == MMAP_MIN_BYTES + 5
+    flipped = bytearray(data)
+    flipped[-1] ^= 1
+    store.put_bytes("big", bytes(flipped))
+    got = store.get_buffer("big", size=len(data))[1]
+    assert (got.size, got.sha256) == (len(data), hashlib.sha256(flipped).hexdigest())
