@@ -161,7 +161,8 @@ class Spillover:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_ADDRESS", "AWS_",
                                                                           "SPILLOVER_"))}
         env.update(PREFECT_API_URL=self.api_url, PREFECT_HOME=str(self.tmp_path / "prefect-home"),
-                   PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+                   PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1]),
+                                               env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         env.update({k: str(v) for k, v in extra.items()})
         return env
 
