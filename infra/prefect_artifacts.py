@@ -111,16 +111,6 @@ class ArtifactSink:
         self._thread = None
 
 
-def find_iteration_run_id(client, parent_flow_run_id, iteration: int):
-    """The id of the `iteration-XXXX` subflow run of the given parent flow run (None if not found)."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterParentFlowRunId
-
-    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-        name=FlowRunFilterName(any_=[f"iteration-{iteration:04d}"]),
-        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_flow_run_id])), limit=1)
-    return runs[0].id if runs else None
-
-
 class RunArtifacts:
     """The artifacts of one training run (keys: <prefix>-metrics, -summary, -progress)."""
 
@@ -170,7 +160,7 @@ class RunArtifacts:
 
     def on_iteration(self, iteration: int, metrics: dict, summary_md: str, flow_run_id=None) -> None:
         """Table + markdown artifacts of a finished iteration, linked to its subflow run (flow_run_id, else
-        looked up by name)."""
+        to the training run)."""
         if not self.sink.enabled:
             return
         table, parent = metrics_table(metrics), self.parent_flow_run_id
@@ -178,7 +168,7 @@ class RunArtifacts:
         def send(client):
             from prefect.client.schemas.actions import ArtifactCreate
 
-            run_id = flow_run_id or find_iteration_run_id(client, parent, iteration) or parent
+            run_id = flow_run_id or parent
             client.create_artifact(ArtifactCreate(
                 type="table", key=f"{self.prefix}-metrics", description=f"iteration {iteration} metrics",
                 data=json.dumps(table), flow_run_id=run_id))

@@ -20,7 +20,8 @@ How the flow trains on them (samples carry metadata {"sft": True}, see `is_sft_b
   * no TIS (there is no behaviour policy), no KL unless wanted.
 Then ratio = exp(logp - old) = 1 at the step's first (and, for one update per rollout, only) pass, and
 the clipped loss -A * ratio has gradient -grad(logp): the NLL gradient (tests/unit/test_sft.py).
-Note the config check `micro_batch_size divides GBS x n`: an SFT batch has GBS samples.
+With grpo.num_steps_per_rollout > 1 the later steps see ratio != 1 and PPO clipping applies to them.
+Note the config check `micro_batch_size divides the samples of one step`: an SFT batch has GBS samples.
 """
 from __future__ import annotations
 

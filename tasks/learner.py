@@ -104,6 +104,7 @@ class LearnerActor:
                                  "(or set grpo.kl_coef=0)")
             _check_per_token("ref_logprobs", ref_logprobs, batch)
         old, old_source = self._old_logprobs(batch, old_logprobs)
+        num_tokens = int(sum(sum(m) for m in batch.loss_masks))
         sums = dict.fromkeys(("pg_loss", "kl_loss", "loss", "clipped", "tis", "kl", "entropy", "stale", "ppo_kl",
                               "tis_max"), 0.0)
         steps = g.num_steps_per_rollout
@@ -114,14 +115,14 @@ class LearnerActor:
             stepped.append(did_step)
         trained_on = self._version
         self._version += 1
-        tokens = max(float(sum(sum(m) for m in batch.loss_masks)), 1.0)
+        tokens = float(max(num_tokens, 1))
         return {
             "loss": sums["loss"] / steps, "pg_loss": sums["pg_loss"] / steps, "kl_loss": sums["kl_loss"] / steps,
             "kl": sums["kl"] / tokens, "clip_fraction": sums["clipped"] / tokens, "grad_norm": float(np.mean(norms)),
             "tis_weight_mean": sums["tis"] / tokens, "tis_weight_max": sums["tis_max"],
             "stale_token_share": sums["stale"] / tokens, "ppo_kl": sums["ppo_kl"] / tokens,
             "entropy": sums["entropy"] / tokens, "old_logprob_source": old_source,
-            "num_samples": len(batch), "num_tokens": int(sum(sum(m) for m in batch.loss_masks)),
+            "num_samples": len(batch), "num_tokens": num_tokens,
             "stepped": all(stepped), "optimizer_steps": int(sum(stepped)),
             "trained_weight_version": trained_on, "weight_version": self._version,
             "update_s": time.perf_counter() - started, "lr": self.optimizer.param_groups[0]["lr"],
