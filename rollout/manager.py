@@ -27,6 +27,7 @@ from rollout.engines.client import EngineClient
 from rollout.engines.router import Router
 from rollout.generation import BatchGenerator, OnResult
 from rollout.loop_thread import LoopThread
+from rollout.pending_aborts import PendingAborts
 
 log = logging.getLogger(__name__)
 Weights = dict | ray.ObjectRef | str | Path
@@ -50,7 +51,7 @@ class RolloutManager:
         self.router: Router | None = None
         self.weight_versions: dict[int, int | str | None] = {}
         self.restarts = 0
-        self._pending_aborts: list = []  # abort_all calls scheduled from callbacks, awaited by generate()
+        self._aborts: PendingAborts | None = None  # abort_all, also from callbacks (settled by generate())
         self._latest_weights: tuple[str, Any, int | str] | None = None  # ("disk" | "tensor", path | ref, version)
         self._offloaded = False
         self._clients: dict[str, EngineClient] = {}
@@ -77,6 +78,7 @@ class RolloutManager:
             await asyncio.to_thread(self.router.add_worker, handle.url)
         self._gen = BatchGenerator(EngineClient(self.router.url), lambda: self.urls, self._client, self._recover,
                                    max_attempts, max_in_flight or self.cfg.num_engines * self.cfg.max_running_requests)
+        self._aborts = PendingAborts(self._loop, self._gen)
         if health_interval_s:
             self._start_monitor(health_interval_s)
 
@@ -99,29 +101,18 @@ class RolloutManager:
             self._clients[url] = EngineClient(url)
         return self._clients[url]
 
-    # ---- generation (see rollout/generation.py) -----------------------------------------------------
+    # ---- generation (see rollout/generation.py, rollout/pending_aborts.py) -----------------------------------------------------
     def generate(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
         """SGLang /generate answers for `batch` (dicts of input_ids, sampling_params, rid?, return_logprob?),
         in input order, through the router; on_result(index, answer) is called as each one finishes."""
         answers = self._loop.call(self._gen.generate_batch(batch, on_result))
-        self._settle_aborts()
+        self._aborts.settle()
         return answers
 
     async def async_generate(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
         answers = await self._loop.run(self._gen.generate_batch(batch, on_result))
-        for future in self._take_aborts():
-            await asyncio.wrap_future(future)
+        await self._aborts.async_settle()
         return answers
-
-    def _take_aborts(self) -> list:
-        pending, self._pending_aborts = self._pending_aborts, []
-        return pending
-
-    def _settle_aborts(self) -> None:
-        """An abort_all scheduled from a callback must end before generate() returns: left running, it
-        would stop the next round and abort its requests on the engines."""
-        for future in self._take_aborts():
-            future.result()
 
     def eval(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
         """Evaluation generation: the same path as rollouts (abort_all stops it too)."""
@@ -133,15 +124,10 @@ class RolloutManager:
     def abort_all(self, timeout_s: float = 60.0) -> None:
         """Stop every running round and abort every engine; blocks until they are idle (only schedules
         when called on the manager's loop, e.g. from an on_result callback)."""
-        self._gen.stop_rounds()
-        if self._loop.on_loop_thread():
-            self._pending_aborts.append(self._loop.schedule(self._gen.abort_all(timeout_s)))
-        else:
-            self._loop.call(self._gen.abort_all(timeout_s))
+        self._aborts.abort_all(timeout_s)
 
     async def async_abort_all(self, timeout_s: float = 60.0) -> None:
-        self._gen.stop_rounds()
-        await self._loop.run(self._gen.abort_all(timeout_s))
+        await self._aborts.async_abort_all(timeout_s)
 
     # ---- memory and weights ---------------------------------------------------------------------------
     def offload(self, tags: list[str] | None = None) -> None:
