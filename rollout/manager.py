@@ -26,6 +26,7 @@ from rollout.engines import sglang_backend as sgl
 from rollout.engines.client import EngineClient
 from rollout.engines.router import Router
 from rollout.generation import BatchGenerator, OnResult
+from rollout.health_monitor import HealthMonitor
 from rollout.loop_thread import LoopThread
 from rollout.pending_aborts import PendingAborts
 
@@ -56,7 +57,7 @@ class RolloutManager:
         self._offloaded = False
         self._clients: dict[str, EngineClient] = {}
         self._health_task: asyncio.Future | None = None
-        self._monitor: asyncio.Task | None = None
+        self._monitor = HealthMonitor(self._recover)
         self._gen: BatchGenerator | None = None
         self._loop = LoopThread("rollout-manager")
         try:
@@ -80,7 +81,7 @@ class RolloutManager:
                                    max_attempts, max_in_flight or self.cfg.num_engines * self.cfg.max_running_requests)
         self._aborts = PendingAborts(self._loop, self._gen)
         if health_interval_s:
-            self._start_monitor(health_interval_s)
+            self._monitor.start(health_interval_s)
 
     # ---- views --------------------------------------------------------------------------------------
     @property
@@ -240,28 +241,10 @@ class RolloutManager:
 
     def start_health_monitor(self, interval_s: float) -> None:
         """Check every engine's health every interval_s in the background (restarting dead or hung ones)."""
-        self._loop.call(self._on_loop(self._start_monitor, interval_s))
+        self._loop.call(self._monitor.async_start(interval_s))
 
     def stop_health_monitor(self) -> None:
-        self._loop.call(self._on_loop(self._stop_monitor))
-
-    @staticmethod
-    async def _on_loop(fn, *args) -> Any:
-        return fn(*args)
-
-    def _start_monitor(self, interval_s: float) -> None:
-        self._stop_monitor()
-        self._monitor = asyncio.create_task(self._monitor_health(interval_s))
-
-    def _stop_monitor(self) -> None:
-        if self._monitor is not None:
-            self._monitor.cancel()
-            self._monitor = None
-
-    async def _monitor_health(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            await self._recover()
+        self._loop.call(self._monitor.async_stop())
 
     # ---- shutdown -----------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -276,7 +259,7 @@ class RolloutManager:
     async def _shutdown(self) -> None:
         if self._gen is not None:
             self._gen.stop_rounds()
-        self._stop_monitor()
+        self._monitor.stop()
         if self.router is not None and self.router.proc is None and self.pool is not None:
             for url in self.urls:  # an external router outlives us: take our workers off it
                 await asyncio.to_thread(self.router.remove_worker, url)
