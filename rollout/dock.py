@@ -33,7 +33,8 @@ import numpy as np
 
 from rollout import dock_export
 from rollout.dock_buffers import PagedColumns, TokenRows
-from rollout.dock_checks import check_rows, parse_generation, parse_prompts
+from rollout.dock_checks import (DockError, check_dock_sizes, check_in_flight, check_occupied, check_rows,
+                                  parse_generation, parse_prompts)
 from rollout.sample import Sample
 
 PROMPT_DTYPES = {"tokens": np.int32}
@@ -41,22 +42,12 @@ RESPONSE_DTYPES = {"tokens": np.int32, "logprobs": np.float32, "versions": np.in
 ROW_FLAGS = ("complete", "in_flight", "generated", "stopped")
 
 
-class DockError(RuntimeError):
-    """The dock was used out of order (e.g. clear() before select_batch())."""
-
-
 class TransferDock:
     def __init__(self, gbs: int, n: int, max_split: int, max_tokens: int, max_model_len: int,
                  eos_token_ids: Sequence[int], max_age: int | None = None,
                  require_max_age_all_finished: bool = False, over_sampling_groups: int = 0):
-        for name, value, low in (("gbs", gbs, 1), ("n", n, 1), ("max_split", max_split, 1),
-                                 ("max_tokens", max_tokens, 1), ("max_model_len", max_model_len, 2)):
-            if int(value) != value or value < low:
-                raise ValueError(f"TransferDock: {name} must be an integer >= {low}; got {value!r}")
-        if int(over_sampling_groups) != over_sampling_groups or over_sampling_groups < 0:
-            raise ValueError(f"TransferDock: over_sampling_groups must be an integer >= 0; got {over_sampling_groups!r}")
-        if max_age is not None and max_age < 1:
-            raise ValueError(f"TransferDock: max_age must be >= 1 or None (= max_split); got {max_age}")
+        check_dock_sizes(gbs=gbs, n=n, max_split=max_split, max_tokens=max_tokens, max_model_len=max_model_len,
+                         max_age=max_age, over_sampling_groups=over_sampling_groups)
         self.gbs, self.n, self.max_split = int(gbs), int(n), int(max_split)
         self.max_tokens, self.max_model_len = int(max_tokens), int(max_model_len)
         self.eos_token_ids = np.asarray(sorted(set(int(t) for t in eos_token_ids)), dtype=np.int64)
@@ -170,7 +161,8 @@ class TransferDock:
 
         The ids are a TokenRows: a sequence whose item i is row i's list[int], built on access.
         """
-        rows = self._check_occupied(check_rows(rows, self.capacity_rows, "generation_inputs"), "generation_inputs")
+        rows = check_occupied(check_rows(rows, self.capacity_rows, "generation_inputs"), self.group_ids, self.n,
+                              "generation_inputs")
         if round_tokens is not None and round_tokens < 1:
             raise ValueError(f"generation_inputs: round_tokens must be >= 1 or None; got {round_tokens}")
         return TokenRows(self.prompts, rows // self.n, self.responses, rows), self.max_new_tokens(rows, round_tokens)
@@ -183,7 +175,7 @@ class TransferDock:
         (finished_by_stop, or its last new token is an EOS id), on prompt+response >= max_model_len, or
         on response >= max_tokens. Any inconsistency raises before anything changes.
         """
-        rows = self._check_in_flight(check_rows(rows, self.capacity_rows, "put_generation"), "put_generation")
+        rows = check_in_flight(check_rows(rows, self.capacity_rows, "put_generation"), self.in_flight, "put_generation")
         k = len(rows)
         flat, lengths, flat_lp, versions, stop = parse_generation(
             rows, tokens, logprobs, weight_version, finished_by_stop, self.max_new_tokens(rows, None))
@@ -206,7 +198,7 @@ class TransferDock:
 
     def release(self, rows) -> None:
         """In-flight rows come back with no new tokens (their request was dropped or aborted empty)."""
-        rows = self._check_in_flight(check_rows(rows, self.capacity_rows, "release"), "release")
+        rows = check_in_flight(check_rows(rows, self.capacity_rows, "release"), self.in_flight, "release")
         self.in_flight[rows] = False
 
     # ---- stopping and the batch ----------------------------------------------------------------
@@ -283,25 +275,12 @@ class TransferDock:
         self.batch, self._batch_arrays = None, None
         carried = self._occupied_rows() & self.generated
         return {"trained_groups": int(len(batch)), "carried_rows": int(carried.sum()),
-                "partial_rows": int((carried & ~self.complete).sum()), "age_histogram": self._age_histogram()}
+                "partial_rows": int((carried & ~self.complete).sum()), "age_histogram": dock_export.age_histogram(self)}
 
     # ---- state ---------------------------------------------------------------------------------
-    def _age_histogram(self) -> dict[str, int]:
-        ages, counts = np.unique(self.age[self._occupied_rows()], return_counts=True)
-        return {str(a): int(c) for a, c in zip(ages.tolist(), counts.tolist())}
-
     def stats(self) -> dict:
-        occupied = self._occupied_rows()
-        return {
-            "loaded_groups": int(np.count_nonzero(self.group_ids >= 0)), "ready_groups": self.ready_group_count(),
-            "complete_rows": int((occupied & self.complete).sum()),
-            "partial_rows": int((occupied & self.generated & ~self.complete).sum()),
-            "waiting_rows": int((occupied & ~self.complete & ~self.in_flight).sum()),
-            "in_flight_rows": int(self.in_flight.sum()), "age_histogram": self._age_histogram(),
-            "tokens_stored": int(self.responses.length.sum()), "prompt_tokens_stored": int(self.prompts.length.sum()),
-            "buffer_mb": round((self.responses.nbytes + self.prompts.nbytes) / 2**20, 1),
-            "batch_selected": self.batch is not None, "drain": self.drain,
-        }
+        """Small JSON-able counts (see rollout.dock_export.stats)."""
+        return dock_export.stats(self)
 
     def snapshot(self) -> tuple[dict[str, np.ndarray], dict]:
         """Complete state as (arrays, JSON-able metadata); in-flight rows are recorded as not in flight."""
@@ -310,17 +289,3 @@ class TransferDock:
     @classmethod
     def restore(cls, arrays: dict[str, np.ndarray], meta: dict) -> "TransferDock":
         return dock_export.restore(cls, arrays, meta)
-
-    # ---- checks --------------------------------------------------------------------------------
-    def _check_occupied(self, rows: np.ndarray, what: str) -> np.ndarray:
-        empty = rows[self.group_ids[rows // self.n] < 0]
-        if len(empty):
-            raise IndexError(f"{what}: rows {empty[:5].tolist()} belong to empty group slots")
-        return rows
-
-    def _check_in_flight(self, rows: np.ndarray, what: str) -> np.ndarray:
-        idle = rows[~self.in_flight[rows]]
-        if len(idle):
-            raise DockError(f"{what}: rows {idle[:5].tolist()} are not in flight (take_rows() hands rows out; "
-                            "each comes back once, by put_generation() or release())")
-        return rows

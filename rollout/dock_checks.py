@@ -11,6 +11,22 @@ import numpy as np
 INT32_MAX = np.iinfo(np.int32).max
 
 
+class DockError(RuntimeError):
+    """The dock was used out of order (e.g. clear() before select_batch())."""
+
+
+def check_dock_sizes(*, gbs, n, max_split, max_tokens, max_model_len, max_age, over_sampling_groups) -> None:
+    """TransferDock's constructor arguments: integers in range (max_age may be None: = max_split)."""
+    for name, value, low in (("gbs", gbs, 1), ("n", n, 1), ("max_split", max_split, 1),
+                             ("max_tokens", max_tokens, 1), ("max_model_len", max_model_len, 2)):
+        if int(value) != value or value < low:
+            raise ValueError(f"TransferDock: {name} must be an integer >= {low}; got {value!r}")
+    if int(over_sampling_groups) != over_sampling_groups or over_sampling_groups < 0:
+        raise ValueError(f"TransferDock: over_sampling_groups must be an integer >= 0; got {over_sampling_groups!r}")
+    if max_age is not None and max_age < 1:
+        raise ValueError(f"TransferDock: max_age must be >= 1 or None (= max_split); got {max_age}")
+
+
 def check_rows(rows: Sequence[int] | np.ndarray, n_rows: int, what: str) -> np.ndarray:
     """Any row-index sequence -> int64[k], refusing non-integers, out-of-range indices and repeats."""
     arr = np.asarray(rows)
@@ -26,6 +42,23 @@ def check_rows(rows: Sequence[int] | np.ndarray, n_rows: int, what: str) -> np.n
         values, counts = np.unique(arr, return_counts=True)
         raise ValueError(f"{what}: rows {values[counts > 1][:5].tolist()} given more than once")
     return arr
+
+
+def check_occupied(rows: np.ndarray, group_ids: np.ndarray, n: int, what: str) -> np.ndarray:
+    """rows[k] -> rows, refusing rows of empty group slots (group_ids[slot] < 0; slot = row // n)."""
+    empty = rows[group_ids[rows // n] < 0]
+    if len(empty):
+        raise IndexError(f"{what}: rows {empty[:5].tolist()} belong to empty group slots")
+    return rows
+
+
+def check_in_flight(rows: np.ndarray, in_flight: np.ndarray, what: str) -> np.ndarray:
+    """rows[k] -> rows, refusing rows that are not in flight (in_flight: bool per dock row)."""
+    idle = rows[~in_flight[rows]]
+    if len(idle):
+        raise DockError(f"{what}: rows {idle[:5].tolist()} are not in flight (take_rows() hands rows out; "
+                        "each comes back once, by put_generation() or release())")
+    return rows
 
 
 def to_flat(values, name: str, dtype, integer: bool = False) -> tuple[np.ndarray, np.ndarray]:

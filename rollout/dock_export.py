@@ -1,4 +1,4 @@
-"""Reading the transfer dock out: engine inputs, the training batch, and snapshot/restore.
+"""Reading the transfer dock out: engine inputs, the training batch, stats, and snapshot/restore.
 
 Pure functions over a rollout.dock.TransferDock; the dock's methods are thin wrappers around them.
 """
@@ -71,6 +71,27 @@ def batch_samples(dock: "TransferDock", batch: np.ndarray) -> list[list[Sample]]
                                 metadata={"age": ages[r], "rounds": rounds[r]}))
         groups.append(group)
     return groups
+
+
+def age_histogram(dock: "TransferDock") -> dict[str, int]:
+    """Loaded rows per age: {"0": count, "1": count, ...}."""
+    ages, counts = np.unique(dock.age[dock._occupied_rows()], return_counts=True)
+    return {str(a): int(c) for a, c in zip(ages.tolist(), counts.tolist())}
+
+
+def stats(dock: "TransferDock") -> dict[str, Any]:
+    """Group, row and token counts, the age histogram and buffer size (JSON-able)."""
+    occupied = dock._occupied_rows()
+    return {
+        "loaded_groups": int(np.count_nonzero(dock.group_ids >= 0)), "ready_groups": dock.ready_group_count(),
+        "complete_rows": int((occupied & dock.complete).sum()),
+        "partial_rows": int((occupied & dock.generated & ~dock.complete).sum()),
+        "waiting_rows": int((occupied & ~dock.complete & ~dock.in_flight).sum()),
+        "in_flight_rows": int(dock.in_flight.sum()), "age_histogram": age_histogram(dock),
+        "tokens_stored": int(dock.responses.length.sum()), "prompt_tokens_stored": int(dock.prompts.length.sum()),
+        "buffer_mb": round((dock.responses.nbytes + dock.prompts.nbytes) / 2**20, 1),
+        "batch_selected": dock.batch is not None, "drain": dock.drain,
+    }
 
 
 def snapshot(dock: "TransferDock") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
