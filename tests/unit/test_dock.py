@@ -1,45 +1,15 @@
-"""The transfer dock's rules (rollout/dock.py), one test per rule, on small docks."""
+"""The transfer dock's rules (rollout/dock.py), one test per rule, on small docks: loading, generation
+and its checks, the paged columns. The batch, clear, drain and snapshot rules: test_dock_batch.py."""
 from __future__ import annotations
-
-import json
 
 import numpy as np
 import pytest
+from dock_helpers import EOS, finish_groups, load, make_dock, put
 
 from infra.config import RolloutConfig
 from rollout.dock import DockError, TransferDock
 from rollout.dock_buffers import PagedColumns
 from rollout.sample import Status
-
-EOS = 0
-
-
-def make_dock(gbs=2, n=2, max_split=2, max_tokens=8, max_model_len=16, **kw) -> TransferDock:
-    return TransferDock(gbs, n, max_split, max_tokens, max_model_len, [EOS], **kw)
-
-
-def load(dock: TransferDock, ids, prompt_len=2) -> np.ndarray:
-    return dock.load_groups(np.asarray(ids), [[100 + g] * prompt_len for g in ids], [f"label-{g}" for g in ids])
-
-
-def put(dock: TransferDock, rows, lengths, eos=False, version=1, stop=None) -> None:
-    """Each row gets `length` tokens 10, 11, ...; the last one EOS when eos."""
-    rows = np.asarray(rows)
-    lengths = np.broadcast_to(np.asarray(lengths), rows.shape)
-    eos = np.broadcast_to(np.asarray(eos), rows.shape)
-    tokens = [list(range(10, 10 + m)) for m in lengths.tolist()]
-    for t, e in zip(tokens, eos.tolist()):
-        if e and t:
-            t[-1] = EOS
-    stop = np.zeros(len(rows), bool) if stop is None else np.asarray(stop)
-    dock.put_generation(rows, tokens, [[-0.5] * len(t) for t in tokens], version, stop)
-
-
-def finish_groups(dock: TransferDock, slots) -> None:
-    """Complete every row of these group slots with a 1-token EOS answer (rows must be waiting)."""
-    rows = (np.asarray(slots)[:, None] * dock.n + np.arange(dock.n)).reshape(-1)
-    dock.in_flight[rows] = True  # as if take_rows handed exactly these out
-    put(dock, rows, 1, eos=True)
 
 
 def test_capacity_and_loading_2gbs_then_gbs():
@@ -148,103 +118,6 @@ def test_completion_rules():
     assert statuses == [Status.COMPLETED, Status.TRUNCATED, Status.TRUNCATED, Status.COMPLETED]
 
 
-def test_ready_groups_update_ready_and_batch_chosen_once():
-    dock = make_dock(gbs=2, n=2, max_split=2)
-    load(dock, [0, 1, 2, 3])
-    rows = dock.take_rows()
-    put(dock, rows, 1, eos=[True, True, True, False, True, True, True, True])
-    assert dock.ready_group_count() == 3 and dock.update_ready()
-    batch = dock.select_batch()
-    assert batch.tolist() == [0, 2]  # ready groups in load order (all age 0)
-    assert dock.batch_group_ids().tolist() == [0, 2]
-    rest = dock.take_rows()
-    put(dock, rest, 1, eos=True)  # group 1 becomes ready too: the batch does not change
-    assert dock.select_batch().tolist() == [0, 2]
-    samples = dock.batch_samples()
-    assert [[s.index for s in g] for g in samples] == [[0, 1], [4, 5]]
-    assert [g[0].label for g in samples] == ["label-0", "label-2"]
-    arrays = dock.batch_arrays()
-    assert arrays["sample_indices"].tolist() == [0, 1, 4, 5] and not arrays["response_tokens"].flags.writeable
-    assert arrays["response_tokens"].tolist() == sum((s.response_tokens for g in samples for s in g), [])
-    assert arrays["weight_versions"].tolist() == [1, 1, 1, 1]
-
-
-def test_select_batch_needs_gbs_ready_groups_and_consumers_need_a_batch():
-    dock = make_dock(gbs=2)
-    load(dock, [0, 1])
-    with pytest.raises(DockError, match="select_batch"):
-        dock.select_batch()
-    for call in (dock.batch_samples, dock.batch_arrays, dock.batch_group_ids, dock.clear):
-        with pytest.raises(DockError, match="no batch selected"):
-            call()
-
-
-def test_clear_drops_batch_ages_generated_rows_and_orders_oldest_first():
-    dock = make_dock(gbs=1, n=2, max_split=4)
-    load(dock, [0, 1])
-    rows = dock.take_rows(limit=3)  # rows 0, 1, 2: group 1's row 3 is never generated
-    put(dock, rows, 1, eos=[True, True, False])
-    dock.select_batch()
-    stats = dock.clear()
-    assert stats["trained_groups"] == 1 and stats["carried_rows"] == 1 and stats["partial_rows"] == 1
-    assert dock.age[2:4].tolist() == [1, 0] and dock.age[:2].tolist() == [0, 0]
-    assert dock.group_ids.tolist() == [-1, 1] and dock.labels[0] is None
-    load(dock, [2])  # slot 0, newer
-    assert dock.group_order().tolist() == [1, 0]
-    finish_groups(dock, [0])
-    dock.take_rows()
-    put(dock, [2, 3], 1, eos=True)
-    assert dock.ready_group_count() == 2
-    assert dock.select_batch().tolist() == [1]  # the older group goes first even though slot 0 is lower
-
-
-def test_clear_refuses_rows_in_flight_and_load_refuses_during_a_batch():
-    dock = make_dock(gbs=1, n=2)
-    load(dock, [0, 1])
-    finish_groups(dock, [0])
-    dock.take_rows()
-    dock.select_batch()
-    with pytest.raises(DockError, match="in flight"):
-        dock.clear()
-    with pytest.raises(DockError, match="clear"):
-        load(dock, [5])
-    dock.release([2, 3])
-    dock.clear()
-    assert dock.generated[2:4].tolist() == [False, False] and dock.age[2:4].tolist() == [0, 0]
-
-
-def test_drain_mode_waits_for_every_loaded_row_and_empties_the_dock():
-    dock = make_dock(gbs=2, n=2, max_split=2)
-    load(dock, [0, 1, 2])
-    put(dock, dock.take_rows(), 1, eos=[True, True, True, True, False, False])
-    assert dock.update_ready()
-    dock.set_drain(True)
-    assert not dock.update_ready()
-    put(dock, dock.take_rows(), 1, eos=True)
-    assert dock.update_ready()
-    assert len(dock.select_batch()) == 2
-    dock.clear()
-    assert dock.update_ready()  # the one group left is complete
-    assert dock.select_batch().tolist() == [2]  # fewer than gbs in drain mode
-    dock.clear()
-    assert dock.stats()["loaded_groups"] == 0 and not dock.update_ready()
-
-
-def test_require_max_age_all_finished_holds_until_old_rows_finish():
-    dock = make_dock(gbs=1, n=2, max_split=2, require_max_age_all_finished=True)  # max_age 2: age >= 1 must finish
-    load(dock, [0, 1])
-    put(dock, dock.take_rows(), 1, eos=[True, True, False, False])
-    dock.select_batch()
-    dock.clear()  # group 1 carried, age 1 = max age - 1
-    load(dock, [2])
-    put(dock, dock.take_rows(limit=2), 1, eos=[False, False])  # the old rows 2, 3 generate but do not finish
-    finish_groups(dock, [0])
-    assert dock.ready_group_count() == 1 and not dock.update_ready()
-    put(dock, dock.take_rows(limit=2), 1, eos=True)
-    assert dock.update_ready()
-    assert make_dock(gbs=1).max_age == 2 and make_dock(gbs=1, max_age=5).max_age == 5
-
-
 def test_put_generation_misuse_changes_nothing():
     dock = make_dock(gbs=1, n=2, max_tokens=4)
     load(dock, [0, 1])
@@ -296,45 +169,6 @@ def test_flat_input_equals_list_input_and_per_row_versions():
     assert ma == mb and all(np.array_equal(sa[k], sb[k]) for k in sa)
     assert sa["response_versions"].tolist() == [1, 1, 3, 4, 4]
     assert a.rounds[:4].tolist() == [1, 1, 1, 1] and a.generated[1] and not a.complete[1]
-
-
-def test_snapshot_restore_equal_state_and_behaviour(tmp_path):
-    from safetensors.numpy import load_file, save_file
-
-    dock = make_dock(gbs=2, n=2, max_split=3, max_tokens=9, max_model_len=20)
-    load(dock, [0, 1, 2, 3])
-    put(dock, dock.take_rows(), [3, 1, 3, 3, 1, 1, 2, 3], eos=[False, True, False, True, True, True, False, False])
-    in_flight = dock.take_rows(limit=2)
-    arrays, meta = dock.snapshot()
-    save_file(arrays, str(tmp_path / "dock.safetensors"))
-    meta = json.loads(json.dumps(meta))
-    restored = TransferDock.restore(load_file(str(tmp_path / "dock.safetensors")), meta)
-    again, meta_again = restored.snapshot()
-    assert meta_again == meta and all(np.array_equal(arrays[k], again[k]) for k in arrays)
-    assert restored.in_flight.sum() == 0 and dock.in_flight[in_flight].all()  # requests die with the process
-    dock.release(in_flight)
-    for d in (dock, restored):  # both continue the same way
-        rows = d.take_rows()
-        put(d, rows, 2, eos=True, version=7)
-        d.select_batch()
-    assert dock.batch_samples() == restored.batch_samples()
-    assert dock.clear() == restored.clear()
-
-
-def test_snapshot_with_a_selected_batch_and_bad_snapshots():
-    dock = make_dock(gbs=1)
-    load(dock, [0, 1])
-    finish_groups(dock, [1])
-    dock.select_batch()
-    arrays, meta = dock.snapshot()
-    restored = TransferDock.restore(arrays, meta)
-    assert restored.select_batch().tolist() == [1] and restored.batch_group_ids().tolist() == [1]
-    with pytest.raises(ValueError, match="format"):
-        TransferDock.restore(arrays, {**meta, "format": "other"})
-    with pytest.raises(ValueError, match="missing"):
-        TransferDock.restore({k: v for k, v in arrays.items() if k != "age"}, meta)
-    with pytest.raises(ValueError, match="shape"):
-        TransferDock.restore({**arrays, "age": arrays["age"][:-1]}, meta)
 
 
 def test_paged_columns_cross_pages_free_reuse_and_grow():
