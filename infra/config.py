@@ -7,10 +7,12 @@ renders it as a form and validates it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from infra.config_parsing import ConfigError, apply_overrides, format_validation_error
 
 
 class _Section(BaseModel):
@@ -248,44 +250,11 @@ class RunConfig(_Section):
         return self
 
 
-class ConfigError(ValueError):
-    """A config that cannot run; the message names the field and the fix."""
-
-
-def _parse_value(text: str) -> Any:
-    return yaml.safe_load(text) if text != "" else None
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Set dotted keys from `key=value` strings (values parsed as YAML: 3, 1e-3, true, [a, b])."""
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value (e.g. rollout.max_split=4)")
-        key, value = item.split("=", 1)
-        node = data
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {key!r}: {part!r} is a value, not a section")
-        node[parts[-1]] = _parse_value(value)
-    return data
-
-
-def _format_error(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        lines.append(msg if msg.startswith(field.split(".")[0] + ".") or not e["loc"] else f"{field}: {msg}")
-    return "invalid config: " + "; ".join(lines)
-
-
 def build_config(data: dict | None = None, overrides: list[str] | None = None) -> RunConfig:
     try:
         return RunConfig.model_validate(apply_overrides(dict(data or {}), overrides or []))
     except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
+        raise ConfigError(format_validation_error(err)) from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
