@@ -11,6 +11,7 @@ from flows.run_lock import acquire_run_lock
 from flows.setup import build_run, shutdown_run
 from infra.config import RunConfig
 from infra.faults import maybe_kill
+from infra.gc_pauses import long_lived_heap_frozen
 from infra.prefect_artifacts import current_run_ids
 from infra.tracking import RunTracker
 from tasks.checkpoint import open_and_check, restore, rewind_metrics
@@ -87,7 +88,7 @@ def grpo_train(config: RunConfig, resume: bool = False) -> dict:
         # Heartbeats stay on for this outer flow (crash detection); per-iteration subflows skip them,
         # which saves ~1 s of fixed cost per iteration.
         loop_start = time.perf_counter()
-        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), long_lived_heap_frozen():
             for iteration in range(first, config.schedule.num_iterations):
                 start = time.perf_counter()
                 metrics = iteration_flow(iteration)
