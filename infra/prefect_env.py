@@ -48,3 +48,13 @@ def apply_process_defaults() -> None:
     ephemeral = {} if chosen & set(os.environ) else EPHEMERAL_SERVER_DEFAULTS
     for key, value in {**PREFECT_SERVER_DEFAULTS, **ephemeral, **RUNTIME_DEFAULTS}.items():
         os.environ.setdefault(key, value)
+
+
+def writes_never_collide() -> bool:
+    """True when this process's Prefect API is an ephemeral server on the in-memory database above: its
+    writes queue on one connection, so nothing needs to wait for other writes before a subflow starts."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    url = settings.server.database.connection_url
+    return settings.api.url is None and url is not None and ":memory:" in url.get_secret_value()

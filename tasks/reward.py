@@ -22,10 +22,19 @@ class RewardError(ValueError):
 def decode_responses(samples: list[Sample], tokenizer, stop_token_ids) -> None:
     """Fill sample.response with the decoded text (a trailing stop token is not part of the text)."""
     stops = set(stop_token_ids)
-    texts = tokenizer.batch_decode([s.response_tokens[:-1] if s.response_tokens and s.response_tokens[-1] in stops
-                                    else s.response_tokens for s in samples], skip_special_tokens=True)
+    texts = batch_decode([s.response_tokens[:-1] if s.response_tokens and s.response_tokens[-1] in stops
+                          else s.response_tokens for s in samples], tokenizer)
     for s, text in zip(samples, texts):
         s.response = text
+
+
+def batch_decode(ids: list[list[int]], tokenizer) -> list[str]:
+    """tokenizer.batch_decode(ids, skip_special_tokens=True). A fast tokenizer without space clean-up decodes
+    to the same texts in one call to its Rust backend (HF's own loop costs ~15 us per sequence in Python)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.batch_decode(ids, skip_special_tokens=True)
+    return backend.decode_batch(ids, skip_special_tokens=True)
 
 
 def score_samples(samples: list[Sample], reward_fn, fn_path: str) -> np.ndarray:

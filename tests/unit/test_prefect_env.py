@@ -38,3 +38,19 @@ def test_user_values_win(clean_env):
     apply_process_defaults()
     assert os.environ[DB] == "sqlite+aiosqlite:////tmp/mine.db"
     assert os.environ["PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"] == "INFO"
+
+
+def test_writes_never_collide_only_on_the_ephemeral_in_memory_database(clean_env):
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
+
+    from infra.prefect_env import writes_never_collide
+
+    memory = EPHEMERAL_SERVER_DEFAULTS[DB]
+    with temporary_settings(updates={PREFECT_API_URL: None, PREFECT_SERVER_DATABASE_CONNECTION_URL: memory}):
+        assert writes_never_collide()
+    with temporary_settings(updates={PREFECT_API_URL: None,
+                                     PREFECT_SERVER_DATABASE_CONNECTION_URL: "sqlite+aiosqlite:////tmp/p.db"}):
+        assert not writes_never_collide()
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api",
+                                     PREFECT_SERVER_DATABASE_CONNECTION_URL: memory}):
+        assert not writes_never_collide()

@@ -76,3 +76,15 @@ def test_cursor_is_a_seeded_permutation_per_epoch_and_round_trips():
     assert list(first) != list(second)
     again = PromptCursor.from_state(json.loads(json.dumps(cur.state_dict())))
     assert again.position == 20 and list(again.dataset_indices(np.arange(10))) == list(first)
+
+
+def test_batch_decode_fast_path_matches_the_tokenizers_own(tiny_model_dir):
+    from infra.models import load_tokenizer
+    from tasks.reward import batch_decode
+
+    tok = load_tokenizer(tiny_model_dir)
+    texts = ["aaa", " a b ", "a*7=aaaa", "", "a\n a"]
+    ids = [tok(t)["input_ids"] for t in texts] + [[tok.eos_token_id], tok("ab")["input_ids"] + [tok.eos_token_id]]
+    assert not tok.clean_up_tokenization_spaces  # the fast path is taken
+    assert batch_decode(ids, tok) == tok.batch_decode(ids, skip_special_tokens=True)
+    assert batch_decode(ids[:5], tok) == texts
