@@ -20,11 +20,12 @@ def test_freezes_inside_and_unfreezes_after():
 
 
 def test_an_outer_freeze_is_left_alone():
+    outer = [[i] for i in range(100)]
     gc.freeze()
     try:
-        before = gc.get_freeze_count()
         with long_lived_heap_frozen():
             pass
-        assert gc.get_freeze_count() == before
+        # still frozen by the outer freeze (a count would drift: frozen objects are freed by refcount)
+        assert id(outer[0]) not in {id(o) for o in gc.get_objects()} and gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
