@@ -12,7 +12,6 @@ from flows.setup import build_run, shutdown_run
 from infra.config import RunConfig
 from infra.faults import maybe_kill
 from infra.gc_pauses import long_lived_heap_frozen
-from infra.prefect_env import writes_never_collide
 from infra.prefect_artifacts import current_run_ids
 from infra.tracking import RunTracker
 from tasks.checkpoint import open_and_check, restore, rewind_metrics
@@ -86,7 +85,6 @@ def grpo_train(config: RunConfig, resume: bool = False) -> dict:
         tracker.start(resumed=saved is not None, first_iteration=first)
         run.wandb_run_id = tracker.wandb_run_id
         iteration_flow = make_iteration_flow(run, tracker.on_round)
-        settle_reports = not writes_never_collide()  # a file-backed server may refuse writes meanwhile
         # Heartbeats stay on for this outer flow (crash detection); per-iteration subflows skip them,
         # which saves ~1 s of fixed cost per iteration.
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), long_lived_heap_frozen():
@@ -96,8 +94,7 @@ def grpo_train(config: RunConfig, resume: bool = False) -> dict:
                 metrics = iteration_flow(iteration)
                 metrics["iteration_wall_s"] = time.perf_counter() - start  # incl. the subflow's own cost
                 tracker.on_iteration(metrics, samples=run.current.samples, flow_run_id=run.current.flow_run_id)
-                if settle_reports:
-                    tracker.settle()
+                tracker.settle()
         return tracker.finish(run.baseline, loop_wall_s=time.perf_counter() - loop_start)
     finally:
         if tracker is not None:

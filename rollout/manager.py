@@ -102,7 +102,7 @@ class RolloutManager:
             self._clients[url] = EngineClient(url)
         return self._clients[url]
 
-    # ---- generation (see rollout/generation.py, rollout/pending_aborts.py) -----------------------------------------------------
+    # ---- generation (see rollout/generation.py, rollout/pending_aborts.py) ---------------------------
     def generate(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
         """SGLang /generate answers for `batch` (dicts of input_ids, sampling_params, rid?, return_logprob?),
         in input order, through the router; on_result(index, answer) is called as each one finishes."""
