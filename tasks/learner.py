@@ -19,11 +19,11 @@ import torch
 
 from infra.config import GRPOConfig, OptimizerConfig
 from infra.models import load_causal_lm, load_tokenizer
-from tasks.batching import MicroBatch, TrainBatch, make_micro_batch, micro_batch_indices, pad_per_token
+from tasks.batching import MicroBatch, RolloutBatch, check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
 from tasks.grpo_loss import (aggregate, clipped_policy_loss, entropy_from_logits, kl_penalty, tis_weights,
                              token_logprobs)
 
-__all__ = ["LearnerActor", "TrainBatch", "create_learners"]
+__all__ = ["LearnerActor", "create_learners"]
 STATE_FORMAT = 1
 
 
@@ -65,33 +65,35 @@ class LearnerActor:
         index = mb.logit_positions.to(self.device).unsqueeze(-1).expand(-1, -1, logits.size(-1))
         return torch.gather(logits, 1, index)
 
-    def _micro_batches(self, batch: TrainBatch, subset: list[int] | None = None):
+    def _micro_batches(self, batch: RolloutBatch, subset: list[int] | None = None):
         subset = list(range(len(batch))) if subset is None else subset
-        lengths = [len(batch.tokens[i]) for i in subset]
+        lengths = batch.seq_lengths[subset]
         for indices in micro_batch_indices(lengths, self.grpo.micro_batch_size):
             yield make_micro_batch(batch, [subset[i] for i in indices], self.pad_id)
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
-        """Per-token logprobs of each sample's response tokens -> list of float32 [response_length]."""
-        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(batch)
+    def compute_logprobs(self, batch: RolloutBatch) -> np.ndarray:
+        """Logprob of every response token of the batch -> float32[Tr] (the batch's token order)."""
+        out = np.zeros(len(batch.response_tokens), dtype=np.float32)
+        starts = batch.response_offsets
         for mb in self._micro_batches(batch):
             logp = token_logprobs(self._response_logits(mb), mb.targets.to(self.device), self.temperature).cpu()
             for row, i in enumerate(mb.indices):
-                out[i] = logp[row, :batch.response_lengths[i]].numpy().astype(np.float32)
+                out[starts[i]:starts[i + 1]] = logp[row, :batch.response_lengths[i]].numpy()
         return out
 
     # ----- update -----
-    def _old_logprobs(self, batch: TrainBatch, old_logprobs: list | None) -> tuple[list, str]:
+    def _old_logprobs(self, batch: RolloutBatch, old_logprobs: np.ndarray | None) -> tuple[np.ndarray, str]:
         if old_logprobs is not None:
-            _check_per_token("old_logprobs", old_logprobs, batch)
+            check_per_token("old_logprobs", old_logprobs, batch)
             return old_logprobs, "given"
-        all_current = all(v == self._version for vs in batch.weight_versions for v in vs)
+        all_current = bool((batch.weight_versions == self._version).all())
         if self.grpo.skip_old_logprob and all_current:
             return batch.rollout_logprobs, "rollout"
         return self.compute_logprobs(batch), "computed"
 
-    def update(self, batch: TrainBatch, old_logprobs: list | None = None, ref_logprobs: list | None = None) -> dict:
+    def update(self, batch: RolloutBatch, old_logprobs: np.ndarray | None = None,
+               ref_logprobs: np.ndarray | None = None) -> dict:
         """One iteration's update: grpo.num_steps_per_rollout optimizer steps, each over one mini-batch (a
         contiguous, group-aligned share of the batch; micro-batches accumulate gradients) -> metrics."""
         if not self.trainable:
@@ -102,9 +104,9 @@ class LearnerActor:
             if ref_logprobs is None:
                 raise ValueError(f"grpo.kl_coef={g.kl_coef} needs ref_logprobs from the reference learner "
                                  "(or set grpo.kl_coef=0)")
-            _check_per_token("ref_logprobs", ref_logprobs, batch)
+            check_per_token("ref_logprobs", ref_logprobs, batch)
         old, old_source = self._old_logprobs(batch, old_logprobs)
-        num_tokens = int(sum(sum(m) for m in batch.loss_masks))
+        num_tokens = int(batch.loss_tokens.sum())
         sums = dict.fromkeys(("pg_loss", "kl_loss", "loss", "clipped", "tis", "kl", "entropy", "stale", "ppo_kl",
                               "tis_max"), 0.0)
         steps = g.num_steps_per_rollout
@@ -128,18 +130,18 @@ class LearnerActor:
             "update_s": time.perf_counter() - started, "lr": self.optimizer.param_groups[0]["lr"],
         }
 
-    def _step(self, batch: TrainBatch, subset: list[int], old: list, ref_logprobs: list | None, sums: dict,
+    def _step(self, batch: RolloutBatch, subset: list[int], old: np.ndarray, ref_logprobs: np.ndarray | None, sums: dict,
               step: int) -> tuple[float, bool]:
         """One AdamW step over the samples `subset`; adds its metric sums to `sums` -> (grad norm, stepped)."""
         g = self.grpo
-        total_tokens = float(sum(sum(batch.loss_masks[i]) for i in subset))
-        total_seqs = float(sum(1 for i in subset if sum(batch.loss_masks[i]) > 0))
+        per_row = batch.loss_tokens[subset]
+        total_tokens, total_seqs = float(per_row.sum()), float((per_row > 0).sum())
         self.optimizer.zero_grad(set_to_none=True)
         for mb in self._micro_batches(batch, subset):
             logits = self._response_logits(mb)
             targets, mask = mb.targets.to(self.device), mb.loss_mask.to(self.device)
             logp = token_logprobs(logits, targets, self.temperature)
-            old_mb = pad_per_token(old, mb.indices, mask.size(1)).to(self.device)
+            old_mb = pad_per_token(old, batch, mb.indices, mask.size(1)).to(self.device)
             pg, clipped = clipped_policy_loss(logp, old_mb, mb.advantages.to(self.device), g.clip_eps, g.clip_eps_high)
             weights = torch.ones_like(pg)
             if g.tis:
@@ -147,7 +149,7 @@ class LearnerActor:
             pg_loss = aggregate(pg * weights, mask, g.loss_agg, total_tokens, total_seqs)
             loss = pg_loss
             if g.kl_coef > 0:
-                ref_mb = pad_per_token(ref_logprobs, mb.indices, mask.size(1)).to(self.device)
+                ref_mb = pad_per_token(ref_logprobs, batch, mb.indices, mask.size(1)).to(self.device)
                 kl = kl_penalty(logp, ref_mb, g.kl_estimator)
                 kl_loss = aggregate(kl, mask, g.loss_agg, total_tokens, total_seqs)
                 loss = loss + g.kl_coef * kl_loss
@@ -257,14 +259,6 @@ class LearnerActor:
         if "rng/torch" in as_tensor:
             torch.set_rng_state(as_tensor["rng/torch"].to(torch.uint8).cpu())
         self._version = int(meta["weight_version"])
-
-
-def _check_per_token(name: str, values: list, batch: TrainBatch) -> None:
-    if len(values) != len(batch):
-        raise ValueError(f"{name} has {len(values)} samples but the batch has {len(batch)}")
-    for i, (v, r) in enumerate(zip(values, batch.response_lengths)):
-        if len(v) != r:
-            raise ValueError(f"{name}[{i}] has {len(v)} values but sample {i} has {r} response tokens")
 
 
 def create_learners(model_path, cfg, num_cpus: float = 0, num_threads: int = 1, num_gpus: float = 0):

@@ -7,10 +7,11 @@ from safetensors.torch import load_file, save_file
 
 from infra.config import GRPOConfig, OptimizerConfig, build_config
 from infra.models import load_causal_lm
-from tasks.learner import LearnerActor, TrainBatch, create_learners
+from rollout.batch import RolloutBatch, from_sequences, select_groups, split
+from tasks.learner import LearnerActor, create_learners
 
 
-def make_batch(seed: int, n: int = 8, version: int = 0, advantages=None) -> TrainBatch:
+def make_batch(seed: int, n: int = 8, version: int = 0, advantages=None) -> RolloutBatch:
     rng = np.random.default_rng(seed)
     tokens, lengths = [], []
     for _ in range(n):
@@ -18,9 +19,8 @@ def make_batch(seed: int, n: int = 8, version: int = 0, advantages=None) -> Trai
         tokens.append(rng.integers(2, 40, prompt + resp).tolist())
         lengths.append(resp)
     adv = rng.normal(size=n).tolist() if advantages is None else advantages
-    return TrainBatch(tokens=tokens, response_lengths=lengths, loss_masks=[[1] * r for r in lengths],
-                      advantages=adv, rollout_logprobs=[(-3.0 + 0.1 * rng.normal(size=r)).tolist() for r in lengths],
-                      weight_versions=[[version] * r for r in lengths])
+    return from_sequences(tokens, lengths, [(-3.0 + 0.1 * rng.normal(size=r)).tolist() for r in lengths],
+                          [[version] * r for r in lengths], advantages=adv)
 
 
 def hf_logprobs(model, tokens: list[int], resp: int, temperature: float) -> np.ndarray:
@@ -45,14 +45,15 @@ def test_actors_logprobs_update_and_weights(learners, tiny_model_dir, ray_sessio
     ray = ray_session
     policy, ref = learners
     batch = make_batch(0)
-    old, ref_lp = ray.get([policy.compute_logprobs.remote(batch), ref.compute_logprobs.remote(batch)])
+    old_flat, ref_flat = ray.get([policy.compute_logprobs.remote(batch), ref.compute_logprobs.remote(batch)])
+    old, ref_lp = split(old_flat, batch.response_lengths), split(ref_flat, batch.response_lengths)
     model = load_causal_lm(tiny_model_dir)
     for i in range(len(batch)):  # micro-batched + padded == each sequence alone, at the sampler's temperature
-        expect = hf_logprobs(model, batch.tokens[i], batch.response_lengths[i], 0.7)
+        expect = hf_logprobs(model, batch.sequence(i).tolist(), batch.response_lengths[i], 0.7)
         np.testing.assert_allclose(old[i], expect, atol=1e-5)
         np.testing.assert_array_equal(old[i], ref_lp[i])
 
-    metrics = ray.get(policy.update.remote(batch, old, ref_lp))
+    metrics = ray.get(policy.update.remote(batch, old_flat, ref_flat))
     for key in ("loss", "pg_loss", "kl", "clip_fraction", "grad_norm", "tis_weight_mean", "tis_weight_max",
                 "stale_token_share", "entropy"):
         assert np.isfinite(metrics[key]), key
@@ -61,20 +62,21 @@ def test_actors_logprobs_update_and_weights(learners, tiny_model_dir, ray_sessio
     assert 0 < metrics["tis_weight_mean"] <= 2.0 and metrics["tis_weight_max"] <= 2.0
     assert ray.get(policy.weight_version.remote()) == 1 and ray.get(ref.weight_version.remote()) == 0
 
-    new, ref_after = ray.get([policy.compute_logprobs.remote(batch), ref.compute_logprobs.remote(batch)])
+    new, ref_after = (split(v, batch.response_lengths) for v in
+                      ray.get([policy.compute_logprobs.remote(batch), ref.compute_logprobs.remote(batch)]))
     assert max(np.abs(a - b).max() for a, b in zip(new, old)) > 1e-5  # the policy moved
     for a, b in zip(ref_after, ref_lp):  # the reference did not
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ray.exceptions.RayTaskError, match="frozen reference"):
-        ray.get(ref.update.remote(batch, old, ref_lp))
+        ray.get(ref.update.remote(batch, old_flat, ref_flat))
 
     # weights out: object-store dict and an HF folder both reproduce the policy's logprobs
     weights = ray.get(policy.state_dict_ref.remote())
     model.load_state_dict(weights)
-    np.testing.assert_allclose(hf_logprobs(model, batch.tokens[0], batch.response_lengths[0], 0.7), new[0], atol=1e-5)
+    np.testing.assert_allclose(hf_logprobs(model, batch.sequence(0).tolist(), batch.response_lengths[0], 0.7), new[0], atol=1e-5)
     folder = ray.get(policy.save_weights.remote(str(tmp_path / "w1")))
     reloaded = load_causal_lm(folder)
-    np.testing.assert_allclose(hf_logprobs(reloaded, batch.tokens[1], batch.response_lengths[1], 0.7), new[1],
+    np.testing.assert_allclose(hf_logprobs(reloaded, batch.sequence(1).tolist(), batch.response_lengths[1], 0.7), new[1],
                                atol=1e-5)
 
 
@@ -124,10 +126,10 @@ def test_positive_advantage_raises_its_logprob(tiny_model_dir):
     batch = make_batch(20, n=4, advantages=[1.0, -1.0, 0.0, 0.0])
     for agg in ("token_mean", "seq_mean"):
         learner = _learner(tiny_model_dir, loss_agg=agg, tis=False)
-        before = learner.compute_logprobs(batch)
+        before = split(learner.compute_logprobs(batch), batch.response_lengths)
         for _ in range(3):
             learner.update(batch)
-        after = learner.compute_logprobs(batch)
+        after = split(learner.compute_logprobs(batch), batch.response_lengths)
         assert after[0].sum() > before[0].sum() and after[1].sum() < before[1].sum(), agg
 
 
@@ -156,10 +158,9 @@ def test_steps_per_rollout_equal_successive_steps_on_the_halves(tiny_model_dir):
 
     one = LearnerActor(str(tiny_model_dir), GRPOConfig(), optim, 1.0, 0, True, total_steps=8)
     for k, half in enumerate((range(0, 4), range(4, 8))):
-        sub = TrainBatch(*[[getattr(batch, f)[i] for i in half] for f in
-                           ("tokens", "response_lengths", "loss_masks", "advantages", "rollout_logprobs",
-                            "weight_versions")])
-        one.update(sub, old_logprobs=[old[i] for i in half])
+        sub = select_groups(batch, list(half))
+        starts = batch.response_offsets
+        one.update(sub, old_logprobs=np.concatenate([old[starts[i]:starts[i + 1]] for i in half]))
     a, b = two.model.state_dict(), one.model.state_dict()
     moved = max(float((a[k] - load_causal_lm(tiny_model_dir).state_dict()[k]).abs().max()) for k in a)
     assert moved > 1e-4

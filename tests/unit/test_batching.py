@@ -1,29 +1,38 @@
-"""TrainBatch validation and micro-batch padding (positions predicting each response token)."""
+"""The columnar RolloutBatch (rollout/batch.py): construction checks, conversions, and the learner's padded
+micro-batches (positions predicting each response token)."""
+import numpy as np
 import pytest
 
-from tasks.batching import TrainBatch, make_micro_batch, micro_batch_indices, pad_per_token
+from rollout.batch import RolloutBatch, from_sequences, select_groups, split, to_samples
+from rollout.sample import Sample, Status
+from tasks.batching import check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
 
 
 def _batch(**over):
-    cols = dict(tokens=[[5, 6, 7, 8], [5, 9], [4, 4, 4, 4, 4, 4]], response_lengths=[2, 1, 3],
+    cols = dict(sequences=[[5, 6, 7, 8], [5, 9], [4, 4, 4, 4, 4, 4]], response_lengths=[2, 1, 3],
                 loss_masks=[[1, 1], [1], [1, 0, 1]], advantages=[0.5, -0.5, 0.0],
                 rollout_logprobs=[[-1.0, -2.0], [-3.0], [-0.1, -0.2, -0.3]], weight_versions=[[0, 1], [1], [0, 0, 0]])
     cols.update(over)
-    return TrainBatch(**cols)
+    return from_sequences(**cols)
 
 
 def test_micro_batch_positions_targets_and_masks():
-    mb = make_micro_batch(_batch(), [0, 1, 2], pad_id=0)
+    batch = _batch()
+    mb = make_micro_batch(batch, [0, 1, 2], pad_id=0)
     assert mb.input_ids.tolist() == [[5, 6, 7, 8, 0, 0], [5, 9, 0, 0, 0, 0], [4, 4, 4, 4, 4, 4]]
     assert mb.attention_mask.sum(1).tolist() == [4, 2, 6]
-    # sample 0: 4 tokens, 2 response -> logits at 1, 2 predict tokens 2, 3
-    assert mb.logit_positions.tolist() == [[1, 2, 0], [0, 0, 0], [2, 3, 4]]
+    # sample 0: 4 tokens, 2 response -> logits at 1, 2 predict tokens 2, 3 (padding positions are masked)
+    assert [p[:r] for p, r in zip(mb.logit_positions.tolist(), [2, 1, 3])] == [[1, 2], [0], [2, 3, 4]]
     assert mb.targets.tolist() == [[7, 8, 0], [9, 0, 0], [4, 4, 4]]
     assert mb.response_mask.tolist() == [[1, 1, 0], [1, 0, 0], [1, 1, 1]]
     assert mb.loss_mask.tolist() == [[1, 1, 0], [1, 0, 0], [1, 0, 1]]
     assert mb.weight_versions.tolist() == [[0, 1, -1], [1, -1, -1], [0, 0, 0]]
-    assert mb.advantages.shape == (3, 1)
-    assert pad_per_token([[1.0, 2.0], [3.0], [4.0, 5.0, 6.0]], [1, 0], 3).tolist() == [[3, 0, 0], [1, 2, 0]]
+    assert mb.advantages.flatten().tolist() == [0.5, -0.5, 0.0]
+    flat = np.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], dtype=np.float32)
+    assert pad_per_token(flat, batch, [1, 0], 3).tolist() == [[3, 0, 0], [1, 2, 0]]
+    check_per_token("old_logprobs", flat, batch)
+    with pytest.raises(ValueError, match="old_logprobs must be one value per response token"):
+        check_per_token("old_logprobs", flat[:5], batch)
 
 
 def test_micro_batch_indices_groups_similar_lengths_stably():
@@ -32,17 +41,37 @@ def test_micro_batch_indices_groups_similar_lengths_stably():
         micro_batch_indices([1], 0)
 
 
-def test_train_batch_names_the_bad_field():
-    with pytest.raises(ValueError, match="sample 0: loss_masks has 1"):
+def test_batch_names_the_bad_field():
+    with pytest.raises(ValueError, match="loss_mask has 5 entries but the responses have 6 tokens"):
         _batch(loss_masks=[[1], [1], [1, 0, 1]])
-    with pytest.raises(ValueError, match="advantages has 2 entries"):
+    with pytest.raises(ValueError, match="advantages must be 3 finite numbers"):
         _batch(advantages=[0.0, 1.0])
+    with pytest.raises(ValueError, match="advantages must be 3 finite numbers"):
+        _batch(advantages=[0.0, float("nan"), 1.0])
     with pytest.raises(ValueError, match="at least one prompt token"):
-        _batch(tokens=[[7, 8], [5, 9], [4, 4, 4, 4, 4, 4]])
+        _batch(sequences=[[7, 8], [5, 9], [4, 4, 4, 4, 4, 4]])
 
 
-def test_from_train_data_flattens_group_advantages():
-    b = _batch()
-    data = {"tokens": b.tokens, "response_lengths": b.response_lengths, "loss_masks": b.loss_masks, "rewards": [0] * 3}
-    got = TrainBatch.from_train_data(data, [[0.5, -0.5, 0.0]], b.rollout_logprobs, b.weight_versions)
-    assert got.advantages == [0.5, -0.5, 0.0] and got.tokens == b.tokens
+def test_derived_columns_and_group_selection():
+    batch = _batch(n=1)
+    assert batch.seq_lengths.tolist() == [4, 2, 6] and batch.loss_tokens.tolist() == [2, 1, 2]
+    assert batch.sequence(2).tolist() == [4] * 6 and batch.response_lists() == [[7, 8], [9], [4, 4, 4]]
+    sub = select_groups(batch, [2, 0])
+    assert sub.response_lists() == [[4, 4, 4], [7, 8]] and sub.advantages.tolist() == [0.0, 0.5]
+    assert sub.rollout_logprobs.tolist() == pytest.approx([-0.1, -0.2, -0.3, -1.0, -2.0])
+    assert [p.tolist() for p in split(sub.prompt_tokens, sub.prompt_lengths)] == [[4, 4, 4], [5, 6]]
+
+
+def test_samples_round_trip_through_columns():
+    groups = [[Sample(7, 14 + i, [3, 4], [5 + i, 2], [-0.5, -0.25], [1, 2], label="x",
+                      status=Status.COMPLETED if i else Status.TRUNCATED, metadata={"age": i}) for i in range(2)]]
+    batch = RolloutBatch.from_samples(groups)
+    assert batch.n == 2 and batch.group_ids.tolist() == [7] and batch.truncated.tolist() == [True, False]
+    back = to_samples(batch)
+    for got, want in zip(back[0], groups[0]):
+        assert (got.prompt_tokens, got.response_tokens, got.rollout_logprobs, got.weight_versions, got.status,
+                got.label, got.metadata["age"]) == (want.prompt_tokens, want.response_tokens, want.rollout_logprobs,
+                                                    want.weight_versions, want.status, want.label, want.metadata["age"])
+    assert batch.sample_groups()[0][0] is groups[0][0]  # the user's own samples reach the reward function
+    with pytest.raises(ValueError, match="groups of one size"):
+        RolloutBatch.from_samples([groups[0], groups[0][:1]])

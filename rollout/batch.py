@@ -1,0 +1,219 @@
+"""RolloutBatch: the one shape a training batch has from the dock to the learner.
+
+G groups of n samples, R = G*n rows in group order, as flat columns with per-row lengths (no per-sample
+Python objects on the way): prompt tokens per row, response tokens with their rollout logprobs, weight
+versions and loss mask per token. `Sample` lists appear only at the boundaries where users write code:
+custom or SFT rollout functions (`from_samples`) and reward functions that ask for a sample (`to_samples`).
+The reward step adds advantages (`with_advantages`); the learner cuts the batch into padded micro-batches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from rollout.sample import Sample, Status
+
+
+def offsets(lengths: np.ndarray) -> np.ndarray:
+    """lengths[k] -> int64[k + 1] start offsets of each span in the flat column (last = total)."""
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def split(flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    """flat[T], lengths[k] -> k views."""
+    return np.split(flat, offsets(lengths)[1:-1]) if len(lengths) else []
+
+
+@dataclass(frozen=True, eq=False)
+class RolloutBatch:
+    """Columns (R = G*n rows group by group; Tp prompt tokens and Tr response tokens, row by row).
+
+    group_ids[G] (the groups' stream ids), n, prompt_tokens[Tp] / prompt_lengths[R], response_tokens[Tr] /
+    response_lengths[R], rollout_logprobs[Tr], weight_versions[Tr] (-1: no policy made the token, e.g.
+    SFT), loss_mask[Tr] (0/1), truncated[R] (complete without a stop), ages[R] (iterations carried over),
+    labels[G]; advantages[R] once the reward step has set them. `sft` marks a supervised batch (advantage 1,
+    no behaviour policy).
+    """
+
+    group_ids: np.ndarray
+    n: int
+    prompt_tokens: np.ndarray
+    prompt_lengths: np.ndarray
+    response_tokens: np.ndarray
+    response_lengths: np.ndarray
+    rollout_logprobs: np.ndarray
+    weight_versions: np.ndarray
+    loss_mask: np.ndarray
+    truncated: np.ndarray
+    ages: np.ndarray
+    labels: tuple = ()
+    advantages: np.ndarray | None = None
+    sft: bool = False
+    samples: tuple | None = field(default=None, repr=False)  # the Sample groups it was built from, if any
+
+    def __post_init__(self) -> None:
+        rows = len(self.group_ids) * self.n
+        for name in ("prompt_lengths", "response_lengths", "truncated", "ages"):
+            if len(getattr(self, name)) != rows:
+                raise ValueError(f"RolloutBatch.{name} has {len(getattr(self, name))} entries for {rows} rows "
+                                 f"({len(self.group_ids)} groups of {self.n})")
+        if int(self.prompt_lengths.sum()) != len(self.prompt_tokens):
+            raise ValueError("RolloutBatch.prompt_lengths do not add up to the prompt tokens")
+        tokens = int(self.response_lengths.sum())
+        for name in ("response_tokens", "rollout_logprobs", "weight_versions", "loss_mask"):
+            if len(getattr(self, name)) != tokens:
+                raise ValueError(f"RolloutBatch.{name} has {len(getattr(self, name))} entries but the responses "
+                                 f"have {tokens} tokens")
+        if (self.prompt_lengths[self.response_lengths > 0] < 1).any():
+            raise ValueError("RolloutBatch: a response needs at least one prompt token before it")
+        if self.advantages is not None and (len(self.advantages) != rows or not np.isfinite(self.advantages).all()):
+            raise ValueError(f"RolloutBatch.advantages must be {rows} finite numbers (check the rewards for NaN)")
+
+    def __len__(self) -> int:
+        return len(self.response_lengths)
+
+    # ---- derived columns --------------------------------------------------------------------------
+    @property
+    def seq_lengths(self) -> np.ndarray:
+        """int64[R]: prompt + response tokens per row."""
+        return self.prompt_lengths + self.response_lengths
+
+    @property
+    def response_offsets(self) -> np.ndarray:
+        return offsets(self.response_lengths)
+
+    @property
+    def loss_tokens(self) -> np.ndarray:
+        """int64[R]: tokens per row that count in the loss."""
+        running = offsets(self.loss_mask.astype(np.int64))
+        ends = self.response_offsets
+        return running[ends[1:]] - running[ends[:-1]]
+
+    def sequence(self, row: int) -> np.ndarray:
+        """int32[L]: prompt + response ids of one row."""
+        p, r = offsets(self.prompt_lengths), self.response_offsets
+        return np.concatenate([self.prompt_tokens[p[row]:p[row + 1]], self.response_tokens[r[row]:r[row + 1]]])
+
+    def response_lists(self) -> list[list[int]]:
+        """Response ids per row as Python lists (what a tokenizer's batch decode takes)."""
+        return [part.tolist() for part in split(self.response_tokens, self.response_lengths)]
+
+    def with_advantages(self, advantages: np.ndarray) -> "RolloutBatch":
+        return replace(self, advantages=np.asarray(advantages, dtype=np.float32).reshape(-1))
+
+    def sample_groups(self) -> list[list[Sample]]:
+        """The rows as Sample groups: the ones it was built from, else new ones (costs per token)."""
+        return [list(g) for g in self.samples] if self.samples is not None else to_samples(self)
+
+    # ---- construction -----------------------------------------------------------------------------
+    @classmethod
+    def from_dock_arrays(cls, arrays: dict[str, np.ndarray], n: int, labels) -> "RolloutBatch":
+        """From `TransferDock.batch_arrays()` (one prompt per group) and the batch groups' labels."""
+        group_prompts = arrays["prompt_lengths"]
+        starts = offsets(group_prompts)
+        row_groups = np.repeat(np.arange(len(group_prompts)), n)
+        prompt_lengths = group_prompts[row_groups]
+        index = np.repeat(starts[row_groups] - offsets(prompt_lengths)[:-1], prompt_lengths) + np.arange(
+            int(prompt_lengths.sum()))
+        tokens = arrays["response_tokens"]
+        return cls(group_ids=np.asarray(arrays["group_ids"], dtype=np.int64), n=n,
+                   prompt_tokens=arrays["prompt_tokens"][index], prompt_lengths=prompt_lengths.astype(np.int64),
+                   response_tokens=tokens, response_lengths=arrays["response_lengths"].astype(np.int64),
+                   rollout_logprobs=arrays["rollout_logprobs"], weight_versions=arrays["weight_versions"],
+                   loss_mask=np.ones(len(tokens), dtype=np.uint8), truncated=np.asarray(arrays["truncated"], bool),
+                   ages=arrays["ages"].astype(np.int32), labels=tuple(labels))
+
+    @classmethod
+    def from_samples(cls, groups: list[list[Sample]], sft: bool = False) -> "RolloutBatch":
+        """From groups of Samples (custom, SFT or replayed rollouts); every group must have the same size."""
+        sizes = {len(g) for g in groups}
+        if len(sizes) != 1:
+            raise ValueError(f"a training batch needs groups of one size; got group sizes {sorted(sizes)} "
+                             "(rollout.n_samples_per_prompt samples per prompt)")
+        flat = [s for g in groups for s in g]
+
+        def column(get, dtype) -> np.ndarray:
+            parts = [np.asarray(get(s), dtype=dtype) for s in flat]
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+        masks = [s.loss_mask if s.loss_mask is not None else [1] * s.response_length for s in flat]
+        return cls(group_ids=np.array([g[0].group_index for g in groups], dtype=np.int64), n=sizes.pop(),
+                   prompt_tokens=column(lambda s: s.prompt_tokens, np.int32),
+                   prompt_lengths=np.array([len(s.prompt_tokens) for s in flat], dtype=np.int64),
+                   response_tokens=column(lambda s: s.response_tokens, np.int32),
+                   response_lengths=np.array([s.response_length for s in flat], dtype=np.int64),
+                   rollout_logprobs=column(lambda s: s.rollout_logprobs, np.float32),
+                   weight_versions=column(lambda s: s.weight_versions, np.int32),
+                   loss_mask=np.concatenate([np.asarray(m, np.uint8) for m in masks]) if flat else np.zeros(0, np.uint8),
+                   truncated=np.array([s.status == Status.TRUNCATED for s in flat], dtype=bool),
+                   ages=np.array([int(s.metadata.get("age", 0)) for s in flat], dtype=np.int32),
+                   labels=tuple(g[0].label for g in groups), sft=sft, samples=tuple(tuple(g) for g in groups))
+
+
+def from_sequences(sequences, response_lengths, rollout_logprobs, weight_versions, advantages=None, n: int = 1,
+                   loss_masks=None, labels=None) -> RolloutBatch:
+    """From per-sample lists (prompt + response ids, response length, per-token logprobs and versions):
+    tests, benchmarks and hand-built batches. Rows form groups of n in order."""
+    lengths = np.asarray(response_lengths, dtype=np.int64)
+    seq = [np.asarray(t, dtype=np.int32) for t in sequences]
+    prompt = [t[:len(t) - r] for t, r in zip(seq, lengths.tolist())]
+    response = [t[len(t) - r:] for t, r in zip(seq, lengths.tolist())]
+    cat = lambda parts, dtype: np.concatenate([np.asarray(p, dtype=dtype) for p in parts]) if parts else np.zeros(0, dtype)
+    masks = loss_masks if loss_masks is not None else [np.ones(r, np.uint8) for r in lengths.tolist()]
+    groups = len(seq) // n
+    return RolloutBatch(group_ids=np.arange(groups, dtype=np.int64), n=n, prompt_tokens=cat(prompt, np.int32),
+                        prompt_lengths=np.array([len(p) for p in prompt], dtype=np.int64),
+                        response_tokens=cat(response, np.int32), response_lengths=lengths,
+                        rollout_logprobs=cat(rollout_logprobs, np.float32), weight_versions=cat(weight_versions, np.int32),
+                        loss_mask=cat(masks, np.uint8), truncated=np.zeros(len(seq), bool), ages=np.zeros(len(seq), np.int32),
+                        labels=tuple(labels) if labels is not None else (None,) * groups,
+                        advantages=None if advantages is None else np.asarray(advantages, np.float32).reshape(-1))
+
+
+def select_groups(batch: RolloutBatch, groups) -> RolloutBatch:
+    """The batch restricted to some of its groups (in the given order)."""
+    groups = np.asarray(groups, dtype=np.int64)
+    rows = (groups[:, None] * batch.n + np.arange(batch.n)).reshape(-1)
+
+    def take(flat, lengths):
+        starts = offsets(lengths)
+        index = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in rows.tolist()]) if len(rows) else []
+        return flat[np.asarray(index, dtype=np.int64)]
+
+    r_cols = {c: take(getattr(batch, c), batch.response_lengths)
+              for c in ("response_tokens", "rollout_logprobs", "weight_versions", "loss_mask")}
+    return replace(batch, group_ids=batch.group_ids[groups], prompt_tokens=take(batch.prompt_tokens, batch.prompt_lengths),
+                   prompt_lengths=batch.prompt_lengths[rows], response_lengths=batch.response_lengths[rows],
+                   truncated=batch.truncated[rows], ages=batch.ages[rows], labels=tuple(batch.labels[g] for g in groups),
+                   advantages=None if batch.advantages is None else batch.advantages[rows],
+                   samples=None if batch.samples is None else tuple(batch.samples[g] for g in groups), **r_cols)
+
+
+def to_samples(batch: RolloutBatch) -> list[list[Sample]]:
+    """One list of n new Samples per group (status COMPLETED or TRUNCATED, metadata {"age"})."""
+    prompts = split(batch.prompt_tokens, batch.prompt_lengths)
+    columns = [split(getattr(batch, c), batch.response_lengths)
+               for c in ("response_tokens", "rollout_logprobs", "weight_versions", "loss_mask")]
+    groups: list[list[Sample]] = []
+    for g, group_id in enumerate(batch.group_ids.tolist()):
+        group = []
+        for i in range(batch.n):
+            r = g * batch.n + i
+            tokens, logprobs, versions, mask = (c[r] for c in columns)
+            group.append(Sample(group_index=group_id, index=group_id * batch.n + i, prompt_tokens=prompts[r].tolist(),
+                                response_tokens=tokens.tolist(), rollout_logprobs=logprobs.tolist(),
+                                weight_versions=versions.tolist(),
+                                loss_mask=None if mask.all() else mask.tolist(), label=batch.labels[g],
+                                status=Status.TRUNCATED if batch.truncated[r] else Status.COMPLETED,
+                                metadata={"age": int(batch.ages[r])}))
+        groups.append(group)
+    return groups
+
+
+def label_of_rows(batch: RolloutBatch) -> list[Any]:
+    """labels[R]: each row's group label."""
+    return [label for label in batch.labels for _ in range(batch.n)]
