@@ -29,12 +29,13 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # the SeaweedFS launcher (test scaffolding)
 
 from infra.checkpoint import (MAX_OBJECT_BYTES, CheckpointState, plan_objects, checkpoint_name,  # noqa: E402
                               load_checkpoint, save_checkpoint)
-from infra.seaweed import SeaweedS3  # noqa: E402
 from infra.storage import open_store  # noqa: E402
 from infra.train_state import flatten_optimizer_state  # noqa: E402
+from seaweed_server import SeaweedS3  # noqa: E402
 
 log = logging.getLogger("bench.checkpoint")
 

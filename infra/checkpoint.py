@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from infra import tensor_codec as codec
-from infra.faults import maybe_kill
+from infra.hooks import hook_point
 from infra.storage import ObjectInfo, ObjectMissing, Store
 
 log = logging.getLogger("spillover.checkpoint")
@@ -186,7 +186,7 @@ def save_checkpoint(store: Store, state: CheckpointState, keep: int | None = Non
     infos: dict[str, ObjectInfo] = _run_all(
         {key: (store.put_buffers, f"{name}/{key}", bufs) for key, bufs in objects.items()},
         workers or _auto_workers(store, total))
-    maybe_kill("checkpoint_manifest", state.iteration)  # crash tests: every object written, no manifest yet
+    hook_point("checkpoint_manifest", state.iteration)  # crash tests: every object written, no manifest yet
     manifest = {"format": FORMAT, "iteration": state.iteration, "created_unix": time.time(), "groups": groups,
                 "meta": META, "objects": {k: {"size": i.size, "sha256": i.sha256} for k, i in infos.items()}}
     store.put_bytes(f"{name}/{MANIFEST}", _manifest_json(manifest))

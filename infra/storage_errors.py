@@ -1,4 +1,5 @@
-"""Storage error classification, redaction of credentials, and retry with backoff under a deadline.
+"""Storage error classification, redaction of credentials, and retry with backoff under a deadline
+(tenacity, with this module's classification of which errors are transient).
 
 Kept apart from infra/storage.py so the policy (what is transient, what is secret) reads in one place.
 """
@@ -8,8 +9,10 @@ import errno
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, TypeVar
+
+import tenacity
 
 log = logging.getLogger("spillover.storage")
 T = TypeVar("T")
@@ -117,16 +120,17 @@ def describe(exc: BaseException, redact: Redactor) -> str:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff (with +-25% jitter) on transient errors until `deadline_s` has passed in all."""
+    """Exponential backoff (with +-25% jitter) on transient errors until `deadline_s` has passed in all.
+    `sleep` and `clock` are injectable (tests pass a fake clock that the fake sleep advances)."""
     deadline_s: float = 120.0
     first_backoff_s: float = 0.2
     max_backoff_s: float = 5.0
+    sleep: Callable[[float], None] = field(default=time.sleep, repr=False, compare=False)
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
 
-    def backoffs(self) -> Iterable[float]:
-        delay = self.first_backoff_s
-        while True:
-            yield delay * random.uniform(0.75, 1.25)
-            delay = min(delay * 2, self.max_backoff_s)
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number `attempt` (1-based), before jitter."""
+        return min(self.first_backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
 
 
 @dataclass(frozen=True)
@@ -137,35 +141,46 @@ class Fixes:
     other: str | None = None  # for other non-transient errors (e.g. a local directory that cannot be made)
 
 
+def _final_error(exc: BaseException, *, what: str, url: str, redact: Redactor, fixes: Fixes, attempts: int,
+                 elapsed_s: float) -> StorageError:
+    """The StorageError subclass a failed call ends in; its message names `what`, `url` and the fix."""
+    detail = describe(exc, redact)
+    if is_auth_error(exc):
+        return StorageAuthError(f"{what} {url} was refused: {detail}. Fix: {fixes.auth}")
+    if any(isinstance(e, FileNotFoundError) for e in _chain(exc)):
+        return ObjectMissing(f"{what} {url} failed, it does not exist: {detail}")
+    if not is_transient(exc):
+        fix = f". Fix: {fixes.other}" if fixes.other else ""
+        return StorageError(f"{what} {url} failed: {detail}{fix}")
+    return StorageUnreachable(f"{what} {url} kept failing for {elapsed_s:.1f} s ({attempts} attempts): {detail}. "
+                              f"Fix: {fixes.unreachable}")
+
+
 def with_retries(fn: Callable[[], T], *, what: str, url: str, policy: RetryPolicy, redact: Redactor,
                  fixes: Fixes) -> T:
-    """Run `fn` until it succeeds, a non-transient error occurs, or the deadline passes.
+    """Run `fn` until it succeeds, a non-transient error occurs, or the deadline passes (tenacity).
 
     Errors become StorageError subclasses whose message names `what`, `url` and the fix, with credentials
     redacted and no chained original (its text may carry request details).
     """
-    start = time.monotonic()
-    attempt = 0
-    for delay in policy.backoffs():
-        attempt += 1
-        try:
-            return fn()
-        except Exception as exc:  # noqa: BLE001 - classified below
-            detail = describe(exc, redact)
-            if is_auth_error(exc):
-                raise StorageAuthError(f"{what} {url} was refused: {detail}. Fix: {fixes.auth}") from None
-            if any(isinstance(e, FileNotFoundError) for e in _chain(exc)):
-                raise ObjectMissing(f"{what} {url} failed, it does not exist: {detail}") from None
-            if not is_transient(exc):
-                fix = f". Fix: {fixes.other}" if fixes.other else ""
-                raise StorageError(f"{what} {url} failed: {detail}{fix}") from None
-            left = policy.deadline_s - (time.monotonic() - start)
-            if left <= 0:
-                raise StorageUnreachable(
-                    f"{what} {url} kept failing for {time.monotonic() - start:.1f} s ({attempt} attempts): "
-                    f"{detail}. Fix: {fixes.unreachable}") from None
-            delay = min(delay, left)
-            log.warning("storage: %s %s failed (attempt %d: %s); retrying in %.2f s", what, url, attempt,
-                        detail, delay)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
+    start = policy.clock()
+
+    def left_s() -> float:
+        return policy.deadline_s - (policy.clock() - start)
+
+    def wait(state: tenacity.RetryCallState) -> float:
+        return min(policy.backoff(state.attempt_number) * random.uniform(0.75, 1.25), max(left_s(), 0.0))
+
+    def log_retry(state: tenacity.RetryCallState) -> None:
+        log.warning("storage: %s %s failed (attempt %d: %s); retrying in %.2f s", what, url, state.attempt_number,
+                    describe(state.outcome.exception(), redact), state.next_action.sleep)
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(is_transient), stop=lambda _state: left_s() <= 0, wait=wait,
+        sleep=policy.sleep, before_sleep=log_retry, reraise=True)
+    try:
+        return retrying(fn)
+    except Exception as exc:  # noqa: BLE001 - classified by _final_error
+        raise _final_error(exc, what=what, url=url, redact=redact, fixes=fixes,
+                           attempts=retrying.statistics.get("attempt_number", 1),
+                           elapsed_s=policy.clock() - start) from None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from infra.config import StorageConfig
-from infra.seaweed import SeaweedS3
+from seaweed_server import SeaweedS3
 
 
 @pytest.fixture(scope="session")

@@ -88,7 +88,7 @@ def test_bad_prompt_file_exits_2_naming_the_line(lines, expected, prefect_harnes
 
 
 def test_unreachable_storage_at_start_exits_2_with_the_fix(prefect_harness, tmp_path):  # noqa: F811
-    from infra.seaweed import free_ports
+    from seaweed_server import free_ports
 
     endpoint = f"http://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
     code, err = train(tmp_path / "run", "storage.url=s3://spillover-test/run", f"storage.endpoint_url={endpoint}",

