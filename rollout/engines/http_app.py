@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from rollout.engines.protocol import (AbortRequest, GenerateRequest, UpdateWeightsFromDiskRequest,
+from rollout.engines.protocol import (AbortRequest, BadRequest, GenerateRequest, UpdateWeightsFromDiskRequest,
                                       new_rid)
 
 if TYPE_CHECKING:
@@ -51,8 +51,6 @@ async def wait_disconnect(request: Request) -> None:
 
 
 def build_app(server: "TorchEngineServer") -> FastAPI:
-    from rollout.engines.torch_server import BadRequest
-
     app = FastAPI(title="spillover torch engine", openapi_url=None)
     batcher = server.batcher
 

@@ -30,6 +30,10 @@ def _normalise_version(value: Any) -> Any:
     return value
 
 
+class BadRequest(ValueError):
+    """A request the engine refuses with HTTP 400; the message names the field and the fix."""
+
+
 class SamplingParams(BaseModel):
     """SGLang's sampling_params subset. temperature 0 = greedy; top_k -1 = off; top_p 1 = off."""
 

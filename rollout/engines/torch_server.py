@@ -23,7 +23,7 @@ import uvicorn
 
 from rollout.engines.batcher import ContinuousBatcher, EngineRequest
 from rollout.engines.lean_forward import LeanDecoder, read_safetensors, read_shape
-from rollout.engines.protocol import GenerateRequest, new_rid
+from rollout.engines.protocol import BadRequest, GenerateRequest, new_rid
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,10 +51,6 @@ def check_kv_cache_size(shape, slots: int, max_len: int, dtype: torch.dtype, lim
         raise ValueError(f"torch engine: the KV cache would take {size_gb:.1f} GiB ({slots} slots x {max_len} "
                          f"positions), over max_kv_cache_gb={limit_gb}: lower max_model_len or "
                          f"max_running_requests, or use the sglang backend for this model")
-
-
-class BadRequest(ValueError):
-    """A request the engine refuses with HTTP 400; the message names the field and the fix."""
 
 
 class TorchEngineServer:
