@@ -132,9 +132,20 @@ class GRPOConfig(_Section):
     clip_eps_high: float | None = Field(None, description="PPO clip range (high); empty = clip_eps.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference model.")
     kl_estimator: Literal["k3", "low_var_kl", "k1"] = Field("low_var_kl", description="KL estimator.")
+OFF_POLICY_NEEDS_OLD_LOGPROBS = ("masked_is", "decoupled")
+
+
     loss_agg: Literal["token_mean", "seq_mean"] = Field("token_mean", description="Loss aggregation.")
-    tis: bool = Field(True, description="Truncated importance sampling against rollout logprobs.")
-    tis_cap: float = Field(2.0, gt=0, description="C in min(exp(old - rollout), C).")
+    off_policy: Literal["none", "tis", "masked_is", "seq_reject", "decoupled"] = Field(
+        "tis", description="Correction for tokens the engine sampled from other weights than the learner's old "
+        "policy, by w = exp(old - rollout) per token: tis = loss x min(w, tis_cap); masked_is = tokens with "
+        "w > tis_cap leave the loss and its denominator, the rest weigh w; seq_reject = samples whose geometric "
+        "mean w lies outside [seq_reject_low, seq_reject_high] leave the loss; decoupled = PPO clipped against "
+        "the recomputed old (proximal) policy, times w (0 where w > tis_cap; AReaL); none.")
+    tis: bool = Field(True, description="The older switch, kept as an alias: false = off_policy none.")
+    tis_cap: float = Field(2.0, gt=0, description="Bound C on w: truncate (tis), drop (masked_is), zero (decoupled).")
+    seq_reject_low: float = Field(0.8, gt=0, le=1, description="seq_reject: lowest accepted geometric-mean w.")
+    seq_reject_high: float = Field(1.25, ge=1, description="seq_reject: highest accepted geometric-mean w.")
     skip_old_logprob: bool = Field(
         True, description="Take old logprobs from rollout logprobs when all tokens came from current weights.")
     reward_function_path: str = Field("rollout.toy_task.reward", description="Import path of the rule reward.")
@@ -152,6 +163,35 @@ class OptimizerConfig(_Section):
         "constant", description="Learning-rate schedule over decay_steps updates (then held at its end value).")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Decayed learning rate as a share of lr.")
     decay_steps: int | None = Field(None, ge=1, description="Optimizer steps to decay over; empty = "
+    @model_validator(mode="before")
+    @classmethod
+    def _off_policy_aliases(cls, data):
+        """grpo.tis=false (the older switch) means off_policy=none; masked_is and decoupled turn skip_old_logprob
+        off unless it was set (then it must be false)."""
+        if not isinstance(data, dict):
+            return data
+        data, mode = dict(data), data.get("off_policy")
+        if data.get("tis") is not None:
+            on = _truthy(data["tis"])
+            if on != (mode != "none") and mode is not None:
+                raise ValueError(f"grpo.tis={str(on).lower()} contradicts grpo.off_policy={mode}; drop grpo.tis "
+                                 "(grpo.tis=false is the older spelling of grpo.off_policy=none)")
+            data["tis"] = on
+            if not on:
+                data["off_policy"] = "none"
+        elif mode == "none":
+            data["tis"] = False
+        if data.get("off_policy") in OFF_POLICY_NEEDS_OLD_LOGPROBS:
+            if data.get("skip_old_logprob") is not None and _truthy(data["skip_old_logprob"]):
+                raise ValueError(f"grpo.off_policy={data['off_policy']} needs old logprobs recomputed by the learner "
+                                 "(it compares them with the rollout logprobs); set grpo.skip_old_logprob=false")
+            data["skip_old_logprob"] = False
+        return data
+
+
+def _truthy(value) -> bool:
+    return value if isinstance(value, bool) else str(value).strip().lower() not in ("false", "0", "no", "off")
+
                                        "schedule.num_iterations x grpo.num_steps_per_rollout.")
 
     def lr_at(self, step: int, default_steps: int) -> float:

@@ -1,5 +1,5 @@
-"""GRPO loss pieces as pure functions: advantages, KL estimators, clipped policy loss, TIS weights,
-loss aggregation. Shapes: G groups of n samples; B samples x T response tokens (right-padded, with a
+"""GRPO loss pieces as pure functions: advantages, KL estimators, clipped policy loss, off-policy
+corrections against the engine's rollout logprobs (grpo.off_policy), loss aggregation. Shapes: G groups of n samples; B samples x T response tokens (right-padded, with a
 0/1 `mask` marking the tokens that count).
 
 Everything here is stateless and unit-tested against hand-computed values; the learner composes it.
@@ -13,6 +13,7 @@ import torch
 
 KLEstimator = Literal["k1", "k3", "low_var_kl"]
 LossAgg = Literal["token_mean", "seq_mean"]
+OffPolicy = Literal["none", "tis", "masked_is", "seq_reject", "decoupled"]
 
 
 def group_advantages(rewards, eps: float = 1e-6, scale_by_std: bool = True) -> np.ndarray:
@@ -64,6 +65,91 @@ def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap:
     if cap <= 0:
         raise ValueError(f"grpo.tis_cap must be > 0; got {cap}")
     return torch.clamp(torch.exp(old_logprobs.detach() - rollout_logprobs.detach()), max=cap)
+
+
+def masked_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                      cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked importance sampling ([B, T] x 3) -> (weights[B, T], keep[B, T] as 0/1 float).
+
+    ratio = exp(old - rollout); a token whose ratio exceeds `cap` is dropped (keep = 0), so it leaves the
+    loss and its denominator (pass `keep` as the aggregation mask); kept tokens are weighted by their
+    untruncated ratio. verl's rollout IS "mask" mode and slime's MIS do the same (upper bound only here).
+    """
+    if cap <= 0:
+        raise ValueError(f"grpo.tis_cap must be > 0; got {cap}")
+    ratio = torch.exp(old_logprobs.detach() - rollout_logprobs.detach())
+    keep = mask.to(ratio.dtype) * (ratio <= cap).to(ratio.dtype)
+    return ratio * keep, keep
+
+
+def geometric_mean_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                         mask: torch.Tensor) -> torch.Tensor:
+    """Per-sample geometric mean of exp(old - rollout) over masked tokens: ([B, T] x 3) -> [B] (1 when empty).
+
+    exp(mean log-ratio) does not grow with the length the way the sequence product does.
+    """
+    mask = mask.to(old_logprobs.dtype)
+    log_ratio = (old_logprobs.detach() - rollout_logprobs.detach()) * mask
+    return torch.exp(log_ratio.sum(dim=1) / torch.clamp(mask.sum(dim=1), min=1.0))
+
+
+def sequence_rejection_mask(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                            low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence-level rejection by the geometric-mean ratio ([B, T] x 3) -> (keep[B, T], rejected[B] 0/1).
+
+    A sample whose geometric_mean_ratio lies outside [low, high] is dropped whole (every token's keep = 0,
+    so it leaves the loss and its denominators); accepted samples keep their mask and get no IS weight
+    (verl's "geometric" rejection sampling without token weights).
+    """
+    if not 0 < low <= 1.0 <= high:
+        raise ValueError(f"grpo.seq_reject_low/high must satisfy 0 < low <= 1 <= high; got {low}, {high}")
+    mask = mask.to(old_logprobs.dtype)
+    ratio = geometric_mean_ratio(old_logprobs, rollout_logprobs, mask)
+    rejected = ((ratio < low) | (ratio > high)) & (mask.sum(dim=1) > 0)
+    return mask * (~rejected).to(mask.dtype).unsqueeze(1), rejected.to(mask.dtype)
+
+
+def behaviour_weights(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Decoupled PPO's behaviour importance weight ([B, T], [B, T]) -> [B, T] = exp(prox - behav), and 0 where
+    it exceeds `cap`: such tokens add nothing but stay in the denominator (AReaL's behav_imp_weight_cap
+    filters the same way rather than truncating)."""
+    if cap <= 0:
+        raise ValueError(f"grpo.tis_cap must be > 0; got {cap}")
+    weight = torch.exp(prox_logprobs.detach() - behav_logprobs.detach())
+    return torch.where(weight <= cap, weight, torch.zeros_like(weight))
+
+
+def decoupled_ppo_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
+                       advantages: torch.Tensor, clip_eps: float, clip_eps_high: float | None,
+                       cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO objective per token (Hilton et al. 2021; AReaL) -> (loss[B, T], clipped[B, T]).
+
+    prox = the learner's recomputed old logprobs (trust region), behav = the engine's rollout logprobs
+    (who sampled): loss = behaviour_weights(prox, behav, cap) * clipped surrogate of pi / pi_prox.
+    """
+    loss, clipped = clipped_policy_loss(logprobs, prox_logprobs, advantages, clip_eps, clip_eps_high)
+    return loss * behaviour_weights(prox_logprobs, behav_logprobs, cap), clipped
+
+
+def off_policy_correction(mode: OffPolicy, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                          mask: torch.Tensor, cap: float, low: float = 0.5,
+                          high: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """grpo.off_policy as (weights[B, T], keep[B, T]) from ([B, T] x 3): the per-token loss of
+    clipped_policy_loss(logp, old, A) is multiplied by `weights` and aggregated over `keep` (mask minus what
+    the correction drops). With old = prox this is decoupled_ppo_loss for mode "decoupled"."""
+    mask = mask.to(old_logprobs.dtype)
+    if mode == "none":
+        return torch.ones_like(mask), mask
+    if mode == "tis":
+        return tis_weights(old_logprobs, rollout_logprobs, cap), mask
+    if mode == "masked_is":
+        return masked_is_weights(old_logprobs, rollout_logprobs, mask, cap)
+    if mode == "seq_reject":
+        keep, _ = sequence_rejection_mask(old_logprobs, rollout_logprobs, mask, low, high)
+        return torch.ones_like(mask), keep
+    if mode == "decoupled":
+        return behaviour_weights(old_logprobs, rollout_logprobs, cap), mask
+    raise ValueError(f"grpo.off_policy must be one of none, tis, masked_is, seq_reject, decoupled; got {mode!r}")
 
 
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

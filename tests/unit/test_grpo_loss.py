@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.grpo_loss import (aggregate, clipped_policy_loss, entropy_from_logits, group_advantages, kl_penalty,
-                             masked_mean, tis_weights, token_logprobs)
+from infra.config import ConfigError, GRPOConfig, build_config
+from tasks.grpo_loss import (aggregate, behaviour_weights, clipped_policy_loss, decoupled_ppo_loss,
+                             entropy_from_logits, geometric_mean_ratio, group_advantages, kl_penalty, masked_is_weights,
+                             masked_mean, off_policy_correction, sequence_rejection_mask, tis_weights, token_logprobs)
 
 T = torch.tensor
 
@@ -63,6 +65,81 @@ def test_tis_weights_truncate_and_detach():
     assert not w.requires_grad
     with pytest.raises(ValueError, match="tis_cap"):
         tis_weights(old, rollout, cap=0.0)
+
+
+# ----- other off-policy corrections (grpo.off_policy) -----
+def test_masked_is_drops_tokens_over_the_cap_from_loss_and_denominator():
+    old, rollout = T([[0.0, 0.0, 0.0, 0.0]]), T([[0.0, -1.0, 1.0, -1.0]])  # ratios 1, e, 1/e, e
+    mask = T([[1.0, 1.0, 1.0, 0.0]])
+    weights, keep = masked_is_weights(old, rollout, mask, cap=2.0)
+    assert keep.tolist() == [[1.0, 0.0, 1.0, 0.0]]  # e > 2 dropped; the last token was never in the loss
+    np.testing.assert_allclose(weights.numpy(), [[1.0, 0.0, math.exp(-1.0), 0.0]], rtol=1e-6)  # kept: untruncated
+    # token_mean over keep: (1 * 1 + 3 * e^-1) / 2 tokens, not / 3
+    loss = aggregate(T([[1.0, 2.0, 3.0, 4.0]]) * weights, keep, "token_mean")
+    assert loss.item() == pytest.approx((1.0 + 3.0 * math.exp(-1.0)) / 2, rel=1e-6)
+
+
+def test_geometric_mean_ratio_and_sequence_rejection():
+    old = T([[0.0, 0.0, 0.0], [-1.0, -1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    rollout = T([[-0.1, -0.1, -0.1], [0.0, 0.0, 5.0], [-0.3, -0.3, 0.0], [9.0, 9.0, 9.0]])
+    mask = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    # mean log-ratios over the mask: 0.1, -1, 0.3, none (-> ratio 1)
+    np.testing.assert_allclose(geometric_mean_ratio(old, rollout, mask).numpy(),
+                               [math.exp(0.1), math.exp(-1.0), math.exp(0.3), 1.0], rtol=1e-6)
+    keep, rejected = sequence_rejection_mask(old, rollout, mask, low=0.8, high=1.25)
+    assert rejected.tolist() == [0.0, 1.0, 1.0, 0.0]  # 1.105 in, 0.368 below, 1.350 above, empty never
+    assert keep.tolist() == [[1.0, 1.0, 1.0], [0.0] * 3, [0.0] * 3, [0.0] * 3]
+    with pytest.raises(ValueError, match="seq_reject_low"):
+        sequence_rejection_mask(old, rollout, mask, low=1.1, high=1.25)
+
+
+def test_decoupled_ppo_weights_behaviour_and_clips_against_the_proximal_policy():
+    prox, behav = T([[0.0, 0.0, 0.0]]), T([[-0.5, -1.0, 0.2]])  # behaviour weights e^0.5, e^1 (> cap), e^-0.2
+    np.testing.assert_allclose(behaviour_weights(prox, behav, cap=2.0).numpy(),
+                               [[math.exp(0.5), 0.0, math.exp(-0.2)]], rtol=1e-6)
+    logp = (prox + torch.log(T([[1.5, 1.5, 0.9]]))).requires_grad_(True)  # pi / pi_prox = 1.5, 1.5, 0.9
+    loss, clipped = decoupled_ppo_loss(logp, prox, behav, T([[1.0]]), clip_eps=0.2, clip_eps_high=None, cap=2.0)
+    # A = 1: ratio 1.5 clipped to 1.2 -> -1.2 * e^0.5; the second token's weight is 0; 0.9 unclipped -> -0.9 e^-0.2
+    np.testing.assert_allclose(loss.detach().numpy(), [[-1.2 * math.exp(0.5), 0.0, -0.9 * math.exp(-0.2)]],
+                               rtol=1e-6)
+    assert clipped.tolist() == [[1.0, 1.0, 0.0]]
+    loss.sum().backward()
+    np.testing.assert_allclose(logp.grad.numpy(), [[0.0, 0.0, -0.9 * math.exp(-0.2)]], rtol=1e-6)
+    # the learner's composition: clipped_policy_loss x the "decoupled" correction's weights
+    weights, keep = off_policy_correction("decoupled", prox, behav, T([[1.0, 1.0, 1.0]]), cap=2.0)
+    plain, _ = clipped_policy_loss(logp.detach(), prox, T([[1.0]]), clip_eps=0.2)
+    torch.testing.assert_close(plain * weights, loss.detach())
+    assert keep.tolist() == [[1.0, 1.0, 1.0]]  # AReaL: zero-weight tokens stay in the denominator
+
+
+def test_off_policy_correction_modes():
+    old, rollout, mask = T([[0.0, 0.0]]), T([[-1.0, 0.0]]), T([[1.0, 1.0]])  # ratios e, 1; geometric e^0.5
+    cases = {"none": ([1.0, 1.0], [1.0, 1.0]), "tis": ([2.0, 1.0], [1.0, 1.0]),
+             "masked_is": ([0.0, 1.0], [0.0, 1.0]), "seq_reject": ([1.0, 1.0], [0.0, 0.0]),
+             "decoupled": ([0.0, 1.0], [1.0, 1.0])}
+    for mode, (weights, keep) in cases.items():
+        w, k = off_policy_correction(mode, old, rollout, mask, cap=2.0, low=0.8, high=1.25)
+        np.testing.assert_allclose(w.numpy(), [weights], rtol=1e-6, err_msg=mode)
+        assert k.tolist() == [keep], mode
+    with pytest.raises(ValueError, match="grpo.off_policy"):
+        off_policy_correction("icepop", old, rollout, mask, cap=2.0)
+
+
+def test_off_policy_config_and_the_tis_alias():
+    assert GRPOConfig().off_policy == "tis" and GRPOConfig().skip_old_logprob  # today's default
+    assert GRPOConfig(tis=False).off_policy == "none" and GRPOConfig(tis=True).off_policy == "tis"
+    assert GRPOConfig(tis=True, off_policy="seq_reject").off_policy == "seq_reject"
+    assert build_config(overrides=["grpo.tis=false"]).grpo.off_policy == "none"
+    assert not GRPOConfig(off_policy="none").tis
+    for mode in ("masked_is", "decoupled"):  # they need the learner's own old logprobs
+        assert not GRPOConfig(off_policy=mode).skip_old_logprob
+        with pytest.raises(ConfigError, match="skip_old_logprob=false"):
+            build_config(overrides=[f"grpo.off_policy={mode}", "grpo.skip_old_logprob=true"])
+    assert GRPOConfig(off_policy="seq_reject").skip_old_logprob
+    with pytest.raises(ConfigError, match="contradicts grpo.off_policy=masked_is"):
+        build_config(overrides=["grpo.tis=false", "grpo.off_policy=masked_is"])
+    cfg = GRPOConfig(off_policy="masked_is")
+    assert GRPOConfig.model_validate(cfg.model_dump()) == cfg  # a dumped config (checkpoint, UI) loads back
 
 
 # ----- policy loss -----
