@@ -123,6 +123,9 @@ class RolloutConfig(_Section):
         return self
 
 
+OFF_POLICY_NEEDS_OLD_LOGPROBS = ("masked_is", "decoupled")
+
+
 class GRPOConfig(_Section):
     micro_batch_size: int = Field(32, ge=1, description="Samples per forward/backward pass.")
     num_steps_per_rollout: int = Field(
@@ -132,9 +135,6 @@ class GRPOConfig(_Section):
     clip_eps_high: float | None = Field(None, description="PPO clip range (high); empty = clip_eps.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference model.")
     kl_estimator: Literal["k3", "low_var_kl", "k1"] = Field("low_var_kl", description="KL estimator.")
-OFF_POLICY_NEEDS_OLD_LOGPROBS = ("masked_is", "decoupled")
-
-
     loss_agg: Literal["token_mean", "seq_mean"] = Field("token_mean", description="Loss aggregation.")
     off_policy: Literal["none", "tis", "masked_is", "seq_reject", "decoupled"] = Field(
         "tis", description="Correction for tokens the engine sampled from other weights than the learner's old "
@@ -147,22 +147,13 @@ OFF_POLICY_NEEDS_OLD_LOGPROBS = ("masked_is", "decoupled")
     seq_reject_low: float = Field(0.8, gt=0, le=1, description="seq_reject: lowest accepted geometric-mean w.")
     seq_reject_high: float = Field(1.25, ge=1, description="seq_reject: highest accepted geometric-mean w.")
     skip_old_logprob: bool = Field(
-        True, description="Take old logprobs from rollout logprobs when all tokens came from current weights.")
+        True, description="Take old logprobs from rollout logprobs when all tokens came from current weights "
+        "(off for masked_is and decoupled: they compare the learner's own old logprobs with the rollout's).")
     reward_function_path: str = Field("rollout.toy_task.reward", description="Import path of the rule reward.")
     reward_model_path: str | None = Field(None, description="HF sequence classifier scoring prompt+response.")
     rule_reward_weight: float = Field(1.0, description="Weight of the rule reward in the total.")
     reward_model_weight: float = Field(0.0, description="Weight of the reward model score in the total.")
 
-
-class OptimizerConfig(_Section):
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
-    lr_decay: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="Learning-rate schedule over decay_steps updates (then held at its end value).")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Decayed learning rate as a share of lr.")
-    decay_steps: int | None = Field(None, ge=1, description="Optimizer steps to decay over; empty = "
     @model_validator(mode="before")
     @classmethod
     def _off_policy_aliases(cls, data):
@@ -192,6 +183,16 @@ class OptimizerConfig(_Section):
 def _truthy(value) -> bool:
     return value if isinstance(value, bool) else str(value).strip().lower() not in ("false", "0", "no", "off")
 
+
+class OptimizerConfig(_Section):
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    lr_decay: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning-rate schedule over decay_steps updates (then held at its end value).")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Decayed learning rate as a share of lr.")
+    decay_steps: int | None = Field(None, ge=1, description="Optimizer steps to decay over; empty = "
                                        "schedule.num_iterations x grpo.num_steps_per_rollout.")
 
     def lr_at(self, step: int, default_steps: int) -> float:
