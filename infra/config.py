@@ -73,9 +73,13 @@ class RolloutConfig(_Section):
         2, description="Partial rollout: a response is generated in up to max_split rounds of "
         "max_tokens // max_split tokens. 1 = plain GRPO (no partial rollout).")
     max_age: int | None = Field(
-        None, description="Most iterations a row may be carried over; empty = max_split (async: at least 2).")
+        None, description="Most iterations a row may be carried over; empty = max_split (async mode or "
+        "over_sampling_groups: at least 2).")
     require_max_age_all_finished: bool = Field(
-        False, description="Hold the update until every row at max age has finished.")
+        True, description="The staleness bound, in sync and async mode: a batch waits until every prompt group at "
+        "max age has finished (a group's age counts the updates since its first token), so no trained token is more "
+        "than max_age - 1 weight versions old; with over-sampling, extra groups start only when they can be trained "
+        "in time. false: off (rows may be carried up to max_split iterations and longer with over-sampling).")
     mode: Literal["sync", "async"] = Field("sync", description="sync: chunked rounds; async: stop signal + abort.")
     async_check_steps: int = Field(20, ge=1, description="Async mode: engine steps between stop checks.")
     over_sampling_groups: int = Field(0, ge=0, description="Extra groups dispatched beyond GBS (APRIL).")
@@ -96,10 +100,15 @@ class RolloutConfig(_Section):
 
     @property
     def effective_max_age(self) -> int:
-        """max_age, else max_split; async mode carries aborted rows at least once (APRIL over-sampling)."""
+        """max_age, else max_split; async mode and over-sampling carry unfinished groups at least once (APRIL)."""
         if self.max_age is not None:
             return self.max_age
-        return max(2, self.max_split) if self.mode == "async" else self.max_split
+        return max(2, self.max_split) if self.mode == "async" or self.over_sampling_groups else self.max_split
+
+    @property
+    def staleness_bounded(self) -> bool:
+        """Is the max-age bound on (rollout.dock_staleness)? The one place that decides it, for every mode."""
+        return self.require_max_age_all_finished
 
     @property
     def sft(self) -> bool:

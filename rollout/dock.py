@@ -10,8 +10,11 @@ Semantics follow MindSpeed-RL's GRPOTransferDock (see ../shared/DESIGN.md), with
 - Order is by key, not by moving data: a group's age is the largest age of its rows; rows go to
   generation and groups to training by (age descending, load order ascending).
 - The training batch is chosen once (`select_batch`) and every consumer reads that batch.
-- A row is "at max age" when its age >= max_age - 1 (MindSpeed: `age == max_age - 1`), i.e. it is in
-  its max_age-th iteration; `require_max_age_all_finished` holds generation until those rows finish.
+- Staleness bound (`require_max_age_all_finished`, on by default in both modes): ages are per group (every
+  row carries its group's age: the updates since the group's first token, as MindSpeed-RL); a batch forms
+  only when no group will ever be trained above age max_age - 1, and take_rows starts no more groups than
+  the next max_age batches can take (rollout.dock_staleness). A group "at max age" (age >= max_age - 1) is
+  in its max_age-th iteration; its rows are handed out first.
 - Over-sampling (slime's over_sampling_batch_size, APRIL): `over_sampling_groups` extra group slots on top of
   GBS (2*GBS with partial rollout). The first iteration loads every slot, later ones GBS; generation still
   stops at GBS ready groups, and the surplus -- untouched, partial (aborted rows keep their tokens) or even
@@ -31,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout import dock_export
+from rollout import dock_export, dock_staleness
 from rollout.dock_buffers import PagedColumns, TokenRows
 from rollout.dock_checks import (DockError, check_dock_sizes, check_in_flight, check_occupied, check_rows,
                                   parse_generation, parse_prompts)
@@ -76,7 +79,7 @@ class TransferDock:
         """From an infra.config.RolloutConfig."""
         return cls(rollout_cfg.global_batch_size, rollout_cfg.n_samples_per_prompt, rollout_cfg.max_split,
                    rollout_cfg.max_tokens, rollout_cfg.max_model_len, eos_token_ids, rollout_cfg.effective_max_age,
-                   rollout_cfg.require_max_age_all_finished, rollout_cfg.over_sampling_groups)
+                   rollout_cfg.staleness_bounded, rollout_cfg.over_sampling_groups)
 
     # ---- derived views -------------------------------------------------------------------------
     @property
@@ -89,6 +92,11 @@ class TransferDock:
 
     def _group_age(self) -> np.ndarray:
         return self.age.reshape(self.capacity_groups, self.n).max(axis=1)
+
+    def _started_groups(self) -> np.ndarray:
+        """bool[G]: occupied and holding a response token or a complete row (the group's age clock runs)."""
+        held = (self.responses.length > 0) | self.complete
+        return (self.group_ids >= 0) & held.reshape(self.capacity_groups, self.n).any(axis=1)
 
     def _ready_groups(self) -> np.ndarray:
         """bool[G]: occupied and all n rows complete."""
@@ -140,10 +148,18 @@ class TransferDock:
 
     # ---- generation ----------------------------------------------------------------------------
     def take_rows(self, limit: int | None = None) -> np.ndarray:
-        """Rows to generate (not complete, not in flight), carried-over/oldest first; marks them in flight."""
+        """Rows to generate (not complete, not in flight), carried-over/oldest first; marks them in flight.
+        With the staleness bound (outside drain mode), rows of groups that may not start yet stay back."""
         if limit is not None and limit < 0:
             raise ValueError(f"take_rows: limit must be >= 0 or None; got {limit}")
-        waiting = np.flatnonzero(self._occupied_rows() & ~self.complete & ~self.in_flight)
+        waiting = self._occupied_rows() & ~self.complete & ~self.in_flight
+        if self.require_max_age_all_finished and not self.drain:
+            active = self._started_groups() | self.in_flight.reshape(self.capacity_groups, self.n).any(axis=1)
+            fresh = np.flatnonzero((self.group_ids >= 0) & ~active)
+            held_back = fresh[self._oldest_first(fresh)][dock_staleness.fresh_groups_allowed(
+                int(active.sum()), self.max_age, self.gbs):]
+            waiting[(held_back[:, None] * self.n + np.arange(self.n)).reshape(-1)] = False
+        waiting = np.flatnonzero(waiting)
         rows = waiting[self._oldest_first(waiting // self.n)][:limit]
         self.in_flight[rows] = True
         return rows
@@ -214,15 +230,18 @@ class TransferDock:
         return bool(occupied.any()) and bool(self.complete[occupied].all())
 
     def update_ready(self) -> bool:
-        """May generation stop? >= gbs ready groups (+ max-age rule); in drain mode: every loaded row complete."""
+        """May generation stop? >= gbs ready groups (+ the staleness bound, by group: see rollout.dock_staleness);
+        in drain mode: every loaded row complete."""
         if self.drain:
             return self._all_loaded_complete()
-        if self.ready_group_count() < self.gbs:
+        ready = np.flatnonzero(self._ready_groups())
+        if len(ready) < self.gbs:
             return False
-        if self.require_max_age_all_finished:
-            at_max_age = self._occupied_rows() & (self.age >= self.max_age - 1)
-            return bool(self.complete[at_max_age].all())
-        return True
+        if not self.require_max_age_all_finished:
+            return True
+        ages = self._group_age()
+        batch = ready[self._oldest_first(ready)][:self.gbs]  # what select_batch would take
+        return dock_staleness.staleness_bound_met(ages[self._started_groups()], ages[batch], self.max_age, self.gbs)
 
     def select_batch(self) -> np.ndarray:
         """Choose the training batch once: gbs ready groups, oldest first; -> group slots (same until clear())."""
@@ -271,7 +290,8 @@ class TransferDock:
         self.rounds[rows] = 0
         self.prompts.free(batch)
         self.responses.free(rows)
-        self.age[self._occupied_rows() & self.generated] += 1
+        carried = np.repeat(self._started_groups(), self.n)  # a group ages as one: its rows take its age
+        self.age[carried] = np.repeat(self._group_age() + 1, self.n)[carried]
         self.batch, self._batch_arrays = None, None
         carried = self._occupied_rows() & self.generated
         return {"trained_groups": int(len(batch)), "carried_rows": int(carried.sum()),

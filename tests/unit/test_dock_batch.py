@@ -42,7 +42,7 @@ def test_select_batch_needs_gbs_ready_groups_and_consumers_need_a_batch():
             call()
 
 
-def test_clear_drops_batch_ages_generated_rows_and_orders_oldest_first():
+def test_clear_drops_batch_ages_started_groups_and_orders_oldest_first():
     dock = make_dock(gbs=1, n=2, max_split=4)
     load(dock, [0, 1])
     rows = dock.take_rows(limit=3)  # rows 0, 1, 2: group 1's row 3 is never generated
@@ -50,7 +50,7 @@ def test_clear_drops_batch_ages_generated_rows_and_orders_oldest_first():
     dock.select_batch()
     stats = dock.clear()
     assert stats["trained_groups"] == 1 and stats["carried_rows"] == 1 and stats["partial_rows"] == 1
-    assert dock.age[2:4].tolist() == [1, 0] and dock.age[:2].tolist() == [0, 0]
+    assert dock.age[2:4].tolist() == [1, 1] and dock.age[:2].tolist() == [0, 0]  # a group ages as one
     assert dock.group_ids.tolist() == [-1, 1] and dock.labels[0] is None
     load(dock, [2])  # slot 0, newer
     assert dock.group_order().tolist() == [1, 0]
