@@ -43,11 +43,17 @@ RUNTIME_DEFAULTS = {
 
 def apply_process_defaults() -> None:
     """Set the defaults above where the user has not set them (the in-memory database only when no
-    PREFECT_API_URL names a server, i.e. when Prefect will start an ephemeral one)."""
+    PREFECT_API_URL names a server, i.e. when Prefect will start an ephemeral one). Without PREFECT_API_URL,
+    the ephemeral server this process may start dies with it, even when it is SIGKILLed
+    (infra/prefect_server.py; importing Prefect's server module costs ~1-2 s, which a flow run pays anyway)."""
     chosen = {"PREFECT_API_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL"}
     ephemeral = {} if chosen & set(os.environ) else EPHEMERAL_SERVER_DEFAULTS
     for key, value in {**PREFECT_SERVER_DEFAULTS, **ephemeral, **RUNTIME_DEFAULTS}.items():
         os.environ.setdefault(key, value)
+    if "PREFECT_API_URL" not in os.environ:
+        from infra import prefect_server
+
+        prefect_server.install()
 
 
 def writes_never_collide() -> bool:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from infra.fate_share import fate_shared
+
 log = logging.getLogger(__name__)
 
 
@@ -40,6 +42,13 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
         proc.wait(timeout=timeout_s)
 
 
+def _parent_pid(proc_dir: Path) -> int | None:
+    try:
+        return int(proc_dir.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class Router:
     """A running sglang-router process. Build it with `Router.launch(...)`."""
 
@@ -51,7 +60,8 @@ class Router:
     def launch(cls, host: str = "127.0.0.1", port: int | None = None, policy: str = "round_robin",
                worker_urls: list[str] | None = None, timeout_s: float = 30.0,
                request_timeout_s: int = 3600, extra_args: list[str] | None = None) -> "Router":
-        """Start `python -m sglang_router.launch_router` bound to host (router and prometheus ports free)."""
+        """Start `python -m sglang_router.launch_router` bound to host (router and prometheus ports free). It dies
+        with this process, even a SIGKILLed one (infra/fate_share.py: `proc` is its small wrapper process)."""
         port = port or free_port(host)
         prom_port = free_port(host)
         log_file = Path(tempfile.mkstemp(prefix=f"sglang_router_{port}_", suffix=".log")[1])
@@ -60,8 +70,9 @@ class Router:
                "--request-timeout-secs", str(request_timeout_s), "--log-level", "warn",
                *(["--worker-urls", *worker_urls] if worker_urls else []), *(extra_args or [])]
         with open(log_file, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
+            env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+            proc = subprocess.Popen(fate_shared(cmd), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env)
         router = cls(f"http://{host}:{port}", proc, log_file)
         try:
             router._wait_ready(timeout_s)
@@ -71,6 +82,14 @@ class Router:
             router.stop()
             raise
         return router
+
+    @property
+    def pid(self) -> int | None:
+        """The router's own pid (self.proc may be its wrapper, infra/fate_share.py); None when not ours."""
+        if self.proc is None:
+            return None
+        children = [p for p in Path("/proc").glob("[0-9]*") if _parent_pid(p) == self.proc.pid]
+        return int(children[0].name) if children else self.proc.pid
 
     @classmethod
     def connect(cls, url: str) -> "Router":

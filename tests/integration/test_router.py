@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 
 from rollout.engines.router import Router
+from run_processes import children_of
 
 
 def listening_addresses(pid: int) -> set[tuple[str, int]]:
@@ -37,7 +38,8 @@ def listening_addresses(pid: int) -> set[tuple[str, int]]:
 
 def test_router_binds_loopback_and_manages_workers(torch_engines):
     router = Router.launch(host="127.0.0.1")
-    pid = router.proc.pid
+    pid = router.pid
+    assert children_of(router.proc.pid) == [pid] != [router.proc.pid]  # router.proc is its wrapper (fate_share)
     try:
         addresses = listening_addresses(pid)
         assert len(addresses) >= 2, addresses  # the router and its prometheus port
