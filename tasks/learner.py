@@ -1,9 +1,10 @@
 """The learner: policy and reference models in Ray actors (one class; the reference is `trainable=False`).
 
 Both compute per-token logprobs of response tokens (log_softmax(logits / T), T = the sampler's
-temperature). The policy also runs the GRPO update: PPO-clipped loss against old logprobs, truncated
-importance sampling against the engine's rollout logprobs, optional KL to the reference, gradient
-accumulation over micro-batches, gradient clipping, AdamW; each update bumps `weight_version`.
+temperature). The policy also runs the GRPO update: PPO-clipped loss against old logprobs, an off-policy
+correction against the engine's rollout logprobs (grpo.off_policy), optional KL to the reference, gradient
+accumulation over micro-batches, gradient clipping, AdamW; each update bumps `weight_version` and reports
+off-policy metrics (tasks/offpolicy_metrics.py).
 
 The model stays in eval mode for the update too: dropout would make the loss's logprobs differ from
 the ones computed for old/ref logprobs (and break bitwise reproducibility on resume).
@@ -17,11 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infra.config import GRPOConfig, OptimizerConfig
+from infra.config import OFF_POLICY_NEEDS_OLD_LOGPROBS, GRPOConfig, OptimizerConfig
 from infra.models import load_causal_lm, load_tokenizer
 from tasks.batching import MicroBatch, RolloutBatch, check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
-from tasks.grpo_loss import (aggregate, clipped_policy_loss, entropy_from_logits, kl_penalty, tis_weights,
+from tasks.grpo_loss import (aggregate, clipped_policy_loss, entropy_from_logits, kl_penalty, off_policy_correction,
                              token_logprobs)
+from tasks.offpolicy_metrics import OffPolicyStats
 
 __all__ = ["LearnerActor", "create_learners"]
 STATE_FORMAT = 1
@@ -88,7 +90,7 @@ class LearnerActor:
             check_per_token("old_logprobs", old_logprobs, batch)
             return old_logprobs, "given"
         all_current = bool((batch.weight_versions == self._version).all())
-        if self.grpo.skip_old_logprob and all_current:
+        if self.grpo.skip_old_logprob and all_current and self.grpo.off_policy not in OFF_POLICY_NEEDS_OLD_LOGPROBS:
             return batch.rollout_logprobs, "rollout"
         return self.compute_logprobs(batch), "computed"
 
@@ -107,34 +109,52 @@ class LearnerActor:
             check_per_token("ref_logprobs", ref_logprobs, batch)
         old, old_source = self._old_logprobs(batch, old_logprobs)
         num_tokens = int(batch.loss_tokens.sum())
+        stats = OffPolicyStats(g.off_policy, self._version)  # mismatch: from old, else from step 0's forward
+        kept = self._off_policy_pass(batch, old, stats, measure_mismatch=old_source != "rollout")
         sums = dict.fromkeys(("pg_loss", "kl_loss", "loss", "clipped", "tis", "kl", "entropy", "stale", "ppo_kl",
                               "tis_max"), 0.0)
         steps = g.num_steps_per_rollout
         norms, stepped = [], []
         for k, chunk in enumerate(np.array_split(np.arange(len(batch)), steps)):
-            norm, did_step = self._step(batch, chunk.tolist(), old, ref_logprobs, sums, self._version * steps + k)
+            norm, did_step = self._step(batch, chunk.tolist(), old, ref_logprobs, sums, self._version * steps + k,
+                                        kept, stats if old_source == "rollout" and k == 0 else None)
             norms.append(norm)
             stepped.append(did_step)
         trained_on = self._version
         self._version += 1
-        tokens = float(max(num_tokens, 1))
+        tokens, trained = float(max(num_tokens, 1)), float(max(kept.sum(), 1))  # trained: what off_policy kept
         return {
             "loss": sums["loss"] / steps, "pg_loss": sums["pg_loss"] / steps, "kl_loss": sums["kl_loss"] / steps,
-            "kl": sums["kl"] / tokens, "clip_fraction": sums["clipped"] / tokens, "grad_norm": float(np.mean(norms)),
-            "tis_weight_mean": sums["tis"] / tokens, "tis_weight_max": sums["tis_max"],
-            "stale_token_share": sums["stale"] / tokens, "ppo_kl": sums["ppo_kl"] / tokens,
-            "entropy": sums["entropy"] / tokens, "old_logprob_source": old_source,
-            "num_samples": len(batch), "num_tokens": num_tokens,
+            "kl": sums["kl"] / trained, "clip_fraction": sums["clipped"] / trained, "grad_norm": float(np.mean(norms)),
+            "tis_weight_mean": sums["tis"] / trained, "tis_weight_max": sums["tis_max"],
+            "stale_token_share": sums["stale"] / tokens, "ppo_kl": sums["ppo_kl"] / trained,
+            "entropy": sums["entropy"] / trained, "old_logprob_source": old_source, **stats.metrics(),
+            "num_samples": len(batch), "num_tokens": num_tokens, "num_trained_tokens": int(kept.sum()),
             "stepped": all(stepped), "optimizer_steps": int(sum(stepped)),
             "trained_weight_version": trained_on, "weight_version": self._version,
             "update_s": time.perf_counter() - started, "lr": self.optimizer.param_groups[0]["lr"],
         }
 
+    def _off_policy_pass(self, batch: RolloutBatch, old: np.ndarray, stats: OffPolicyStats,
+                         measure_mismatch: bool) -> np.ndarray:
+        """Per row, the loss tokens grpo.off_policy keeps (the denominators) -> float[R]; fills `stats`."""
+        g, kept = self.grpo, np.zeros(len(batch))
+        for mb in self._micro_batches(batch):
+            old_mb = pad_per_token(old, batch, mb.indices, mb.loss_mask.size(1))
+            _, keep = off_policy_correction(g.off_policy, old_mb, mb.rollout_logprobs, mb.loss_mask, g.tis_cap,
+                                            g.seq_reject_low, g.seq_reject_high)
+            kept[mb.indices] = keep.sum(dim=1).numpy()
+            stats.add(mb.weight_versions, mb.loss_mask, old_mb, mb.rollout_logprobs, keep)
+            if measure_mismatch:
+                stats.add_mismatch(mb.weight_versions, mb.loss_mask, mb.rollout_logprobs, old_mb)
+        return kept
+
     def _step(self, batch: RolloutBatch, subset: list[int], old: np.ndarray, ref_logprobs: np.ndarray | None, sums: dict,
-              step: int) -> tuple[float, bool]:
-        """One AdamW step over the samples `subset`; adds its metric sums to `sums` -> (grad norm, stepped)."""
+              step: int, kept: np.ndarray, mismatch: OffPolicyStats | None = None) -> tuple[float, bool]:
+        """One AdamW step over the samples `subset`; adds its metric sums to `sums` -> (grad norm, stepped).
+        kept: _off_policy_pass's; mismatch: where to add the training-inference mismatch of this forward pass."""
         g = self.grpo
-        per_row = batch.loss_tokens[subset]
+        per_row = kept[subset]
         total_tokens, total_seqs = float(per_row.sum()), float((per_row > 0).sum())
         self.optimizer.zero_grad(set_to_none=True)
         for mb in self._micro_batches(batch, subset):
@@ -143,9 +163,10 @@ class LearnerActor:
             logp = token_logprobs(logits, targets, self.temperature)
             old_mb = pad_per_token(old, batch, mb.indices, mask.size(1)).to(self.device)
             pg, clipped = clipped_policy_loss(logp, old_mb, mb.advantages.to(self.device), g.clip_eps, g.clip_eps_high)
-            weights = torch.ones_like(pg)
-            if g.tis:
-                weights = tis_weights(old_mb, mb.rollout_logprobs.to(self.device), g.tis_cap)
+            weights, mask = off_policy_correction(g.off_policy, old_mb, mb.rollout_logprobs.to(self.device), mask,
+                                                  g.tis_cap, g.seq_reject_low, g.seq_reject_high)
+            if mismatch is not None:
+                mismatch.add_mismatch(mb.weight_versions, mb.loss_mask, mb.rollout_logprobs, logp.detach())
             pg_loss = aggregate(pg * weights, mask, g.loss_agg, total_tokens, total_seqs)
             loss = pg_loss
             if g.kl_coef > 0:

@@ -1,5 +1,7 @@
 """The learner on the tiny model: as Ray actors (real Ray), and in-process for determinism and the sign of
 the update."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,8 @@ from infra.config import GRPOConfig, OptimizerConfig, build_config
 from infra.models import load_causal_lm
 from rollout.batch import RolloutBatch, from_sequences, select_groups, split
 from tasks.learner import LearnerActor, create_learners
+from tasks.offpolicy_metrics import SCALAR_KEYS
+from tasks.update import LOGGED
 
 
 def make_batch(seed: int, n: int = 8, version: int = 0, advantages=None) -> RolloutBatch:
@@ -95,6 +99,51 @@ def test_old_logprob_source_and_stale_share(learners, ray_session):
     assert m["old_logprob_source"] == "computed" and m["stale_token_share"] == 1.0
     with pytest.raises(ray.exceptions.RayTaskError, match="needs ref_logprobs"):
         ray.get(policy.update.remote(stale, None, None))
+
+
+def test_off_policy_metrics_of_an_update_in_the_actor(learners, ray_session):
+    """The update's off-policy metrics, in the Ray actor, on a batch whose versions are set by hand: the longest
+    sample was started two versions ago and continued one version ago (a partial rollout), the rest are current."""
+    ray = ray_session
+    policy, ref = learners
+    while (version := ray.get(policy.weight_version.remote())) < 2:
+        ray.get(policy.update.remote(make_batch(60 + version, version=version), None,
+                                     ray.get(ref.compute_logprobs.remote(make_batch(60 + version, version=version)))))
+    batch = make_batch(50, version=version)
+    versions = batch.weight_versions.copy()
+    longest = int(np.argmax(batch.response_lengths))
+    start = int(batch.response_offsets[longest])
+    versions[start:start + 2] = [version - 2, version - 1]
+    batch = replace(batch, weight_versions=versions)
+    old, ref_lp = ray.get([policy.compute_logprobs.remote(batch), ref.compute_logprobs.remote(batch)])
+    m = ray.get(policy.update.remote(batch, old, ref_lp))
+    assert m["token_staleness_max"] == 2 and m["version_span_max"] == 2
+    assert m["masked_token_share"] == 0.0 and m["rejected_sequence_share"] == 0.0  # grpo.off_policy = tis
+    weights = np.exp(old.astype(np.float64) - batch.rollout_logprobs)
+    assert m["is_weight_p99"] == pytest.approx(np.percentile(weights, 99), rel=1e-4)
+    assert m["is_weight_p50"] <= m["is_weight_p90"] <= m["is_weight_p99"] <= m["is_weight_max"]
+    assert sum(m["is_weight_hist"]["counts"]) == len(batch.response_tokens) == m["num_trained_tokens"]
+    # mismatch: k3 of the engine's vs the learner's logprobs on the tokens of the current version only
+    current = versions == version
+    log_ratio = old[current].astype(np.float64) - batch.rollout_logprobs[current]
+    assert m["logprob_mismatch_tokens"] == int(current.sum()) == len(versions) - 2
+    assert m["logprob_mismatch_kl"] == pytest.approx(np.mean(np.exp(log_ratio) - log_ratio - 1), rel=1e-4)
+    assert set(SCALAR_KEYS) | {"is_weight_hist"} <= set(LOGGED) & set(m)  # the update task logs them
+
+
+def test_masked_is_drops_tokens_and_recomputes_old_logprobs(tiny_model_dir):
+    batch = make_batch(70)  # every token from the current weights: skip_old_logprob would take rollout logprobs
+    learner = _learner(tiny_model_dir, off_policy="masked_is", tis_cap=1.5)
+    old = learner.compute_logprobs(batch)  # the engine's logprobs off by up to e^1 either way:
+    shift = np.random.default_rng(71).uniform(-1.0, 1.0, len(old)).astype(np.float32)
+    batch = replace(batch, rollout_logprobs=old - shift)
+    over_cap = np.exp(old.astype(np.float64) - batch.rollout_logprobs) > 1.5
+    assert 0 < over_cap.sum() < len(over_cap)
+    m = learner.update(batch)
+    assert m["old_logprob_source"] == "computed"  # masked IS needs the learner's own old logprobs
+    assert m["masked_token_share"] == pytest.approx(over_cap.mean())
+    assert m["num_trained_tokens"] == len(over_cap) - over_cap.sum()
+    assert m["tis_weight_max"] <= 1.5
 
 
 def _learner(tiny_model_dir, **grpo):
