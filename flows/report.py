@@ -4,6 +4,7 @@ reward.png     reward over iterations (mean +- std, exact match, the prompt-inde
 lengths.png    response length distribution of trained samples by age (long tail, round cuts, max_tokens)
 carryover.png  rows carried over after each iteration, by age, and how many of them are partial
 task_time.png  time per task per iteration
+is_weights.png IS weights exp(old - rollout) of the trained tokens per iteration (histogram and quantiles)
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from infra.tracking import read_metrics
 
-PLOTS = ("reward", "lengths", "carryover", "task_time")
+PLOTS = ("reward", "lengths", "carryover", "task_time", "is_weights")
 TASK_ORDER = ["load_prompts", "generate_until_ready", "compute_reward", "compute_ref_logprob",
               "compute_old_logprob", "update", "clear_and_age_sort"]
 
@@ -133,6 +134,42 @@ def plot_task_time(rows: list[dict], path: Path) -> None:
     _save(fig, path)
 
 
+def plot_is_weights(rows: list[dict], path: Path) -> None:
+    """Left: each iteration's IS-weight histogram (fixed log-spaced bins) as a column, coloured by the share
+    of that iteration's tokens; right: the quantiles per iteration. Far from 1 = stale or mismatched tokens."""
+    from matplotlib.colors import LogNorm
+
+    plt = _pyplot()
+    hists = [(float(r["iteration"]), r["is_weight_hist"]) for r in rows if (r.get("is_weight_hist") or {}).get("counts")]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    if hists:
+        edges = np.asarray(hists[-1][1]["edges"], dtype=float)
+        its = np.array([it for it, _ in hists])
+        counts = np.array([h["counts"] for _, h in hists], dtype=float)  # [iterations, bins]
+        share = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
+        x = np.append(its - 0.5, its[-1] + 0.5)
+        mesh = left.pcolormesh(x, edges, np.ma.masked_equal(share.T, 0.0), norm=LogNorm(vmin=1e-4, vmax=1.0),
+                               cmap="viridis", shading="flat")
+        fig.colorbar(mesh, ax=left, label="share of trained tokens")
+        left.axhline(1.0, color="white", ls="--", lw=1)
+        left.set_yscale("log")
+        left.set(xlabel="iteration", ylabel="exp(old - rollout) (end bins hold the tails)",
+                 title="IS weight histogram per iteration")
+    else:
+        left.text(0.5, 0.5, "no IS-weight histograms recorded", ha="center", va="center")
+        left.set_axis_off()
+    its = _column(rows, "iteration")
+    for key, label in (("is_weight_p50", "p50"), ("is_weight_p90", "p90"), ("is_weight_p99", "p99"),
+                       ("is_weight_max", "max")):
+        if any(key in r for r in rows):
+            right.plot(its, _column(rows, key), marker="o", ms=3, label=label)
+    right.axhline(1.0, color="gray", ls=":", lw=1, label="on-policy (1)")
+    right.set_yscale("log")
+    right.set(xlabel="iteration", ylabel="IS weight", title="IS weight quantiles per iteration")
+    right.legend(fontsize=8)
+    _save(fig, path)
+
+
 def _save(fig, path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
@@ -145,7 +182,7 @@ def _save(fig, path: Path) -> None:
 
 
 def write_report(run_dir: str | Path) -> list[Path]:
-    """Write the four plots into run_dir/report/ and return their paths. FileNotFoundError: no metrics."""
+    """Write the plots (PLOTS) into run_dir/report/ and return their paths. FileNotFoundError: no metrics."""
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     if not rows:
@@ -160,6 +197,7 @@ def write_report(run_dir: str | Path) -> list[Path]:
     plot_lengths(rows, paths[1])
     plot_carryover(rows, paths[2])
     plot_task_time(rows, paths[3])
+    plot_is_weights(rows, paths[4])
     return paths
 
 

@@ -1,14 +1,17 @@
-"""`spillover report RUN_DIR`: four PNG plots from metrics.jsonl (with and without length histograms)."""
+"""`spillover report RUN_DIR`: the PNG plots from metrics.jsonl (with and without the length and IS-weight
+histograms)."""
 from __future__ import annotations
 
 import json
 
 import numpy as np
 import pytest
+import torch
 
 from flows.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from flows.report import PLOTS, report_markdown, write_report
 from infra.tracking import append_metrics, length_histogram
+from tasks.offpolicy_metrics import OffPolicyStats
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -27,12 +30,23 @@ def _rows(n: int, with_hist: bool = True) -> list[dict]:
                           "clear_and_age_sort": 0.01}}
         if with_hist:
             row["response_length_hist"] = length_histogram(lengths, ages, max_tokens=32, round_tokens=16)
+            row.update(_learner_off_policy_metrics(rng, it))
         rows.append(row)
     return rows
 
 
+def _learner_off_policy_metrics(rng, iteration: int) -> dict:
+    """What the learner's update returns (OffPolicyStats.metrics), for 64 x 8 tokens drifting apart."""
+    stats = OffPolicyStats("tis", current_version=iteration)
+    old = torch.from_numpy(rng.normal(-2.0, 0.5, (64, 8)))
+    rollout = old + torch.from_numpy(rng.normal(0.0, 0.1 + 0.1 * iteration, (64, 8)))
+    mask, versions = torch.ones(64, 8), torch.full((64, 8), iteration, dtype=torch.long)
+    stats.add(versions, mask, old, rollout, mask)
+    return json.loads(json.dumps(stats.metrics()))  # as read back from metrics.jsonl
+
+
 @pytest.mark.parametrize("with_hist", [True, False])
-def test_report_writes_four_pngs(tmp_path, with_hist):
+def test_report_writes_the_pngs(tmp_path, with_hist):
     for row in _rows(6, with_hist):
         append_metrics(tmp_path, row)
     (tmp_path / "summary.json").write_text(json.dumps({"iterations": 6, "prompt_independent_baseline": 0.37}))
@@ -41,7 +55,7 @@ def test_report_writes_four_pngs(tmp_path, with_hist):
     for p in paths:
         assert p.parent == tmp_path / "report" and p.read_bytes()[:8] == PNG and p.stat().st_size > 5000
     md = report_markdown(tmp_path, paths, {"iterations": 6, "reward_rise": 0.1})
-    assert md.count("data:image/png;base64,") == 4 and "| 6 | 0.1 |" in md
+    assert md.count("data:image/png;base64,") == len(PLOTS) == 5 and "| 6 | 0.1 |" in md
 
 
 def test_report_cli_exit_codes(tmp_path, capsys):
@@ -49,6 +63,6 @@ def test_report_cli_exit_codes(tmp_path, capsys):
     for row in _rows(2):
         append_metrics(tmp_path / "run", row)
     assert main(["report", str(tmp_path / "run")]) == EXIT_OK
-    assert capsys.readouterr().out.count(".png") == 4
+    assert capsys.readouterr().out.count(".png") == len(PLOTS)
     assert main(["report", str(tmp_path / "missing")]) == EXIT_BAD_INPUT
     assert "has no iterations" in capsys.readouterr().err
