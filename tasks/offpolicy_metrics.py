@@ -17,6 +17,8 @@ from tasks.grpo_loss import kl_penalty
 # weights beyond either end are counted in the end bins. Fixed, so histograms of iterations add up.
 IS_WEIGHT_BIN_EDGES: tuple[float, ...] = tuple(2.0 ** (k / 2) for k in range(-8, 9))
 IS_WEIGHT_QUANTILES = (50, 90, 99)
+SCALAR_KEYS = ("token_staleness_max", "version_span_max", "is_weight_p50", "is_weight_p90", "is_weight_p99",
+               "is_weight_max", "masked_token_share", "rejected_sequence_share", "logprob_mismatch_kl")
 
 
 def _policy_tokens(weight_versions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
