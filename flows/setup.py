@@ -1,22 +1,52 @@
-"""Build and tear down what a training run needs: Ray, model, prompts, dock, engines, learners."""
+"""Build and tear down what a training run needs: Ray, model, prompts, dock, engines, learners.
+
+The result is a `Run`: the long-lived parts, built once (from a checkpoint when resuming) and handed to the
+tasks piece by piece; no task replaces any of them.
+"""
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from infra.cluster import init_ray
 from infra.config import RunConfig
 from infra.imports import load_function
 from infra.models import load_tokenizer, resolve_model_path
 from rollout import toy_task
-from rollout.data_source import PromptCursor, read_prompts
+from rollout.context import EvalSets, RolloutContext
 from rollout.controller import RolloutController
+from rollout.data_source import PromptCursor, read_prompts
 from rollout.dock import TransferDock
-from tasks.run_state import RunState
+from tasks.reward import RewardSetup
 
 log = logging.getLogger(__name__)
 BUILTIN_TASK_REWARD = "rollout.toy_task.reward"
+RUN_CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class Run:
+    cfg: RunConfig
+    run_dir: Path
+    model_path: Path
+    dock: TransferDock
+    cursor: PromptCursor
+    controller: RolloutController
+    context: RolloutContext          # rollout functions' data_source (per iteration: context.for_iteration)
+    reward: RewardSetup
+    policy: Any                      # Ray actor handle (tasks.learner.LearnerActor)
+    ref: Any                         # Ray actor handle, or None (no KL)
+    engine: Any                      # rollout.manager.RolloutManager, or None
+    baseline: float | None = None    # the built-in task's prompt-independent baseline reward
+    owns_engine: bool = True         # False: handed in by the caller, who shuts it down
+    owns_learners: bool = True
+
+    @property
+    def prompts(self):
+        return self.context.prompts
 
 
 def prepare_data(cfg: RunConfig, run_dir: Path) -> Path:
@@ -24,9 +54,6 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> Path:
     if cfg.data.prompts_path:
         return Path(cfg.data.prompts_path)
     return toy_task.generate_dataset(run_dir / "data" / "train.jsonl", cfg.data.num_prompts, cfg.model.seed)
-
-
-RUN_CONFIG_FILE = "config.json"
 
 
 def save_run_config(cfg: RunConfig, run_dir: Path) -> None:
@@ -45,8 +72,17 @@ def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> 
     return build_config(json.loads(path.read_text()), list(overrides or []) + [f"run_dir={run_dir}"])
 
 
-def build_run(cfg: RunConfig, with_engines: bool = True) -> RunState:
-    """Everything the seven tasks need, in one explicit object. Fails early on bad config or input."""
+def needs_engines(cfg: RunConfig) -> bool:
+    """Engines generate; replayed debug data and SFT samples need them only for eval."""
+    return not cfg.schedule.debug_train_only and (not cfg.rollout.sft or bool(cfg.data.eval_paths))
+
+
+def build_run(cfg: RunConfig, saved=None, *, engine=None, learners=None, with_engines: bool = True) -> Run:
+    """Everything the tasks need. Fails early on bad config or input.
+
+    saved: an infra.checkpoint.CheckpointState to resume from (the dock and cursor come from it; weights are
+    restored by tasks.checkpoint.restore_weights). engine / learners=(policy, ref): parts started earlier
+    and reused (tests); the run does not shut them down."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     reward_fn = load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
@@ -64,38 +100,44 @@ def build_run(cfg: RunConfig, with_engines: bool = True) -> RunState:
     needed = cfg.schedule.num_iterations * cfg.rollout.global_batch_size
     if needed > len(prompts):
         log.warning("%d prompts for %d groups: the run goes over the data more than once", len(prompts), needed)
-    stop_ids = sorted({int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set())
-    cursor = PromptCursor(len(prompts), seed=cfg.model.seed, shuffle=cfg.data.shuffle)
-    dock = TransferDock.from_config(cfg.rollout, stop_ids)
-    # async mode: rows at max age must finish before a batch forms (the staleness bound)
-    dock.require_max_age_all_finished = cfg.rollout.require_max_age_all_finished or cfg.rollout.mode == "async"
-    init_ray(cfg.engines.ray_address)
-    from tasks.learner import create_learners
+    stop_ids = tuple(sorted({int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()))
+    if saved is not None:
+        from tasks.checkpoint import restore_dock_and_cursor
 
-    policy, ref = create_learners(model_path, cfg)
-    engine = None
-    # engines generate; replayed debug data and SFT samples need them only for eval
-    needs_engines = not cfg.schedule.debug_train_only and (not cfg.rollout.sft or bool(cfg.data.eval_paths))
-    if with_engines and needs_engines:
+        dock, cursor = restore_dock_and_cursor(saved)
+        dock.require_max_age_all_finished = cfg.rollout.staleness_bounded  # the config's rule, not the snapshot's
+    else:
+        dock = TransferDock.from_config(cfg.rollout, stop_ids)
+        cursor = PromptCursor(len(prompts), seed=cfg.model.seed, shuffle=cfg.data.shuffle)
+    init_ray(cfg.engines.ray_address)
+    owns_learners, owns_engine = learners is None, engine is None
+    if learners is None:
+        from tasks.learner import create_learners
+
+        learners = create_learners(model_path, cfg)
+    if engine is None and with_engines and needs_engines(cfg):
         from rollout.manager import RolloutManager
 
         engine = RolloutManager(cfg.engines, str(model_path))
-    run = RunState(cfg, run_dir, tokenizer, prompts, cursor, dock, engine, policy, ref, reward_fn, stop_ids)
-    run.controller = controller
-    run.model_path = model_path
-    run.exact_match_fn = toy_task.exact_match if cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD else None
-    run.baseline = (toy_task.prompt_independent_baseline(prompts.labels)[1]
-                    if run.exact_match_fn is not None else None)
-    return run
+    builtin = cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD
+    context = RolloutContext(dock=dock, engine=engine, tokenizer=tokenizer, prompts=prompts, cursor=cursor,
+                             stop_token_ids=stop_ids, reward_fn=reward_fn,
+                             eval_data=EvalSets(cfg, tokenizer) if cfg.data.eval_paths else None)
+    reward = RewardSetup(tokenizer, stop_ids, reward_fn, cfg.grpo.reward_function_path, cfg.grpo.rule_reward_weight,
+                         exact_match=toy_task.exact_match if builtin else None,
+                         prompt_texts=lambda ids: [prompts.texts[i] for i in cursor.dataset_indices(ids).tolist()])
+    return Run(cfg, run_dir, Path(model_path), dock, cursor, controller, context, reward, learners[0], learners[1],
+               engine, baseline=toy_task.prompt_independent_baseline(prompts.labels)[1] if builtin else None,
+               owns_engine=owns_engine, owns_learners=owns_learners)
 
 
-def shutdown_run(run: RunState | None) -> None:
+def shutdown_run(run: Run | None) -> None:
     import ray
 
     if run is None:
         return
-    if run.engine is not None:
+    if run.engine is not None and run.owns_engine:
         run.engine.shutdown()
-    for actor in (run.policy, run.ref):
+    for actor in (run.policy, run.ref) if run.owns_learners else ():
         if actor is not None:
             ray.kill(actor)

@@ -1,66 +1,100 @@
-"""The GRPO training flow: one Prefect subflow per iteration, seven tasks inside, reading like the algorithm."""
+"""The GRPO training flow: one Prefect subflow per iteration, its tasks reading like the algorithm.
+
+Each task takes the parts it needs and returns a small immutable result (tasks/results.py) that the
+iteration passes on as a local variable; the weight version travels the same way, from iteration to iteration.
+"""
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
+import numpy as np
 from prefect import flow
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+from prefect.utilities.annotations import quote
 
 from flows.run_lock import acquire_run_lock
-from flows.setup import build_run, shutdown_run
+from flows.setup import Run, build_run, shutdown_run
 from infra.config import RunConfig
 from infra.faults import maybe_kill
 from infra.gc_pauses import long_lived_heap_frozen
 from infra.prefect_artifacts import current_run_ids
 from infra.tracking import RunTracker
-from tasks.checkpoint import open_and_check, restore, rewind_metrics
+from tasks.checkpoint import open_and_check, restore_weights, rewind_metrics, save_run_checkpoint
 from tasks.clear import clear_and_age_sort
 from tasks.generate import generate_until_ready
 from tasks.logprob import compute_old_logprob, compute_ref_logprob
 from tasks.prompts import load_prompts
+from tasks.results import Evaluated, iteration_row, iteration_scalars
 from tasks.reward import compute_reward
-from tasks.run_state import RunState
 from tasks.update import update
 
 log = logging.getLogger("spillover")
 
 
-def _timed(it, name: str, task, *args, **kwargs):
-    maybe_kill(name, it.iteration)
-    start = time.perf_counter()
-    out = task(*args, **kwargs)
-    it.task_s[name] = time.perf_counter() - start
-    return out
+@dataclass(frozen=True)
+class IterationOutcome:
+    row: dict                  # the metrics.jsonl row
+    scalars: dict              # the same for wandb, under train/, rollout/, eval/, time/
+    weight_version: int        # what the engines serve after this iteration
+    response_lengths: np.ndarray  # of the trained samples (the report's length histogram)
+    ages: np.ndarray
+    flow_run_id: object = None
 
 
-def run_iteration(run: RunState, iteration: int, on_round=None) -> dict:
-    """One GRPO iteration as seven tasks; returns the iteration's metrics (small, JSON-able)."""
-    it = run.start_iteration(iteration)
-    start = time.perf_counter()
-    it.metrics["loaded_groups"] = _timed(it, "load_prompts", load_prompts, run, iteration)
-    it.metrics.update(_timed(it, "generate_until_ready", generate_until_ready, run, iteration, on_round))
-    _timed(it, "compute_reward", compute_reward, run)
-    _timed(it, "compute_ref_logprob", compute_ref_logprob, run)
-    _timed(it, "compute_old_logprob", compute_old_logprob, run)
-    if not run.cfg.schedule.debug_rollout_only:
-        _timed(it, "update", update, run)
-    interval = run.cfg.schedule.eval_interval
+class StageClock:
+    """Runs the iteration's steps: the fault hook at each start, the time each took. Arguments go to
+    Prefect tasks quoted: Prefect would otherwise walk every prompt and sample looking for futures."""
+
+    def __init__(self, iteration: int):
+        self.iteration, self.task_s = iteration, {}
+
+    def run(self, name: str, step, *args):
+        maybe_kill(name, self.iteration)
+        start = time.perf_counter()
+        out = step(*(a if isinstance(a, (int, float, str, bool, type(None))) else quote(a) for a in args))
+        self.task_s[name] = time.perf_counter() - start
+        return out
+
+
+def run_iteration(run: Run, iteration: int, version: int, wandb_run_id: str | None = None, on_round=None,
+                  store=None) -> IterationOutcome:
+    """One GRPO iteration; `version` is the weight version the engines serve at its start."""
+    cfg, clock, start = run.cfg, StageClock(iteration), time.perf_counter()
+    loaded = clock.run("load_prompts", load_prompts, run.dock, run.cursor, run.prompts, iteration,
+                       cfg.schedule.num_iterations)
+    rollout = clock.run("generate_until_ready", generate_until_ready, run.controller,
+                        run.context.for_iteration(version, on_round), iteration)
+    scored = clock.run("compute_reward", compute_reward, rollout, run.reward)
+    ref = clock.run("compute_ref_logprob", compute_ref_logprob, run.ref, scored)
+    old = clock.run("compute_old_logprob", compute_old_logprob, run.policy, scored, version, cfg.grpo.skip_old_logprob)
+    stages = [loaded, rollout, scored, ref, old]
+    if not cfg.schedule.debug_rollout_only:
+        updated = clock.run("update", update, run.policy, run.engine, scored, old, ref)
+        version = updated.weight_version
+        stages.append(updated)
+    interval = cfg.schedule.eval_interval
     if interval and (iteration + 1) % interval == 0:
-        it.metrics.update(_timed(it, "eval", run.controller.eval, iteration, run, run.weight_version))
-    _timed(it, "clear_and_age_sort", clear_and_age_sort, run)
-    it.metrics["time_s"] = time.perf_counter() - start
-    it.metrics["task_s"] = dict(it.task_s)
-    return it.metrics
+        stages.append(Evaluated(metrics=clock.run("eval", run.controller.eval, iteration,
+                                                  run.context.for_iteration(version), version)))
+    stages.append(clock.run("clear_and_age_sort", clear_and_age_sort, run.dock, run.cursor, rollout))
+    saved = clock.run("save_checkpoint", save_run_checkpoint, store, run.policy, run.dock, run.cursor, cfg,
+                      iteration, version, iteration_row(iteration, stages, clock.task_s), wandb_run_id)
+    stages.append(saved)
+    row = iteration_row(iteration, stages, clock.task_s)
+    row["time_s"] = time.perf_counter() - start
+    return IterationOutcome(row, iteration_scalars(stages, clock.task_s) | {"time/iteration_s": row["time_s"]},
+                            version, rollout.batch.response_lengths, rollout.batch.ages)
 
 
-def make_iteration_flow(run: RunState, on_round=None):
-    """A subflow bound to this run: its only parameter is the iteration, so the UI shows `iteration-0007`."""
+def make_iteration_flow(run: Run, store=None, wandb_run_id: str | None = None, on_round=None):
+    """A subflow bound to this run; its parameters are the iteration and the weight version at its start,
+    so the UI shows `iteration-0007` and what it started from."""
     @flow(name="grpo-iteration", flow_run_name="iteration-{iteration:04d}", validate_parameters=False)
-    def grpo_iteration(iteration: int) -> dict:
-        metrics = run_iteration(run, iteration, on_round)
-        run.current.flow_run_id = current_run_ids()[1]  # artifacts attach here without an API lookup
-        return metrics
+    def grpo_iteration(iteration: int, weight_version: int) -> IterationOutcome:
+        outcome = run_iteration(run, iteration, weight_version, wandb_run_id, on_round, store)
+        return IterationOutcome(**{**outcome.__dict__, "flow_run_id": current_run_ids()[1]})
     return grpo_iteration
 
 
@@ -74,26 +108,28 @@ def grpo_train(config: RunConfig, resume: bool = False) -> dict:
     try:
         lock = acquire_run_lock(config)  # a second run on this run_dir / checkpoint location stops here
         store, saved = open_and_check(config, resume)
-        run = build_run(config)
-        run.checkpoint_store = store
-        first = 0
+        run = build_run(config, saved)
+        first, version = 0, 0
         if saved is not None:
-            first = restore(run, saved)
+            version = restore_weights(run.policy, run.engine, saved)
+            first = int(saved.meta["next_iteration"])
             rewind_metrics(run.run_dir, first, saved.meta.get("metrics"))
         tracker = RunTracker(run.run_dir, config.tracking, run_config=config,
                              resume_wandb_id=saved.meta.get("wandb_run_id") if saved else None)
         tracker.start(resumed=saved is not None, first_iteration=first)
-        run.wandb_run_id = tracker.wandb_run_id
-        iteration_flow = make_iteration_flow(run, tracker.on_round)
+        iteration_flow = make_iteration_flow(run, store, tracker.wandb_run_id, tracker.on_round)
         # Heartbeats stay on for this outer flow (crash detection); per-iteration subflows skip them,
         # which saves ~1 s of fixed cost per iteration.
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), long_lived_heap_frozen():
             loop_start = time.perf_counter()  # after the one-time collection that freezing starts with
             for iteration in range(first, config.schedule.num_iterations):
                 start = time.perf_counter()
-                metrics = iteration_flow(iteration)
-                metrics["iteration_wall_s"] = time.perf_counter() - start  # incl. the subflow's own cost
-                tracker.on_iteration(metrics, samples=run.current.samples, flow_run_id=run.current.flow_run_id)
+                outcome = iteration_flow(iteration, version)
+                version = outcome.weight_version
+                wall = time.perf_counter() - start  # incl. the subflow's own cost
+                tracker.on_iteration({**outcome.row, "iteration_wall_s": wall},
+                                     {**outcome.scalars, "time/iteration_wall_s": wall},
+                                     outcome.response_lengths, outcome.ages, outcome.flow_run_id)
                 tracker.settle()
         return tracker.finish(run.baseline, loop_wall_s=time.perf_counter() - loop_start)
     finally:

@@ -38,7 +38,10 @@ def summarize(rows: list[dict], baseline: float | None) -> dict:
     """Run summary: reward curve ends, last-fifth mean, and the prompt-independent baseline."""
     if not rows:
         return {"iterations": 0}
-    rewards = np.array([r["reward_mean"] for r in rows])
+    if not any("reward_mean" in r for r in rows):  # SFT: no reward to summarise
+        return {"iterations": len(rows), "wall_time_s": float(sum(r.get("time_s", 0.0) for r in rows)),
+                "last_nll": rows[-1].get("nll")}
+    rewards = np.array([r.get("reward_mean", 0.0) for r in rows])
     tail = rewards[-max(1, len(rewards) // 5):]
     out = {"iterations": len(rows), "first_reward_mean": float(rewards[0]), "best_reward_mean": float(rewards.max()),
            "last_fifth_reward_mean": float(tail.mean()), "reward_rise": float(tail.mean() - rewards[0]),
@@ -56,10 +59,14 @@ def write_summary(run_dir: Path, summary: dict) -> None:
 
 
 def one_line(m: dict) -> str:
-    return (f"iter {m['iteration']:>4}  reward {m.get('reward_mean', 0):.3f}  exact {m.get('exact_match', 0):.2f}  "
+    """The terminal's line per iteration; an SFT batch shows its per-token NLL instead of reward and loss."""
+    scores = (f"sft nll {m.get('nll', 0):.4f}" if "sft_samples" in m else
+              f"reward {m.get('reward_mean', 0):.3f}  exact {m.get('exact_match', 0):.2f}")
+    loss = "" if "sft_samples" in m else f"  loss {m.get('loss', 0):+.4f}"
+    return (f"iter {m['iteration']:>4}  {scores}  "
             f"len p50/max {m.get('response_length_p50', 0):.0f}/{m.get('response_length_max', 0)}  "
-            f"partial {m.get('partial_rows', 0):>3}  stale {m.get('stale_token_share', 0):.2f}  "
-            f"loss {m.get('loss', 0):+.4f}  {m.get('time_s', 0):.1f}s")
+            f"partial {m.get('partial_rows', 0):>3}  stale {m.get('stale_token_share', 0):.2f}{loss}  "
+            f"{m.get('time_s', 0):.1f}s")
 
 
 def length_histogram(lengths, ages, max_tokens: int, round_tokens: int, max_bins: int = 64) -> dict:
@@ -74,33 +81,6 @@ def length_histogram(lengths, ages, max_tokens: int, round_tokens: int, max_bins
     by_age = {str(a): np.bincount(np.minimum(lengths[ages == a] // width, bins - 1), minlength=bins).tolist()
               for a in np.unique(ages).tolist()}
     return {"bin_width": width, "max_tokens": int(max_tokens), "round_tokens": int(round_tokens), "by_age": by_age}
-
-
-TRAIN_KEYS = ("loss", "pg_loss", "kl", "clip_fraction", "grad_norm", "tis_weight_mean", "tis_weight_max",
-              "stale_token_share", "entropy", "weight_version")
-
-
-def wandb_payload(metrics: dict) -> dict:
-    """Iteration metrics -> flat wandb scalars under train/, rollout/, eval/ and time/ (lists left out)."""
-    out = {}
-    for key, value in metrics.items():
-        if key == "iteration" or isinstance(value, (str, list, tuple)) or value is None:
-            continue
-        if key == "task_s":
-            out.update({f"time/{task}_s": float(s) for task, s in value.items()})
-        elif key == "age_histogram":
-            out.update({f"rollout/rows_age_{age}": int(n) for age, n in value.items()})
-        elif key == "eval" and isinstance(value, dict):
-            out.update({f"eval/{k}": v for k, v in value.items() if isinstance(v, (int, float))})
-        elif isinstance(value, dict):
-            continue
-        elif key.startswith("eval_"):
-            out[f"eval/{key[5:]}"] = value
-        elif key == "time_s":
-            out["time/iteration_s"] = value
-        else:
-            out[f"{'train' if key in TRAIN_KEYS else 'rollout'}/{key}"] = value
-    return out
 
 
 def summary_markdown(m: dict) -> str:
@@ -172,24 +152,23 @@ class RunTracker:
         self.terminal.update(self.next_iteration, progress, self.partial_rows_in)
         self.artifacts.on_round(self.next_iteration, progress)
 
-    def on_iteration(self, metrics: dict, samples=None, flow_run_id=None) -> None:
-        """Record one finished iteration; samples (list[list[Sample]], the trained batch) add the length
-        histogram used by the report."""
+    def on_iteration(self, row: dict, scalars: dict, response_lengths=None, ages=None, flow_run_id=None) -> None:
+        """Record one finished iteration: row goes to metrics.jsonl, scalars (already under train/, rollout/,
+        eval/, time/: tasks/results.py) to wandb. response_lengths / ages of the trained samples add the
+        length histogram used by the report."""
         from infra import wandb_shared
 
-        if samples and self.run_config is not None:
-            flat = [s for group in samples for s in group]
+        if response_lengths is not None and self.run_config is not None:
             rollout = self.run_config.rollout
-            metrics["response_length_hist"] = length_histogram(
-                [s.response_length for s in flat], [int(s.metadata.get("age", 0)) for s in flat],
-                rollout.max_tokens, rollout.max_tokens // rollout.max_split)
-        iteration = int(metrics["iteration"])
-        append_metrics(self.run_dir, metrics)
-        self.terminal.line(one_line(metrics))
-        wandb_shared.log_at_iteration(self.wandb_run, wandb_payload(metrics), iteration)
-        self.artifacts.on_iteration(iteration, metrics, summary_markdown(metrics), flow_run_id)
+            row["response_length_hist"] = length_histogram(response_lengths, ages, rollout.max_tokens,
+                                                           rollout.max_tokens // rollout.max_split)
+        iteration = int(row["iteration"])
+        append_metrics(self.run_dir, row)
+        self.terminal.line(one_line(row))
+        wandb_shared.log_at_iteration(self.wandb_run, scalars, iteration)
+        self.artifacts.on_iteration(iteration, row, summary_markdown(row), flow_run_id)
         self.next_iteration = iteration + 1
-        self.partial_rows_in = int(metrics.get("partial_rows", 0))
+        self.partial_rows_in = int(row.get("partial_rows", 0))
 
     def finish(self, baseline: float | None, loop_wall_s: float | None = None) -> dict:
         """loop_wall_s: wall time of this process's iteration loop (Prefect, reporting and all)."""

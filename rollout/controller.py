@@ -1,8 +1,8 @@
 """RolloutController: which samples an iteration trains on and where they come from.
 
 The rollout and eval functions are loaded by import path with the seed's signature
-`fn(args, rollout_id, data_source, evaluation=False) -> list[list[Sample]]`, where `args` is the
-RunConfig and `data_source` the run (prompts, cursor, dock with carried-over and surplus rows, engines).
+`fn(args, rollout_id, data_source, evaluation=False)`, where `args` is the RunConfig and `data_source` a
+rollout.context.RolloutContext (dock with carried-over and surplus rows, engines, prompts, weight version).
 Debug rollout data replaces generation when `storage.load_debug_rollout_data` is set, and is written
 after every rollout when `storage.save_debug_rollout_data` is set.
 """
@@ -11,8 +11,9 @@ from __future__ import annotations
 from infra.config import RunConfig
 from rollout.debug_data import load_debug_rollout_data, save_debug_rollout_data
 from rollout.evaluation import eval_log_dict, eval_step
-from rollout.functions import flatten_rollout, load_rollout_function
-from rollout.sample import Sample
+from rollout.functions import RolloutOutput, flatten_rollout, load_rollout_function, to_rollout_output
+
+DEFAULT_ROLLOUT = "rollout.partial.generate_rollout"
 
 
 class RolloutController:
@@ -22,30 +23,31 @@ class RolloutController:
         # Loaded now: a wrong path or signature stops the run at start-up, naming the setting.
         self.rollout_fn = None if cfg.storage.load_debug_rollout_data else load_rollout_function(
             rollout.rollout_function_path, "rollout.rollout_function_path")
-        eval_path = rollout.eval_function_path or "rollout.partial.generate_rollout"
+        eval_path = rollout.eval_function_path or DEFAULT_ROLLOUT
         self.eval_fn = load_rollout_function(eval_path, "rollout.eval_function_path") if cfg.data.eval_paths else None
 
     @property
     def uses_dock(self) -> bool:
         """The built-in partial-rollout generator fills the dock; custom, SFT and replayed data do not."""
-        return self.rollout_fn is not None and self.cfg.rollout.rollout_function_path == "rollout.partial.generate_rollout"
+        return self.rollout_fn is not None and self.cfg.rollout.rollout_function_path == DEFAULT_ROLLOUT
 
-    def generate(self, rollout_id: int, data_source) -> list[list[Sample]]:
+    def generate(self, rollout_id: int, context) -> RolloutOutput:
         storage = self.cfg.storage
         if storage.load_debug_rollout_data:
             groups = load_debug_rollout_data(storage.load_debug_rollout_data, rollout_id, storage)
+            out = to_rollout_output(groups, source=storage.load_debug_rollout_data)
         else:
-            groups = flatten_rollout(self.rollout_fn(self.cfg, rollout_id, data_source, evaluation=False),
-                                     source=self.cfg.rollout.rollout_function_path)
+            out = to_rollout_output(self.rollout_fn(self.cfg, rollout_id, context, evaluation=False),
+                                    source=self.cfg.rollout.rollout_function_path)
         if storage.save_debug_rollout_data:
-            save_debug_rollout_data(storage.save_debug_rollout_data, rollout_id, groups, storage)
-        return groups
+            save_debug_rollout_data(storage.save_debug_rollout_data, rollout_id, out.batch.sample_groups(), storage)
+        return out
 
-    def eval(self, rollout_id: int, data_source, train_step: int) -> dict[str, float]:
+    def eval(self, rollout_id: int, context, train_step: int) -> dict[str, float]:
         """eval/<key>, eval/<key>-truncated_ratio per eval data set, and eval/step (the rollout id)."""
         if self.eval_fn is None or self.cfg.schedule.debug_train_only:
             return {}
-        results = self.eval_fn(self.cfg, rollout_id, data_source, evaluation=True)
+        results = self.eval_fn(self.cfg, rollout_id, context, evaluation=True)
         if not isinstance(results, dict):
             results = {"default": flatten_rollout(results, source="the eval function")}
         return eval_log_dict(results, eval_step(rollout_id, train_step, use_train_step=False))

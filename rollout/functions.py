@@ -1,16 +1,20 @@
 """Rollout and eval functions loaded by import path, and the shape check of what they return.
 
 The contract is slime's: `generate_rollout(args, rollout_id, data_source, evaluation=False)` returns
-groups of samples (`list[list[Sample]]`). `args` is the RunConfig; `data_source` is whatever the
-controller hands in (prompt cursor and buffer). Nested results are flattened into groups, a flat list
-of samples is grouped by `group_index`.
+groups of samples (`list[list[Sample]]`), or a `RolloutOutput` (the batch as samples or columns, plus
+generation stats). `args` is the RunConfig; `data_source` a rollout.context.RolloutContext (dock, engines,
+tokenizer, prompts, weight version). Nested results are flattened into groups, a flat list of samples is
+grouped by `group_index`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from infra.imports import ImportPathError, load_function
+from rollout.batch import RolloutBatch
 from rollout.sample import Sample
+from rollout.sft import is_sft_batch
 
 ROLLOUT_PARAMS = ("args", "rollout_id", "data_source")
 ROLLOUT_KEYWORDS = ("evaluation",)
@@ -50,6 +54,24 @@ def flatten_rollout(result: Any, source: str = "the rollout function") -> list[l
     return groups
 
 
+@dataclass(frozen=True)
+class RolloutOutput:
+    """A rollout function's batch (a RolloutBatch, or groups of samples) and its stats (metrics, JSON-able)."""
+    batch: Any
+    stats: dict = field(default_factory=dict)
+
+
+def to_rollout_output(result: Any, source: str = "the rollout function") -> RolloutOutput:
+    """Whatever a rollout function returned -> RolloutOutput with a RolloutBatch (see flatten_rollout)."""
+    stats = {}
+    if isinstance(result, RolloutOutput):
+        result, stats = result.batch, dict(result.stats)
+    if isinstance(result, RolloutBatch):
+        return RolloutOutput(result, stats)
+    groups = flatten_rollout(result, source)
+    return RolloutOutput(RolloutBatch.from_samples(groups, sft=is_sft_batch(groups)), stats)
+
+
 def _collect_groups(node: Any, out: list[list[Sample]], source: str, path: str) -> None:
     if not isinstance(node, (list, tuple)):
         raise RolloutResultError(f"{source} returned {type(node).__name__} at {path}; expected a list of samples "
@@ -66,4 +88,5 @@ def _collect_groups(node: Any, out: list[list[Sample]], source: str, path: str) 
         _collect_groups(child, out, source, f"{path}[{i}]")
 
 
-__all__ = ["ImportPathError", "RolloutResultError", "load_rollout_function", "flatten_rollout"]
+__all__ = ["ImportPathError", "RolloutOutput", "RolloutResultError", "flatten_rollout", "load_rollout_function",
+           "to_rollout_output"]

@@ -34,17 +34,39 @@ def batch_decode(ids: list[list[int]], tokenizer) -> list[str]:
 
 def score_samples(samples: list[Sample], reward_fn, fn_path: str) -> np.ndarray:
     """Rule reward per sample -> float[len(samples)]; NaN, a non-number or an exception names the sample."""
+    return score_responses([s.response for s in samples], [s.label for s in samples], reward_fn, fn_path,
+                           describe=lambda i: _name(samples[i]), samples=samples)
+
+
+def wants_samples(reward_fn) -> bool:
+    """Does the reward function name a `sample` (or, batched, `samples`) parameter? Only then is it given
+    Sample objects (building them costs per token)."""
+    import inspect
+
+    try:
+        params = inspect.signature(reward_fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return ("samples" if getattr(reward_fn, "batched", False) else "sample") in params
+
+
+def score_responses(responses: list[str], labels: list, reward_fn, fn_path: str, describe, samples=None) -> np.ndarray:
+    """Rule reward per response -> float64[k]. fn(response, label[, sample=...]) per response, or, for a
+    function marked `batched = True`, fn(responses, labels[, samples=...]) once. describe(i) names response i
+    in errors; samples (a sequence of Sample, or None) is passed only to functions that name it."""
+    give = samples is not None and wants_samples(reward_fn)
     if getattr(reward_fn, "batched", False):
-        values = _call(reward_fn, fn_path, "the batch", [s.response for s in samples], [s.label for s in samples],
-                       samples=samples)
-        if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(samples):
-            raise RewardError(f"reward function {fn_path!r} (batched) must return {len(samples)} numbers")
+        extra = {"samples": samples} if give else {}
+        values = _call(reward_fn, fn_path, "the batch", responses, labels, **extra)
+        if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(responses):
+            raise RewardError(f"reward function {fn_path!r} (batched) must return {len(responses)} numbers")
     else:
-        values = [_call(reward_fn, fn_path, _name(s), s.response, s.label, sample=s) for s in samples]
-    out = np.empty(len(samples), dtype=np.float64)
-    for i, (s, v) in enumerate(zip(samples, values)):
+        values = [_call(reward_fn, fn_path, describe(i), r, label, **({"sample": samples[i]} if give else {}))
+                  for i, (r, label) in enumerate(zip(responses, labels))]
+    out = np.empty(len(responses), dtype=np.float64)
+    for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, (Real, np.floating, np.integer)) or not math.isfinite(float(v)):
-            raise RewardError(f"reward function {fn_path!r} returned {v!r} for {_name(s)}; "
+            raise RewardError(f"reward function {fn_path!r} returned {v!r} for {describe(i)}; "
                               f"it must return a finite number")
         out[i] = float(v)
     return out

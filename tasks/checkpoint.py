@@ -1,18 +1,22 @@
 """The run's full state to and from storage: policy weights + optimizer (safetensors), the dock with its
 partial responses, the prompt cursor, weight version, wandb run id, the config and the iteration's
-metrics row. A checkpoint is written at the end of an iteration, after clear/age-sort."""
+metrics row. A checkpoint is written at the end of an iteration, after clear/age-sort, by its own task."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import ray
+from prefect import task
+from prefect.cache_policies import NONE
 
 from infra.checkpoint import CheckpointState, load_latest_checkpoint, save_checkpoint
 from infra.config import ConfigError, RunConfig
 from infra.storage import Store, open_store
 from rollout.data_source import PromptCursor
 from rollout.dock import TransferDock
+from tasks.results import Checkpointed
 
 log = logging.getLogger("spillover")
 
@@ -46,22 +50,32 @@ def check_resume_compatible(saved: dict, cfg: RunConfig) -> None:
                           "the run's own config, or start a new run_dir")
 
 
-def capture(run, iteration: int, metrics: dict, wandb_run_id: str | None) -> CheckpointState:
-    tensors, learner_meta = ray.get(run.policy.get_state.remote())
-    dock_arrays, dock_meta = run.dock.snapshot()
-    meta = {"next_iteration": iteration + 1, "weight_version": run.weight_version, "learner": learner_meta,
-            "dock": dock_meta, "cursor": run.cursor.state_dict(), "wandb_run_id": wandb_run_id,
-            "config": run.cfg.model_dump(mode="json"), "metrics": metrics}
+def capture(policy, dock, cursor, cfg: RunConfig, iteration: int, weight_version: int, metrics: dict,
+            wandb_run_id: str | None) -> CheckpointState:
+    tensors, learner_meta = ray.get(policy.get_state.remote())
+    dock_arrays, dock_meta = dock.snapshot()
+    meta = {"next_iteration": iteration + 1, "weight_version": weight_version, "learner": learner_meta,
+            "dock": dock_meta, "cursor": cursor.state_dict(), "wandb_run_id": wandb_run_id,
+            "config": cfg.model_dump(mode="json"), "metrics": metrics}
     return CheckpointState(iteration=iteration, tensors={"policy": tensors}, arrays={"dock": dock_arrays}, meta=meta)
-
-
-def save_run_checkpoint(run, store: Store, iteration: int, metrics: dict, wandb_run_id: str | None) -> str:
-    return save_checkpoint(store, capture(run, iteration, metrics, wandb_run_id), keep=run.cfg.storage.keep_checkpoints)
 
 
 def should_checkpoint(cfg: RunConfig, iteration: int) -> bool:
     last = iteration == cfg.schedule.num_iterations - 1
     return last or (iteration + 1) % cfg.storage.checkpoint_interval == 0
+
+
+@task(name="save_checkpoint", cache_policy=NONE)
+def save_run_checkpoint(store: Store | None, policy, dock, cursor, cfg: RunConfig, iteration: int,
+                        weight_version: int, metrics: dict, wandb_run_id: str | None) -> Checkpointed:
+    """The run's state after clear/age-sort, every storage.checkpoint_interval iterations and after the last.
+    metrics: the iteration's metrics.jsonl row (restored if the crash comes before it is appended)."""
+    if store is None or not should_checkpoint(cfg, iteration):
+        return Checkpointed()
+    start = time.perf_counter()
+    state = capture(policy, dock, cursor, cfg, iteration, weight_version, metrics, wandb_run_id)
+    prefix = save_checkpoint(store, state, keep=cfg.storage.keep_checkpoints)
+    return Checkpointed(metrics={"checkpoint_s": time.perf_counter() - start}, prefix=prefix)
 
 
 def load_resume_point(cfg: RunConfig, store: Store) -> CheckpointState | None:
@@ -72,19 +86,20 @@ def load_resume_point(cfg: RunConfig, store: Store) -> CheckpointState | None:
     return state
 
 
-def restore(run, state: CheckpointState) -> int:
-    """Put the checkpoint into the live run (learner, engines, dock, cursor); -> the next iteration."""
+def restore_dock_and_cursor(state: CheckpointState) -> tuple[TransferDock, PromptCursor]:
+    """The dock (partial responses included) and the prompt cursor as the checkpoint left them."""
+    return TransferDock.restore(state.arrays["dock"], state.meta["dock"]), PromptCursor.from_state(state.meta["cursor"])
+
+
+def restore_weights(policy, engine, state: CheckpointState) -> int:
+    """Learner state into the policy actor, its weights to the engines -> the weight version."""
     meta = state.meta
-    ray.get(run.policy.set_state.remote(state.tensors["policy"], meta["learner"]))
-    run.weight_version = int(meta["weight_version"])
-    if run.engine is not None:
-        run.engine.update_weights(run.policy.state_dict_ref.remote(), run.weight_version)
-    run.dock = TransferDock.restore(state.arrays["dock"], meta["dock"])
-    run.dock.require_max_age_all_finished = (run.cfg.rollout.require_max_age_all_finished
-                                             or run.cfg.rollout.mode == "async")
-    run.cursor = PromptCursor.from_state(meta["cursor"])
-    log.info("resumed from iteration %d (weight version %d)", state.iteration, run.weight_version)
-    return int(meta["next_iteration"])
+    ray.get(policy.set_state.remote(state.tensors["policy"], meta["learner"]))
+    version = int(meta["weight_version"])
+    if engine is not None:
+        engine.update_weights(policy.state_dict_ref.remote(), version)
+    log.info("resumed from iteration %d (weight version %d)", state.iteration, version)
+    return version
 
 
 def rewind_metrics(run_dir: Path, next_iteration: int, saved_row: dict | None) -> None:

@@ -1,18 +1,17 @@
-"""generate-until-ready: the iteration's samples from the rollout controller (by default partial
-rollout over the dock until >= GBS groups are ready; or a custom/SFT function, or replayed debug data)."""
+"""generate-until-ready: the iteration's batch from the rollout controller (by default partial rollout over
+the dock until >= GBS groups are ready; or a custom/SFT function, or replayed debug data)."""
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NONE
 
+from tasks.results import Rollout
+
 
 @task(name="generate_until_ready", cache_policy=NONE)
-def generate_until_ready(run, iteration: int, on_round=None) -> dict:
-    run.on_round = on_round
-    groups = run.controller.generate(iteration, run)
-    run.current.samples = groups
-    metrics = {"groups": len(groups), "samples": sum(len(g) for g in groups)}
-    for key in ("rounds", "requests", "tokens_generated", "generate_time_s", "engine_s", "ready_groups"):
-        if key in run.current.metrics:
-            metrics[key] = run.current.metrics[key]
-    return metrics
+def generate_until_ready(controller, context, iteration: int) -> Rollout:
+    """controller: rollout.controller.RolloutController; context: rollout.context.RolloutContext."""
+    out = controller.generate(iteration, context)
+    batch = out.batch
+    return Rollout(metrics={"groups": len(batch.group_ids), "samples": len(batch), **out.stats}, batch=batch,
+                   from_dock=controller.uses_dock)

@@ -1,4 +1,4 @@
-"""ref logprob and old logprob of the chosen batch, computed in the learner actors (results stay in Ray)."""
+"""ref logprob and old logprob of the scored batch, computed in the learner actors (results stay in Ray)."""
 from __future__ import annotations
 
 import time
@@ -7,34 +7,32 @@ import ray
 from prefect import task
 from prefect.cache_policies import NONE
 
+from tasks.results import Logprobs, Scored
 
-def needs_old_logprob_pass(weight_versions: list[list[int]], current_version: int, skip_old_logprob: bool) -> bool:
-    """False when every token came from the current weights and rollout logprobs may stand in."""
+
+def needs_old_logprob_pass(token_versions: tuple[int, int], current_version: int, skip_old_logprob: bool) -> bool:
+    """False when every token came from the current weights (oldest == newest == current) and the rollout
+    logprobs may stand in for old logprobs. The one place this is decided: the learner takes what it is given."""
     if not skip_old_logprob:
         return True
-    return any(v != current_version for vs in weight_versions for v in vs)
+    return tuple(token_versions) != (current_version, current_version)
 
 
 @task(name="compute_ref_logprob", retries=1, cache_policy=NONE)
-def compute_ref_logprob(run) -> dict:
-    it = run.current
-    if run.ref is None:
-        return {"ref_logprob": "skipped (grpo.kl_coef = 0)"}
+def compute_ref_logprob(ref_actor, scored: Scored) -> Logprobs:
+    if ref_actor is None:
+        return Logprobs(source="skipped (grpo.kl_coef = 0)")
     start = time.perf_counter()
-    it.ref_logprobs = run.ref.compute_logprobs.remote(it.train_batch_ref)
-    ray.wait([it.ref_logprobs])
-    it.metrics["ref_logprob_s"] = time.perf_counter() - start
-    return {"ref_logprob": "computed"}
+    ref = ref_actor.compute_logprobs.remote(scored.batch_ref)
+    ray.wait([ref])
+    return Logprobs(metrics={"ref_logprob_s": time.perf_counter() - start}, ref=ref, source="computed")
 
 
 @task(name="compute_old_logprob", retries=1, cache_policy=NONE)
-def compute_old_logprob(run) -> dict:
-    it = run.current
-    if not needs_old_logprob_pass(it.train_batch.weight_versions, run.weight_version, run.cfg.grpo.skip_old_logprob):
-        it.old_logprobs = None
-        return {"old_logprob": "rollout logprobs (all tokens from current weights)"}
+def compute_old_logprob(policy, scored: Scored, weight_version: int, skip_old_logprob: bool) -> Logprobs:
+    if not needs_old_logprob_pass(scored.token_versions, weight_version, skip_old_logprob):
+        return Logprobs(source="rollout")
     start = time.perf_counter()
-    it.old_logprobs = run.policy.compute_logprobs.remote(it.train_batch_ref)
-    ray.wait([it.old_logprobs])  # compute time, reported apart from Prefect/Ray overhead
-    it.metrics["old_logprob_s"] = time.perf_counter() - start
-    return {"old_logprob": "computed"}
+    old = policy.compute_logprobs.remote(scored.batch_ref)
+    ray.wait([old])  # compute time, reported apart from Prefect/Ray overhead
+    return Logprobs(metrics={"old_logprob_s": time.perf_counter() - start}, ref=old, source="computed")

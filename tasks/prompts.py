@@ -6,6 +6,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from rollout.data_source import PromptCursor, PromptSet
+from tasks.results import Loaded
 
 
 def groups_for_iteration(dock, iteration: int, num_iterations: int) -> int:
@@ -34,8 +35,10 @@ def load_prompt_groups(dock, cursor: PromptCursor, prompts: PromptSet, iteration
 
 
 @task(name="load_prompts", retries=2, retry_delay_seconds=1, cache_policy=NONE)
-def load_prompts(run, iteration: int) -> int:
-    count = groups_for_iteration(run.dock, iteration, run.cfg.schedule.num_iterations)
-    if run.prompts.truncated_count and run.current is not None:  # data.over_long_prompts=truncate, counted
-        run.current.metrics["truncated_prompts"] = run.prompts.truncated_count
-    return load_prompt_groups(run.dock, run.cursor, run.prompts, iteration, count)
+def load_prompts(dock, cursor: PromptCursor, prompts: PromptSet, iteration: int, num_iterations: int) -> Loaded:
+    count = groups_for_iteration(dock, iteration, num_iterations)
+    loaded = load_prompt_groups(dock, cursor, prompts, iteration, count)
+    metrics = {"loaded_groups": loaded}
+    if prompts.truncated_count:  # data.over_long_prompts=truncate, counted
+        metrics["truncated_prompts"] = prompts.truncated_count
+    return Loaded(metrics=metrics, groups=loaded)

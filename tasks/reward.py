@@ -1,80 +1,98 @@
-"""reward: score the chosen batch with the rule reward (by import path), keep raw values, build the
-train batch with group-normalised advantages."""
+"""reward: decode the batch's responses, score them with the rule reward (by import path), and hand on the
+batch with group-normalised advantages (in Ray's object store, for the logprob and update steps)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 from prefect import task
 from prefect.cache_policies import NONE
 
-from rollout.sample import Sample, Status, convert_samples_to_train_data
-from rollout.scoring import RewardError, batch_decode, decode_responses, score_samples  # noqa: F401
-from rollout.sft import is_sft_batch
-from tasks.batching import TrainBatch
+from rollout.batch import RolloutBatch, label_of_rows
+from rollout.scoring import RewardError, batch_decode, decode_responses, score_responses, score_samples, wants_samples
 from tasks.grpo_loss import group_advantages
+from tasks.results import Rollout, Scored
+
+__all__ = ["RewardError", "RewardSetup", "batch_decode", "build_advantages", "compute_reward", "decode_responses",
+           "response_texts", "reward_metrics", "score_batch", "score_samples"]
 
 
-def build_train_batch(groups: list[list[Sample]], rewards: np.ndarray) -> tuple[TrainBatch, np.ndarray]:
-    """Samples with rewards -> TrainBatch with group-normalised advantages. rewards[G*n] -> adv[G, n]"""
-    n = len(groups[0])
-    flat = [s for g in groups for s in g]
-    for s, r in zip(flat, rewards):
-        s.reward = float(r)
-    adv = group_advantages(rewards.reshape(len(groups), n))
-    data = convert_samples_to_train_data(flat)
-    batch = TrainBatch.from_train_data(data, adv.reshape(-1).tolist(), [s.rollout_logprobs for s in flat],
-                                       [s.weight_versions for s in flat])
-    return batch, adv
+@dataclass(frozen=True)
+class RewardSetup:
+    """What scoring needs from the run: decoding, the rule reward and its weight, prompt texts for messages."""
+    tokenizer: Any
+    stop_token_ids: tuple[int, ...]
+    reward_fn: Callable
+    reward_fn_path: str
+    rule_weight: float = 1.0
+    exact_match: Callable | None = None       # the built-in task's exact-match check (a reported metric)
+    prompt_texts: Callable | None = None      # group stream ids[G] -> prompt texts[G]
 
 
-def build_sft_batch(groups: list[list[Sample]]) -> TrainBatch:
-    """SFT samples -> TrainBatch with advantage 1 on every sample: at ratio 1 the clipped loss's gradient
-    is the NLL gradient (rollout/sft.py). The learner must compute old logprobs (see needs_old_logprob_pass)."""
-    flat = [s for g in groups for s in g]
-    for s in flat:
-        s.reward = 0.0
-    data = convert_samples_to_train_data(flat)
-    return TrainBatch.from_train_data(data, [1.0] * len(flat), [s.rollout_logprobs for s in flat],
-                                      [s.weight_versions for s in flat])
+def response_texts(batch: RolloutBatch, tokenizer, stop_token_ids) -> list[str]:
+    """Decoded response per row; a trailing stop token is not part of the text."""
+    stops = set(int(t) for t in stop_token_ids)
+    ids = [r[:-1] if r and r[-1] in stops else r for r in batch.response_lists()]
+    return batch_decode(ids, tokenizer)
 
 
-def reward_metrics(groups: list[list[Sample]], rewards: np.ndarray, exact) -> dict:
-    flat = [s for g in groups for s in g]
-    lengths = np.array([s.response_length for s in flat])
-    out = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-           "response_length_p50": float(np.percentile(lengths, 50)),
-           "response_length_p90": float(np.percentile(lengths, 90)),
-           "response_length_max": int(lengths.max()),
-           "truncated_share": float(np.mean([s.status == Status.TRUNCATED for s in flat]))}
+def score_batch(batch: RolloutBatch, texts: list[str], setup: RewardSetup) -> np.ndarray:
+    """Raw rule reward per row -> float64[R]; the function gets Sample objects only if it names `sample(s)`."""
+    n = batch.n
+    prompts = _group_prompts(batch, setup)
+    samples = None
+    if wants_samples(setup.reward_fn):
+        samples = [s for g in batch.sample_groups() for s in g]
+        for i, (s, text) in enumerate(zip(samples, texts)):
+            s.response, s.prompt = text, s.prompt or prompts[i // n]
+
+    def describe(i: int) -> str:
+        group = int(batch.group_ids[i // n])
+        return f"sample {group * n + i % n} (group {group}, prompt {prompts[i // n][:40]!r})"
+
+    return score_responses(texts, label_of_rows(batch), setup.reward_fn, setup.reward_fn_path, describe, samples)
+
+
+def _group_prompts(batch: RolloutBatch, setup: RewardSetup) -> list[str]:
+    if batch.samples is not None:
+        return [g[0].prompt for g in batch.samples]
+    if setup.prompt_texts is not None:
+        return list(setup.prompt_texts(batch.group_ids))
+    return [""] * len(batch.group_ids)
+
+
+def build_advantages(batch: RolloutBatch, rewards: np.ndarray) -> np.ndarray:
+    """rewards[R] -> advantages[R]: group-normalised (GRPO), or 1 for every SFT sample (the NLL gradient at
+    ratio 1, see rollout/sft.py)."""
+    if batch.sft:
+        return np.ones(len(batch), dtype=np.float32)
+    return group_advantages(rewards.reshape(len(batch.group_ids), batch.n)).reshape(-1)
+
+
+def reward_metrics(batch: RolloutBatch, rewards: np.ndarray, texts: list[str], exact) -> dict:
+    lengths = batch.response_lengths
+    out = {"response_length_p50": float(np.percentile(lengths, 50)) if len(lengths) else 0.0,
+           "response_length_p90": float(np.percentile(lengths, 90)) if len(lengths) else 0.0,
+           "response_length_max": int(lengths.max()) if len(lengths) else 0,
+           "truncated_share": float(batch.truncated.mean()) if len(lengths) else 0.0}
+    if batch.sft:
+        return {**out, "sft_samples": len(batch)}
+    out.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()))
     if exact is not None:
-        out["exact_match"] = float(np.mean([bool(exact(s.response, s.label)) for s in flat]))
+        out["exact_match"] = float(np.mean([bool(exact(t, label)) for t, label in zip(texts, label_of_rows(batch))]))
     return out
 
 
 @task(name="compute_reward", retries=1, retry_delay_seconds=1, cache_policy=NONE)
-def compute_reward(run) -> dict:
+def compute_reward(rollout: Rollout, setup: RewardSetup) -> Scored:
     import ray
 
-    it = run.current
-    groups = it.samples
-    flat = [s for g in groups for s in g]
-    if is_sft_batch(groups):
-        it.train_batch = build_sft_batch(groups)
-        it.train_batch_ref = ray.put(it.train_batch)
-        it.metrics.update({"reward_mean": 0.0, "sft_samples": len(flat)})
-        return {"sft_samples": len(flat)}
-    if run.controller.uses_dock:
-        indices = run.cursor.dataset_indices(np.array([g[0].group_index for g in groups]))
-        for group, idx in zip(groups, indices):
-            for s in group:
-                s.prompt = run.prompts.texts[idx]
-    decode_responses(flat, run.tokenizer, run.stop_token_ids)
-    raw = score_samples(flat, run.reward_fn, run.cfg.grpo.reward_function_path)
-    rewards = run.cfg.grpo.rule_reward_weight * raw
-    for s, v in zip(flat, raw):
-        s.metadata["raw_reward"] = float(v)
-    it.samples = groups
-    it.train_batch, _ = build_train_batch(groups, rewards)
-    it.train_batch_ref = ray.put(it.train_batch)
-    metrics = reward_metrics(groups, rewards, getattr(run, "exact_match_fn", None))
-    it.metrics.update(metrics)
-    return metrics
+    batch = rollout.batch
+    texts = response_texts(batch, setup.tokenizer, setup.stop_token_ids)
+    rewards = np.zeros(len(batch)) if batch.sft else setup.rule_weight * score_batch(batch, texts, setup)
+    scored = batch.with_advantages(build_advantages(batch, rewards))
+    versions = batch.weight_versions
+    span = (int(versions.min()), int(versions.max())) if len(versions) else (0, 0)
+    return Scored(metrics=reward_metrics(batch, rewards, texts, setup.exact_match), batch_ref=ray.put(scored),
+                  token_versions=span, sft=batch.sft)

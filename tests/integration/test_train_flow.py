@@ -3,21 +3,12 @@ router, Prefect's test harness. A few small iterations with partial rollout on."
 import json
 import time
 
-import pytest
-
 from infra.config import load_config
 from small_run import SMALL_RUN
 
-SEVEN_TASKS = ["clear_and_age_sort", "compute_old_logprob", "compute_ref_logprob", "compute_reward",
-               "generate_until_ready", "load_prompts", "update"]
-
-
-@pytest.fixture(scope="module")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=60):
-        yield
+# The seven steps of the algorithm, and the checkpoint as a task of its own.
+ITERATION_TASKS = ["clear_and_age_sort", "compute_old_logprob", "compute_ref_logprob", "compute_reward",
+                   "generate_until_ready", "load_prompts", "save_checkpoint", "update"]
 
 
 def small_config(run_dir, iterations=3, **extra):
@@ -63,9 +54,9 @@ def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_
     deadline = time.time() + 20  # the server records task runs in batches (see infra/prefect_env.py)
     while True:
         found = task_names_by_iteration(names)
-        if all(found.get(n, ("", []))[1] == SEVEN_TASKS for n in names) or time.time() > deadline:
+        if all(found.get(n, ("", []))[1] == ITERATION_TASKS for n in names) or time.time() > deadline:
             break
         time.sleep(1)
     for name in names:
         state, tasks = found[name]
-        assert state == "COMPLETED" and tasks == SEVEN_TASKS, (name, found[name])
+        assert state == "COMPLETED" and tasks == ITERATION_TASKS, (name, found[name])

@@ -11,7 +11,8 @@ import pytest
 
 from rollout.debug_data import DebugDataError, debug_data_url, load_debug_rollout_data, save_debug_rollout_data
 from rollout.sample import Sample, Status, convert_samples_to_train_data
-from tasks.reward import build_train_batch
+from rollout.batch import RolloutBatch
+from tasks.reward import build_advantages
 
 
 def rollout_groups(seed: int = 0, groups: int = 3, n: int = 2) -> list[list[Sample]]:
@@ -52,9 +53,11 @@ def test_replay_reproduces_samples_and_train_data(storage_target):
     assert [[s.to_dict() for s in g] for g in loaded] == [[s.to_dict() for s in g] for g in groups]
     assert convert_samples_to_train_data(loaded) == convert_samples_to_train_data(groups)
     rewards = np.array([s.reward for g in groups for s in g])
-    batch, adv = build_train_batch(groups, rewards)
-    replayed, replayed_adv = build_train_batch(loaded, rewards)
-    assert replayed == batch and np.array_equal(adv, replayed_adv)
+    batch, replayed = RolloutBatch.from_samples(groups), RolloutBatch.from_samples(loaded)
+    for column in ("prompt_tokens", "prompt_lengths", "response_tokens", "response_lengths", "rollout_logprobs",
+                   "weight_versions", "loss_mask", "truncated", "group_ids"):
+        assert np.array_equal(getattr(batch, column), getattr(replayed, column)), column
+    assert np.array_equal(build_advantages(batch, rewards), build_advantages(replayed, rewards))
 
 
 def test_each_rollout_id_has_its_own_file_and_grouping_is_kept(storage_target):

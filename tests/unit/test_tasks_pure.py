@@ -10,7 +10,15 @@ from rollout.dock import TransferDock
 from rollout.sample import Sample
 from tasks.logprob import needs_old_logprob_pass
 from tasks.prompts import groups_for_iteration, load_prompt_groups
-from tasks.reward import RewardError, build_train_batch, score_samples
+from rollout.batch import RolloutBatch
+from tasks.reward import RewardError, RewardSetup, build_advantages, response_texts, score_batch, score_samples
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    from infra.models import build_char_tokenizer
+
+    return build_char_tokenizer()
 
 
 def sample(i, response="aa", label=2, group=0):
@@ -48,12 +56,30 @@ def test_batched_reward_function():
     assert score_samples([sample(0, "aaa"), sample(1, "a")], fn, "x.y").tolist() == [3.0, 1.0]
 
 
-def test_train_batch_gets_group_normalised_advantages():
+def test_batch_gets_group_normalised_advantages():
     groups = [[sample(0), sample(1)], [sample(2, group=1), sample(3, group=1)]]
-    batch, adv = build_train_batch(groups, np.array([1.0, 0.0, 0.5, 0.5]))
-    assert adv[1].tolist() == [0.0, 0.0]  # all-equal group: no signal, no division by zero
-    assert adv[0, 0] > 0 > adv[0, 1] and math.isclose(adv[0, 0], -adv[0, 1], rel_tol=1e-5)
-    assert batch.tokens[0] == [3, 4, 14, 14] and batch.rollout_logprobs[0] == [-0.5, -0.5]
+    batch = RolloutBatch.from_samples(groups)
+    adv = build_advantages(batch, np.array([1.0, 0.0, 0.5, 0.5]))
+    assert adv[2:].tolist() == [0.0, 0.0]  # all-equal group: no signal, no division by zero
+    assert adv[0] > 0 > adv[1] and math.isclose(adv[0], -adv[1], rel_tol=1e-5)
+    scored = batch.with_advantages(adv)
+    assert scored.sequence(0).tolist() == [3, 4, 14, 14] and scored.rollout_logprobs[:2].tolist() == [-0.5, -0.5]
+    sft = RolloutBatch.from_samples([[sample(0)]], sft=True)
+    assert build_advantages(sft, np.zeros(1)).tolist() == [1.0]  # SFT: advantage 1, the NLL gradient
+
+
+def test_score_batch_gives_samples_only_to_functions_that_ask(tiny_tokenizer):
+    groups = [[sample(0, "aa"), sample(1, "a")]]
+    batch = RolloutBatch.from_samples(groups)
+    texts = response_texts(batch, tiny_tokenizer, stop_token_ids=[])
+    seen = []
+    plain = RewardSetup(tiny_tokenizer, (), lambda response, label, **kw: seen.append(kw) or len(response), "x.plain")
+    assert score_batch(batch, texts, plain).tolist() == [len(texts[0]), len(texts[1])] and seen == [{}, {}]
+    asks = RewardSetup(tiny_tokenizer, (), lambda response, label, sample=None: float(sample.index), "x.asks")
+    assert score_batch(batch, texts, asks).tolist() == [0.0, 1.0]
+    with pytest.raises(RewardError, match=r"x.nan.*returned nan for sample 1 \(group 0, prompt 'a\*2='"):
+        nan_on_second = lambda response, label: float("nan") if response == texts[1] else 1.0  # noqa: E731
+        score_batch(batch, texts, RewardSetup(tiny_tokenizer, (), nan_on_second, "x.nan"))
 
 
 @pytest.mark.parametrize("path, match", [
@@ -96,6 +122,7 @@ def test_failed_load_leaves_cursor_unchanged():
 
 
 def test_old_logprob_pass_skipped_only_when_all_tokens_are_current():
-    assert not needs_old_logprob_pass([[3, 3], [3]], 3, skip_old_logprob=True)
-    assert needs_old_logprob_pass([[2, 3], [3]], 3, skip_old_logprob=True)
-    assert needs_old_logprob_pass([[3]], 3, skip_old_logprob=False)
+    assert not needs_old_logprob_pass((3, 3), 3, skip_old_logprob=True)
+    assert needs_old_logprob_pass((2, 3), 3, skip_old_logprob=True)
+    assert needs_old_logprob_pass((-1, -1), 3, skip_old_logprob=True)  # SFT tokens: no policy made them
+    assert needs_old_logprob_pass((3, 3), 3, skip_old_logprob=False)

@@ -8,14 +8,22 @@ import json
 from infra.config import load_config
 from infra.prefect_artifacts import RunArtifacts, artifact_key, metrics_table
 from infra.terminal_progress import TerminalProgress, progress_fields
-from infra.tracking import RunTracker, length_histogram, summary_markdown, wandb_payload
-from rollout.sample import Sample
+from infra.tracking import RunTracker, length_histogram, summary_markdown
+from tasks.results import Cleared, Evaluated, Logprobs, Rollout, Scored, Updated, iteration_row, iteration_scalars
 from wandb_records import read_segments
 
-METRICS = {"iteration": 3, "reward_mean": 0.5, "reward_std": 0.1, "response_length_p50": 7.0, "response_length_max": 16,
-           "partial_rows": 5, "age_histogram": {"0": 3, "1": 2}, "loss": 0.25, "kl": 0.01, "tis_weight_mean": 0.98,
-           "task_s": {"generate_until_ready": 1.5, "update": 0.5}, "time_s": 2.1, "trained_group_ids": [1, 2],
-           "old_logprob_source": "rollout", "eval_accuracy": 0.4}
+# What the iteration's stages return (tasks/results.py), as the flow assembles them.
+STAGES = [Rollout(metrics={"rounds": 3, "engine_s": 1.2}), Scored(metrics={"reward_mean": 0.5, "reward_std": 0.1,
+                                                                         "response_length_p50": 7.0,
+                                                                         "response_length_max": 16}),
+          Logprobs(source="rollout"), Updated(metrics={"loss": 0.25, "kl": 0.01, "tis_weight_mean": 0.98, "lr": 1e-3,
+                                                       "optimizer_steps": 2, "update_s": 0.4,
+                                                       "old_logprob_source": "rollout"}, weight_version=4),
+          Evaluated(metrics={"eval/toy": 0.4, "eval/toy-truncated_ratio": 0.1, "eval/step": 3}),
+          Cleared(metrics={"partial_rows": 5, "age_histogram": {"0": 3, "1": 2}, "trained_group_ids": [1, 2]})]
+TASK_S = {"generate_until_ready": 1.5, "update": 0.5}
+METRICS = {**iteration_row(3, STAGES, TASK_S), "time_s": 2.1}
+SCALARS = iteration_scalars(STAGES, TASK_S)
 
 
 class FakeTTY(io.StringIO):
@@ -33,13 +41,15 @@ def test_length_histogram_counts_by_age_with_bounded_bins():
     assert len(wide["by_age"]["0"]) <= 64 and sum(wide["by_age"]["2"]) == 1 and wide["by_age"]["2"][-1] == 1
 
 
-def test_wandb_payload_prefixes_train_rollout_eval_time():
-    p = wandb_payload(METRICS)
+def test_stage_results_carry_their_wandb_prefix():
+    p = SCALARS
     assert p["train/loss"] == 0.25 and p["train/kl"] == 0.01 and p["train/tis_weight_mean"] == 0.98
-    assert p["rollout/reward_mean"] == 0.5 and p["rollout/partial_rows"] == 5
-    assert p["rollout/rows_age_1"] == 2 and p["eval/accuracy"] == 0.4
-    assert p["time/generate_until_ready_s"] == 1.5 and p["time/iteration_s"] == 2.1
+    assert p["train/lr"] == 1e-3 and p["train/optimizer_steps"] == 2 and p["time/update_s"] == 0.4
+    assert p["rollout/reward_mean"] == 0.5 and p["rollout/partial_rows"] == 5 and p["rollout/rounds"] == 3
+    assert p["rollout/rows_age_1"] == 2 and p["eval/toy"] == 0.4 and p["eval/step"] == 3
+    assert p["time/task_generate_until_ready_s"] == 1.5 and p["time/engine_s"] == 1.2 and p["time/task_update_s"] == 0.5
     assert "iteration" not in p and not any("trained_group_ids" in k or "old_logprob" in k for k in p)
+    assert METRICS["eval/toy"] == 0.4 and METRICS["loss"] == 0.25 and METRICS["task_s"] == TASK_S
 
 
 def test_summary_markdown_and_metrics_table():
@@ -87,9 +97,6 @@ def test_terminal_bar_only_on_a_tty_and_summary_lines_always():
     assert f["completed"] == 3 and f["total"] == 4 and f["tokens_per_s"] == 1000 and f["partial_rows"] == 7
 
 
-def _samples(lengths_ages):
-    return [[Sample(0, i, [1, 2], response_tokens=[5] * n, rollout_logprobs=[-1.0] * n, weight_versions=[0] * n,
-                    metadata={"age": age}) for i, (n, age) in enumerate(lengths_ages)]]
 
 
 def _cfg(run_dir, mode="offline"):
@@ -104,7 +111,8 @@ def test_tracker_offline_wandb_records_iterations_and_resumes_the_same_run(tmp_p
     run_id = tracker.wandb_run_id
     tracker.on_round({"round": 1, "ready_groups": 2, "target_groups": 4, "tokens": 40, "elapsed_s": 0.1})
     for it in range(2):
-        tracker.on_iteration({**METRICS, "iteration": it, "loss": 0.5 - it / 10}, samples=_samples([(16, 1), (4, 0)]))
+        tracker.on_iteration({**METRICS, "iteration": it, "loss": 0.5 - it / 10},
+                             {**SCALARS, "train/loss": 0.5 - it / 10}, response_lengths=[16, 4], ages=[1, 0])
     summary = tracker.finish(baseline=0.3)
     tracker.close()
     assert run_id and summary["iterations"] == 2 and len(lines) == 2 and lines[0].startswith("iter    0")
@@ -115,7 +123,7 @@ def test_tracker_offline_wandb_records_iterations_and_resumes_the_same_run(tmp_p
     resumed = RunTracker(tmp_path, cfg.tracking, lines.append, run_config=cfg, resume_wandb_id=run_id)
     resumed.start(resumed=True, first_iteration=2)
     assert resumed.wandb_run_id == run_id
-    resumed.on_iteration({**METRICS, "iteration": 2, "loss": 0.2})
+    resumed.on_iteration({**METRICS, "iteration": 2, "loss": 0.2}, {**SCALARS, "train/loss": 0.2})
     resumed.finish(baseline=None)
     resumed.close()
     segments = read_segments(tmp_path, 2)
@@ -130,7 +138,7 @@ def test_tracker_disabled_wandb_and_no_prefect_run(tmp_path):
     cfg = _cfg(tmp_path, "disabled")
     tracker = RunTracker(tmp_path, cfg.tracking, lambda _: None, run_config=cfg)
     tracker.start()
-    tracker.on_iteration(dict(METRICS))
+    tracker.on_iteration(dict(METRICS), SCALARS)
     tracker.close()  # not finished: still closes cleanly
     assert tracker.wandb_run_id is None and not (tmp_path / "wandb").exists()
     assert not tracker.artifacts.sink.enabled

@@ -1,0 +1,48 @@
+"""RolloutContext: what a rollout or eval function gets as `data_source` (slime's signature
+`fn(args, rollout_id, data_source, evaluation=False)`), and nothing more.
+
+The long-lived parts (dock, engines, tokenizer, prompts) are the run's; the weight version and the
+progress callback are this iteration's, so the flow builds a new context per iteration (`for_iteration`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import Any, Callable
+
+from rollout.data_source import PromptCursor, PromptSet, read_prompts
+
+
+class EvalSets:
+    """The eval data sets of data.eval_paths, read once, on first use."""
+
+    def __init__(self, cfg, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+
+    @cached_property
+    def sets(self) -> dict[str, PromptSet]:
+        data, rollout = self.cfg.data, self.cfg.rollout
+        max_prompt = rollout.max_model_len - rollout.max_tokens
+        return {key: read_prompts(path, self.tokenizer, max_prompt, data.prompt_key, data.label_key,
+                                  data.over_long_prompts) for key, path in data.eval_paths.items()}
+
+
+@dataclass(frozen=True)
+class RolloutContext:
+    dock: Any                      # rollout.dock.TransferDock (None when the rollout needs no dock)
+    engine: Any                    # rollout.manager.RolloutManager or anything with generate(requests)
+    tokenizer: Any
+    prompts: PromptSet
+    cursor: PromptCursor
+    stop_token_ids: tuple[int, ...]
+    reward_fn: Callable
+    eval_data: EvalSets | None = None
+    weight_version: int = 0
+    on_round: Callable[[dict], None] | None = None
+
+    @property
+    def eval_sets(self) -> dict[str, PromptSet]:
+        return self.eval_data.sets if self.eval_data is not None else {}
+
+    def for_iteration(self, weight_version: int, on_round=None) -> "RolloutContext":
+        return replace(self, weight_version=int(weight_version), on_round=on_round)
