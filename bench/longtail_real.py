@@ -13,7 +13,6 @@ Engine idle time comes from polling every engine's /v1/loads.
 """
 from __future__ import annotations
 
-import asyncio
 import heapq
 import logging
 import tempfile
@@ -39,7 +38,6 @@ class NaturalLengths:
         self.natural: dict[int, list[int]] = {}
         self.free_j: dict[int, list[int]] = {}
         self.lock = threading.Lock()
-        self.abort_task: asyncio.Task | None = None
 
     def register_prompt(self, group: int, ids: list[int]) -> list[int]:
         self.prompts[tuple(ids)] = group
@@ -83,37 +81,14 @@ class NaturalLengths:
                 fixed[i] = True
                 self._fix(planned[i][1], answer)
 
-        def wrapped(i: int, answer: dict) -> None:
+        def wrapped(i: int, answer: dict) -> bool | None:
             fix(i, answer)
-            on_result(i, answer)
+            return on_result(i, answer)  # True stops the round (the manager aborts and returns once idle)
 
         answers = self.manager.generate([p[0] for p in planned], on_result=wrapped if on_result else None)
         for i, answer in enumerate(answers):
             fix(i, answer)
-        if self.abort_task is not None:  # return only once the engines are idle (see abort_all)
-            task, self.abort_task = self.abort_task, None
-            asyncio.run_coroutine_threadsafe(_wait(task), task.get_loop()).result()
         return answers
-
-    def abort_all(self) -> None:
-        """From an on_result callback (the manager's loop): start the manager's abort and remember it.
-
-        RolloutManager.abort_all() from a callback only schedules the abort, and generate() can return
-        before it ends; the abort then stops the next round and aborts its requests on the engines (seen
-        here: every request of a generate() sent right after came back aborted). Waiting for it before
-        generate() returns keeps rounds apart.
-        """
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self.manager.abort_all()  # a plain thread: this blocks until the engines are idle
-            return
-        if self.abort_task is None:
-            self.abort_task = loop.create_task(self.manager.async_abort_all())
-
-
-async def _wait(task: asyncio.Task) -> None:
-    await task
 
 
 class LoadSampler:

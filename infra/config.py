@@ -227,6 +227,8 @@ class EnginesConfig(_Section):
     max_running_requests: int = Field(128, ge=1, description="Decode slots per engine.")
     router_address: str | None = Field(None, description="External sglang-router URL; empty = start one.")
     health_timeout_s: float = Field(30.0, gt=0, description="A /health_generate slower than this is dead.")
+    health_interval_s: float = Field(30.0, ge=0, description="Background engine health check every this many "
+                                     "seconds (dead or hung engines are restarted); 0 = off.")
     ray_address: str | None = Field(None, description="Ray cluster address; empty = RAY_ADDRESS or local.")
 
     @model_validator(mode="after")

@@ -11,9 +11,9 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from rollout.partial import SamplingSettings, build_requests, parse_responses
+from rollout.requests import SamplingSettings, build_requests, parse_responses
 from rollout.sample import Sample, Status
-from tasks.reward import decode_responses, score_samples
+from rollout.scoring import decode_responses, score_samples
 
 GenerateFn = Callable[[list[dict]], list[dict]]
 

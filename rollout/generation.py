@@ -3,7 +3,9 @@
 A batch is one *round*. abort_all marks every round stopped on the client side first (nothing new is
 sent; unsent requests come back as aborted with no tokens), then aborts each engine directly and keeps
 doing so until every engine's /v1/loads is idle and no request of a stopped round is still on the wire.
-Running requests come back with their tokens so far and finish_reason abort.
+Running requests come back with their tokens so far and finish_reason abort. A caller stops a round from
+inside it by returning True from on_result: the round then runs abort_all itself and returns once the
+engines are idle, so no abort outlives the call that asked for it.
 """
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ import httpx
 
 from rollout.engines.client import EngineClient, EngineError
 from rollout.engines.protocol import new_rid
+from rollout.requests import OnResult
 
 log = logging.getLogger(__name__)
-OnResult = Callable[[int, dict], None]
 
 
 @dataclass(eq=False)
@@ -58,23 +60,31 @@ class BatchGenerator:
         self.rounds: set[Round] = set()
 
     async def generate_batch(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
-        """Answers in input order; on_result(index, answer) as each finishes. A bad item raises after the
-        others have finished (so no request is left running on an engine)."""
+        """Answers in input order; on_result(index, answer) as each finishes. An on_result that returns True
+        stops every running round and aborts every engine (abort_all); the call returns once they are idle.
+        A bad item raises after the others have finished (so no request is left running on an engine)."""
         round_ = Round()
         self.rounds.add(round_)
         limit = asyncio.Semaphore(self.max_in_flight)
         results: list[Any] = [None] * len(batch)
+        abort: asyncio.Future | None = None
 
         async def run(index: int, item: dict) -> None:
+            nonlocal abort
             async with limit:
                 results[index] = await self.generate_one(item, round_)
-            if on_result is not None:
-                on_result(index, results[index])
+            if on_result is not None and on_result(index, results[index]) is True and abort is None:
+                self.stop_rounds()  # at once: nothing more is sent while the abort starts
+                abort = asyncio.ensure_future(self.abort_all())
 
         try:
             outcomes = await asyncio.gather(*(run(i, item) for i, item in enumerate(batch)), return_exceptions=True)
+            if abort is not None:
+                outcomes += await asyncio.gather(abort, return_exceptions=True)
         finally:
             self.rounds.discard(round_)
+            if abort is not None and not abort.done():  # cancelled: do not leave the abort running
+                abort.cancel()
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         if errors:
             raise errors[0]

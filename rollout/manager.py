@@ -1,9 +1,10 @@
 """RolloutManager: the engines on Ray behind the real sglang-router, as one object the flow holds.
 
-All HTTP and Ray calls run on the manager's own event loop (a daemon thread), so the same manager serves
-sync code (`generate`, `abort_all`, ...) and any other event loop (`async_generate`, ...).
-`on_result(index, answer)` callbacks run on that loop's thread: keep them short; `abort_all()` called from
-one schedules the abort and returns at once.
+The API is synchronous. Every HTTP and Ray call runs on one event loop that the manager owns (an anyio
+blocking portal: a thread), because its HTTP sessions and the background health monitor are bound to a
+loop that outlives each call. `on_result(index, answer)` callbacks run on that loop's thread, so they must
+be short and must not call the manager; one that returns True stops the round (every engine aborts, and
+`generate` returns once they are idle).
 
 Failures: a request that fails in transport or with a 5xx (the router has already retried the other
 workers) triggers one shared health check; an engine that does not answer /health_generate within
@@ -14,32 +15,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import ray
+from anyio.from_thread import start_blocking_portal
 
 from infra.config import EnginesConfig
 from rollout.engine_pool import EngineHandle, EnginePool, default_torch_threads
 from rollout.engines import sglang_backend as sgl
 from rollout.engines.client import EngineClient
 from rollout.engines.router import Router
-from rollout.generation import BatchGenerator, OnResult
-from rollout.health_monitor import HealthMonitor
-from rollout.loop_thread import LoopThread
-from rollout.pending_aborts import PendingAborts
+from rollout.generation import BatchGenerator
+from rollout.requests import OnResult
 
 log = logging.getLogger(__name__)
 Weights = dict | ray.ObjectRef | str | Path
 ENGINE_GONE = (ray.exceptions.RayActorError, httpx.TransportError)
+T = TypeVar("T")
 
 
 class RolloutManager:
-    def __init__(self, engines_cfg: EnginesConfig, model_path: str | Path, *, health_interval_s: float | None = None,
-                 max_attempts: int = 5, max_in_flight: int | None = None, **pool_options: Any):
+    def __init__(self, engines_cfg: EnginesConfig, model_path: str | Path, *, max_attempts: int = 5,
+                 max_in_flight: int | None = None, **pool_options: Any):
         """Start the engines (pool_options: see `EnginePool`), the router (or join engines_cfg.router_address),
-        register every engine's node 0 with it; health_interval_s > 0 also checks health in the background."""
+        register every engine's node 0 with it; engines_cfg.health_interval_s > 0 starts the health monitor."""
         from infra.cluster import init_ray
 
         if not ray.is_initialized():
@@ -52,22 +56,34 @@ class RolloutManager:
         self.router: Router | None = None
         self.weight_versions: dict[int, int | str | None] = {}
         self.restarts = 0
-        self._aborts: PendingAborts | None = None  # abort_all, also from callbacks (settled by generate())
         self._latest_weights: tuple[str, Any, int | str] | None = None  # ("disk" | "tensor", path | ref, version)
         self._offloaded = False
         self._clients: dict[str, EngineClient] = {}
-        self._health_task: asyncio.Future | None = None
-        self._monitor = HealthMonitor(self._recover)
+        self._engine_lock = asyncio.Lock()  # weight updates, offload/onload, health checks and restarts
+        self._health_task: asyncio.Future | None = None  # the health check shared by every failed request
+        self._monitor: Future | None = None  # the background health monitor, while it runs
         self._gen: BatchGenerator | None = None
-        self._loop = LoopThread("rollout-manager")
+        self._portal_cm = start_blocking_portal("asyncio", name="rollout-manager")
+        self._portal = self._portal_cm.__enter__()
+        self._loop_thread = self._portal.call(threading.get_ident)
         try:
-            self._loop.call(self._start(max_attempts, max_in_flight, health_interval_s))
+            self._call(self._start, max_attempts, max_in_flight)
         except BaseException:
             self.shutdown()
             raise
+        if engines_cfg.health_interval_s:
+            self.start_health_monitor(engines_cfg.health_interval_s)
 
-    async def _start(self, max_attempts: int, max_in_flight: int | None, health_interval_s: float | None) -> None:
-        self._engine_lock = asyncio.Lock()  # weight updates, offload/onload and restarts never interleave
+    def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """fn(*args) on the manager's loop; blocks until it returns."""
+        if self._portal is None:
+            raise RuntimeError("this RolloutManager was shut down")
+        if threading.get_ident() == self._loop_thread:
+            raise RuntimeError("the RolloutManager was called from its own loop (an on_result callback?): a callback "
+                               "must not call the manager; return True from on_result to stop the round instead")
+        return self._portal.call(fn, *args)
+
+    async def _start(self, max_attempts: int, max_in_flight: int | None) -> None:
         self.pool = await asyncio.to_thread(EnginePool, self.cfg, self.model_path, **self.pool_options)
         await self.pool.start_all()
         self.weight_versions = {h.index: h.weight_version for h in self.pool.engines}
@@ -79,9 +95,6 @@ class RolloutManager:
             await asyncio.to_thread(self.router.add_worker, handle.url)
         self._gen = BatchGenerator(EngineClient(self.router.url), lambda: self.urls, self._client, self._recover,
                                    max_attempts, max_in_flight or self.cfg.num_engines * self.cfg.max_running_requests)
-        self._aborts = PendingAborts(self._loop, self._gen)
-        if health_interval_s:
-            self._monitor.start(health_interval_s)
 
     # ---- views --------------------------------------------------------------------------------------
     @property
@@ -102,47 +115,30 @@ class RolloutManager:
             self._clients[url] = EngineClient(url)
         return self._clients[url]
 
-    # ---- generation (see rollout/generation.py, rollout/pending_aborts.py) ---------------------------
+    # ---- generation (see rollout/generation.py) ------------------------------------------------------
     def generate(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
         """SGLang /generate answers for `batch` (dicts of input_ids, sampling_params, rid?, return_logprob?),
-        in input order, through the router; on_result(index, answer) is called as each one finishes."""
-        answers = self._loop.call(self._gen.generate_batch(batch, on_result))
-        self._aborts.settle()
-        return answers
-
-    async def async_generate(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
-        answers = await self._loop.run(self._gen.generate_batch(batch, on_result))
-        await self._aborts.async_settle()
-        return answers
+        in input order, through the router. on_result(index, answer) runs on the manager's loop as each one
+        finishes; returning True stops the round: every engine aborts (running requests come back with their
+        tokens so far, unsent ones with none) and generate returns once the engines are idle."""
+        return self._call(self._gen.generate_batch, batch, on_result)
 
     def eval(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
         """Evaluation generation: the same path as rollouts (abort_all stops it too)."""
         return self.generate(batch, on_result)
 
-    async def async_eval(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
-        return await self.async_generate(batch, on_result)
-
     def abort_all(self, timeout_s: float = 60.0) -> None:
-        """Stop every running round and abort every engine; blocks until they are idle (only schedules
-        when called on the manager's loop, e.g. from an on_result callback)."""
-        self._aborts.abort_all(timeout_s)
-
-    async def async_abort_all(self, timeout_s: float = 60.0) -> None:
-        await self._aborts.async_abort_all(timeout_s)
+        """From another thread than generate's: stop every running round and abort every engine; blocks until
+        they are idle. (Inside a round, return True from on_result instead.)"""
+        self._call(self._gen.abort_all, timeout_s)
 
     # ---- memory and weights ---------------------------------------------------------------------------
     def offload(self, tags: list[str] | None = None) -> None:
         """Release every engine's memory (SGLang tags: weights, kv_cache, cuda_graph); engines must be idle."""
-        self._loop.call(self._memory(True, tags))
+        self._call(self._memory, True, tags)
 
     def onload(self, tags: list[str] | None = None) -> None:
-        self._loop.call(self._memory(False, tags))
-
-    async def async_offload(self, tags: list[str] | None = None) -> None:
-        await self._loop.run(self._memory(True, tags))
-
-    async def async_onload(self, tags: list[str] | None = None) -> None:
-        await self._loop.run(self._memory(False, tags))
+        self._call(self._memory, False, tags)
 
     async def _memory(self, release: bool, tags: list[str] | None) -> None:
         path = sgl.ENDPOINTS["release_memory" if release else "resume_memory"]
@@ -154,10 +150,7 @@ class RolloutManager:
     def update_weights(self, weights: Weights, weight_version: int | str) -> dict[int, Any]:
         """Load new weights on every engine: a state dict (put in Ray's object store once, shared), its
         ObjectRef, or an HF folder (update_weights_from_disk). Returns engine index -> reported version."""
-        return self._loop.call(self._update_weights(weights, weight_version))
-
-    async def async_update_weights(self, weights: Weights, weight_version: int | str) -> dict[int, Any]:
-        return await self._loop.run(self._update_weights(weights, weight_version))
+        return self._call(self._update_weights, weights, weight_version)
 
     async def _update_weights(self, weights: Weights, weight_version: int | str) -> dict[int, Any]:
         if isinstance(weights, (str, Path)):
@@ -196,30 +189,53 @@ class RolloutManager:
 
     # ---- health -------------------------------------------------------------------------------------
     def health_check(self) -> dict[int, str]:
-        """Probe every engine's /health_generate; restart dead or hung ones. Returns index -> ok | restarted."""
-        return self._loop.call(self._health_check())
+        """Probe every engine's /health_generate (/health while offloaded); restart dead or hung ones.
+        Returns index -> ok | restarted."""
+        return self._call(self._health_check)
 
-    async def async_health_check(self) -> dict[int, str]:
-        return await self._loop.run(self._health_check())
+    def start_health_monitor(self, interval_s: float) -> None:
+        """Check every engine's health every interval_s in the background (restarting dead or hung ones);
+        the constructor starts it when engines.health_interval_s > 0."""
+        if interval_s <= 0:
+            raise ValueError(f"start_health_monitor: interval_s must be > 0; got {interval_s}")
+        self.stop_health_monitor()
+        self._monitor = self._portal.start_task_soon(self._monitor_loop, interval_s)
+
+    def stop_health_monitor(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()  # a check under way goes on (shielded): it may be restarting an engine
+            self._monitor = None
+
+    @property
+    def health_monitor_running(self) -> bool:
+        return self._monitor is not None and not self._monitor.done()
+
+    async def _monitor_loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self._shared_health_check()
 
     async def _health_check(self) -> dict[int, str]:
         async with self._engine_lock:
-            timeout = self.cfg.health_timeout_s
-            healthy = await asyncio.gather(*(self._client(h.url).health(generate=True, timeout_s=timeout)
+            timeout, generate = self.cfg.health_timeout_s, not self._offloaded  # released memory cannot generate
+            healthy = await asyncio.gather(*(self._client(h.url).health(generate=generate, timeout_s=timeout)
                                              if h.url else _false() for h in self.engines))
             for handle, ok in zip(self.engines, healthy):
                 if not ok:
                     await self._restart(handle.index)
             return {h.index: "ok" if ok else "restarted" for h, ok in zip(self.engines, healthy)}
 
-    async def _recover(self) -> None:
-        """One health check shared by every request that failed meanwhile."""
+    async def _shared_health_check(self) -> None:
+        """One health check shared by every request that failed meanwhile and the monitor."""
         if self._health_task is None or self._health_task.done():
             self._health_task = asyncio.ensure_future(self._health_check())
         try:
             await asyncio.shield(self._health_task)
-        except Exception as err:  # the retry fails again and says why
+        except Exception as err:  # a failed request's retry fails again and says why
             log.warning("health check failed: %r", err)
+
+    async def _recover(self) -> None:
+        await self._shared_health_check()
         await asyncio.sleep(0.1)
 
     async def _restart(self, index: int) -> None:
@@ -239,27 +255,23 @@ class RolloutManager:
         await asyncio.to_thread(self.router.add_worker, handle.url)
         self.restarts += 1
 
-    def start_health_monitor(self, interval_s: float) -> None:
-        """Check every engine's health every interval_s in the background (restarting dead or hung ones)."""
-        self._loop.call(self._monitor.async_start(interval_s))
-
-    def stop_health_monitor(self) -> None:
-        self._loop.call(self._monitor.async_stop())
-
     # ---- shutdown -----------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Kill the engines' actors (their servers first), free the placement group, stop our router."""
-        if not self._loop.alive:
+        if self._portal is None:
             return
+        self.stop_health_monitor()
         try:
-            self._loop.call(self._shutdown())
+            self._call(self._shutdown)
         finally:
-            self._loop.stop()
+            self._portal, portal_cm = None, self._portal_cm
+            portal_cm.__exit__(None, None, None)
 
     async def _shutdown(self) -> None:
         if self._gen is not None:
             self._gen.stop_rounds()
-        self._monitor.stop()
+        if self._health_task is not None and not self._health_task.done():  # it may be restarting an engine
+            await asyncio.gather(self._health_task, return_exceptions=True)
         if self.router is not None and self.router.proc is None and self.pool is not None:
             for url in self.urls:  # an external router outlives us: take our workers off it
                 await asyncio.to_thread(self.router.remove_worker, url)

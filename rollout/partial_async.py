@@ -3,44 +3,44 @@ the dock as it arrives; once the dock is ready (>= GBS groups, rows at max age f
 aborts, and the partial tokens that come back stay in the dock for the next iteration.
 
 The stop check runs on every arriving response (finer than MindSpeed's "every 20 engine steps": a
-vectorised readiness check costs microseconds). Callbacks run on the engine client's thread while the
-calling thread waits in `generate`, so the dock is only ever touched by one thread at a time.
+vectorised readiness check costs microseconds); the callback that finds the dock ready returns True, which
+stops the round (see rollout.requests.Generator): the engine aborts and `generate` returns once it is idle.
+Callbacks run one at a time (on the manager's loop) while the calling thread waits in `generate`, and the
+rows left unanswered go back after it returns, so the dock is only ever touched by one thread at a time.
 """
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable
 
 import numpy as np
 
-from rollout.partial import (GenerationStats, Generator, SamplingSettings, build_requests, parse_responses,
-                             request_seeds)
+from rollout.requests import (GenerationStats, Generator, SamplingSettings, build_requests, parse_responses,
+                              request_seeds)
 
 
 class _AsyncRound:
-    def __init__(self, dock, engine, rows: np.ndarray, weight_version: int, stats: GenerationStats,
+    def __init__(self, dock, rows: np.ndarray, weight_version: int, stats: GenerationStats,
                  on_round: Callable[[dict], None] | None, target_groups: int, start: float):
-        self.dock, self.engine, self.rows = dock, engine, rows
+        self.dock, self.rows = dock, rows
         self.weight_version, self.stats, self.on_round = weight_version, stats, on_round
         self.target_groups, self.start = target_groups, start
         self.written = np.zeros(len(rows), dtype=bool)
         self.stopping = False
-        self.lock = threading.Lock()
         self.last_report = 0.0
 
-    def on_result(self, index: int, response: dict) -> None:
+    def on_result(self, index: int, response: dict) -> bool:
+        """Write the answer into the dock; True (stop the round) once the dock is ready."""
+        if self.written[index]:
+            return False  # an engine restart may deliver a retried request twice: keep the first
         tokens, logprobs, stopped, version = parse_responses([response], self.weight_version)
-        with self.lock:
-            if self.written[index]:
-                return  # an engine restart may deliver a retried request twice: keep the first
-            self.dock.put_generation(self.rows[index:index + 1], tokens, logprobs, version, stopped)
-            self.written[index] = True
-            self.stats.tokens_generated += len(tokens[0])
-            if not self.stopping and self.dock.update_ready():
-                self.stopping = True
-                self.engine.abort_all()
-            self._report()
+        self.dock.put_generation(self.rows[index:index + 1], tokens, logprobs, version, stopped)
+        self.written[index] = True
+        self.stats.tokens_generated += len(tokens[0])
+        stop = not self.stopping and bool(self.dock.update_ready())
+        self.stopping |= stop
+        self._report()
+        return stop
 
     def _report(self) -> None:
         now = time.perf_counter()
@@ -51,9 +51,8 @@ class _AsyncRound:
                            "elapsed_s": now - self.start})
 
     def release_unwritten(self) -> None:
-        with self.lock:
-            left = self.rows[~self.written]
-            self.written[:] = True
+        left = self.rows[~self.written]
+        self.written[:] = True
         if len(left):
             self.dock.release(left)
 
@@ -73,7 +72,7 @@ def generate_until_ready_async(dock, engine: Generator, rollout_cfg, sampling: S
         inputs, max_new = dock.generation_inputs(rows, None)
         stats.rounds += 1
         stats.requests += len(rows)
-        round_ = _AsyncRound(dock, engine, rows, weight_version, stats, on_round, rollout_cfg.global_batch_size, start)
+        round_ = _AsyncRound(dock, rows, weight_version, stats, on_round, rollout_cfg.global_batch_size, start)
         requests = build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling))
         engine_start = time.perf_counter()
         try:

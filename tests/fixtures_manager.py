@@ -2,7 +2,8 @@
 behind the real sglang-router that the manager starts, all on 127.0.0.1.
 
 Tests that change it put it back: weights are restored to the checkpoint (version 0) and a killed engine
-is restarted by the manager itself.
+is restarted by the manager itself. The background health monitor is off here (tests that want it start it),
+so that a test decides which check finds a broken engine.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ def rollout_manager(ray_session, varied_model_dir):
     from infra.config import EnginesConfig
     from rollout.manager import RolloutManager
 
-    cfg = EnginesConfig(rollout_num_gpus=2, gpus_per_engine=1, max_running_requests=32, health_timeout_s=3.0)
+    cfg = EnginesConfig(rollout_num_gpus=2, gpus_per_engine=1, max_running_requests=32, health_timeout_s=3.0,
+                        health_interval_s=0)
     manager = RolloutManager(cfg, varied_model_dir, use_gpu=False)
     try:
         yield manager

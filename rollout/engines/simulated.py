@@ -2,7 +2,8 @@
 
     engine = SimulatedEngine(EngineTiming(), LognormalLengths(n=16))
     answers = engine.generate(requests, on_result=None)   # SGLang /generate answers, in input order
-    engine.abort_all()                                     # from an on_result callback: stop right there
+    on_result(index, answer) -> True                       # stop right there (as RolloutManager does)
+    engine.abort_all()                                     # the same, called from an on_result callback
     engine.update_weights(None, version); engine.advance(seconds); engine.clock_s; engine.usage()
 
 Timing model (all in integer nanoseconds, so hand-computed cases are exact):
@@ -14,9 +15,9 @@ Timing model (all in integer nanoseconds, so hand-computed cases are exact):
   `prefill_per_token_s x their input length` (prompt + partial response: a continued row is re-prefilled).
 - A request ends at its sample's natural length (last token EOS, finish "stop"; "length" when that EOS
   falls on the last allowed position, as SGLang reports it) or at max_new_tokens ("length").
-- abort_all() from inside on_result at virtual time T: every running request answers with the tokens of
-  the steps its engine completed by T (finish "abort"; a request whose last step ended exactly at T has
-  finished normally), queued requests answer with none, and the clock stops at T.
+- on_result returning True (or calling abort_all()) at virtual time T: every running request answers with
+  the tokens of the steps its engine completed by T (finish "abort"; a request whose last step ended exactly
+  at T has finished normally), queued requests answer with none, and the clock stops at T.
 
 The loop is event-driven: between two events an engine's batch is fixed, so it jumps straight to the
 next time a request ends on any engine. Costs are per request, never per token or per step.
@@ -244,5 +245,5 @@ class SimulatedEngine:
         self.tokens_generated += produced
         self.requests_done += 1
         self._results[req.index] = response
-        if self._on_result is not None:
-            self._on_result(req.index, response)
+        if self._on_result is not None and self._on_result(req.index, response) is True:
+            self.abort_all()

@@ -1,7 +1,7 @@
 """RolloutManager with real parts: Ray actors holding torch engines, the real sglang-router, real HTTP.
 
 The shared `rollout_manager` (two engines) is put back after each test that changes it; the shutdown test
-starts its own one-engine manager.
+starts its own one-engine manager, with the health monitor on from its config.
 """
 from __future__ import annotations
 
@@ -75,10 +75,14 @@ def test_generate_through_router_in_order_with_callbacks(rollout_manager):
         assert direct["output_ids"] == results[2]["output_ids"]
 
 
-def test_async_generate_from_another_event_loop(rollout_manager):
+def test_generate_from_inside_another_event_loop(rollout_manager):
+    """The API is sync; code on an event loop of its own (a custom rollout function) runs it in a thread."""
     import asyncio
 
-    results = asyncio.run(rollout_manager.async_generate(batch(GREEDY, PROMPTS[:3])))
+    async def custom_rollout() -> list[dict]:
+        return await asyncio.to_thread(rollout_manager.generate, batch(GREEDY, PROMPTS[:3]))
+
+    results = asyncio.run(custom_rollout())
     assert [r["meta_info"]["prompt_tokens"] for r in results] == [len(p) for p in PROMPTS[:3]]
 
 
@@ -120,21 +124,34 @@ def test_abort_all_mid_generation_returns_partial_tokens_and_idles(rollout_manag
     assert len(m.generate(batch(GREEDY, PROMPTS[:2]))) == 2  # the next round runs normally
 
 
-def test_abort_all_from_on_result_callback(rollout_manager):
-    """The partial-rollout driver's pattern: abort once enough answers are in, from the callback."""
+def test_on_result_returning_true_stops_the_round_and_generate_returns_idle(rollout_manager):
+    """The async partial-rollout driver's pattern: once enough answers are in, the callback says stop."""
     m = rollout_manager
     short = batch({"max_new_tokens": 2, "temperature": 0}, PROMPTS[:4])
     done: list[int] = []
 
-    def on_result(index: int, _response: dict) -> None:
+    def on_result(index: int, _response: dict) -> bool:
         done.append(index)
-        if len(done) == 4:
-            m.abort_all()  # on the manager's loop: schedules the abort, returns at once
+        return len(done) >= 4
 
     results = m.generate(short + batch(LONG), on_result=on_result)
     kinds = [r["meta_info"]["finish_reason"]["type"] for r in results]
     assert "abort" not in kinds[:4] and set(kinds[4:]) == {"abort"}, kinds
-    assert wait_until(lambda: all(loads(u) == (0, 0) for u in m.urls), 10)
+    assert sorted(done) == list(range(len(results)))  # every answer reached the callback once
+    assert all(loads(u) == (0, 0) for u in m.urls)  # idle when generate returned, not some time later
+    after = m.generate(batch({**LONG, "max_new_tokens": 5}, PROMPTS[:2]))  # no abort left over to cut it
+    assert [len(r["output_ids"]) for r in after] == [5, 5]
+
+
+def test_calling_the_manager_from_a_callback_fails_clearly(rollout_manager):
+    m = rollout_manager
+
+    def on_result(index: int, _response: dict) -> None:
+        m.abort_all()
+
+    with pytest.raises(RuntimeError, match="return True from on_result"):
+        m.generate(batch(GREEDY, PROMPTS[:2]), on_result=on_result)
+    assert len(m.generate(batch(GREEDY, PROMPTS[:2]))) == 2
 
 
 def test_kill_9_engine_mid_batch_every_request_completes_and_engine_returns(rollout_manager):
@@ -194,14 +211,20 @@ def test_offload_then_onload(rollout_manager):
     assert len(m.generate(batch(GREEDY, PROMPTS[:2]))) == 2
 
 
-def test_shutdown_leaves_no_process(ray_session, varied_model_dir):
+def test_shutdown_leaves_no_process_and_stops_the_monitor_started_from_config(ray_session, varied_model_dir):
     from infra.config import EnginesConfig
     from rollout.manager import RolloutManager
 
-    m = RolloutManager(EnginesConfig(rollout_num_gpus=1, max_running_requests=4), varied_model_dir, use_gpu=False)
+    m = RolloutManager(EnginesConfig(rollout_num_gpus=1, max_running_requests=4, health_interval_s=0.2),
+                       varied_model_dir, use_gpu=False)
+    assert m.health_monitor_running  # what it does when an engine hangs: the test above
+    time.sleep(0.5)  # a few checks of a healthy engine restart nothing
+    assert m.health_monitor_running and m.restarts == 0
     pids = [pid for h in m.engines for pid in h.pids]
     router_pid, router_url, urls = m.router.proc.pid, m.router_url, list(m.urls)
     m.shutdown()
+    m.shutdown()  # a second call is a no-op
+    assert not m.health_monitor_running
 
     def gone(pid: int) -> bool:
         try:

@@ -4,8 +4,9 @@ import pytest
 
 from infra.config import RolloutConfig
 from rollout.dock import TransferDock
-from rollout.partial import SamplingSettings, generate_until_ready_sync
 from rollout.partial_async import generate_until_ready_async
+from rollout.partial import generate_until_ready_sync  # TEMP until the move
+from rollout.requests import SamplingSettings
 
 EOS = 1
 
@@ -30,13 +31,9 @@ class Recording:
     def generate(self, requests, on_result=None):
         def record(i, resp):
             self.tokens_returned += len(resp["output_ids"])
-            if on_result:
-                on_result(i, resp)
-        out = self.manager.generate(requests, on_result=record)
-        return out
+            return on_result(i, resp) if on_result else None  # True stops the round
 
-    def abort_all(self):
-        self.manager.abort_all()
+        return self.manager.generate(requests, on_result=record)
 
 
 def test_sync_rounds_cut_at_max_tokens_over_max_split(rollout_manager):
@@ -67,7 +64,7 @@ def test_async_abort_keeps_exactly_the_tokens_produced(rollout_manager):
     partial = dock.generated & ~dock.complete
     assert partial.any(), "with 8 groups and a long budget some rows should have been cut"
     assert not dock.in_flight.any()
-    # the abort started from a callback is over when generate() returns: the next round is not cut
+    # the abort the callback asked for is over when generate() returns: the next round is not cut
     after = rollout_manager.generate([{"input_ids": [14, 44, 11, 41], "sampling_params": {
         "max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}}])
     assert after[0]["meta_info"]["finish_reason"]["type"] == "length" and len(after[0]["output_ids"]) == 3
