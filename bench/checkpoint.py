@@ -33,6 +33,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # the Se
 
 from infra.checkpoint import (MAX_OBJECT_BYTES, CheckpointState, plan_objects, checkpoint_name,  # noqa: E402
                               load_checkpoint, save_checkpoint)
+from infra.checkpoint_objects import object_bytes  # noqa: E402
 from infra.storage import open_store  # noqa: E402
 from infra.train_state import flatten_optimizer_state  # noqa: E402
 from seaweed_server import SeaweedS3  # noqa: E402
@@ -80,11 +81,11 @@ def plain_payloads(state: CheckpointState, max_object_bytes: int) -> dict[str, C
     """key -> a function making the exact bytes of that checkpoint object (called outside the timed part,
     one object at a time, so the plain runs never hold a second copy of the whole state)."""
     objects, _ = plan_objects(state, max_object_bytes)
-    out = {key: (lambda bufs=bufs: b"".join(bytes(b) for b in bufs)) for key, bufs in objects.items()}
+    out = {key: (lambda kind=kind, values=values: object_bytes(kind, values)) for key, (kind, values) in objects.items()}
     meta = json.dumps(state.meta).encode()
     out["meta.json"] = lambda: meta
-    manifest = json.dumps({"objects": {k: {"size": sum(len(b) for b in bufs), "sha256": "0" * 64}
-                                       for k, bufs in objects.items()}}, indent=1).encode()
+    manifest = json.dumps({"objects": {k: {"size": len(make()), "sha256": "0" * 64}
+                                       for k, make in out.items()}}, indent=1).encode()
     out["manifest.json"] = lambda: manifest
     return out
 

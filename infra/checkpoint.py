@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from infra import tensor_codec as codec
+from infra import checkpoint_objects as objects_io
+from infra.checkpoint_objects import ARRAYS, TENSORS, ObjectFormatError
 from infra.hooks import hook_point
 from infra.storage import ObjectInfo, ObjectMissing, Store
 
@@ -114,20 +115,24 @@ def _first_non_json(value, path: str = "meta") -> str | None:
     return None if ok else f"{path} ({type(value).__name__})"
 
 
-def plan_objects(state: CheckpointState, max_object_bytes: int) -> tuple[dict[str, list], dict]:
-    """key -> buffers to write, and the manifest's group index: kind -> group -> [keys]."""
-    objects: dict[str, list] = {}
-    groups: dict = {"tensors": {}, "arrays": {}}
-    for kind, groups_in, to_entry in (("tensors", state.tensors, codec.tensor_entry),
-                                      ("arrays", state.arrays, codec.array_entry)):
+def plan_objects(state: CheckpointState, max_object_bytes: int) -> tuple[dict[str, tuple[str, dict]], dict]:
+    """key -> (kind, {name: tensor or array}) of each object to write, and the manifest's group index:
+    kind -> group -> [keys]."""
+    objects: dict[str, tuple[str, dict]] = {}
+    groups: dict = {TENSORS: {}, ARRAYS: {}}
+    for kind, groups_in, prepare in ((TENSORS, state.tensors, objects_io.tensors_for_save),
+                                     (ARRAYS, state.arrays, objects_io.arrays_for_save)):
         for group, values in groups_in.items():
             if not _GROUP.match(group):
                 raise CheckpointError(f"{kind} group name {group!r} must match {_GROUP.pattern}")
-            entries = {name: to_entry(f"{group}.{name}", v) for name, v in values.items()}
+            try:
+                values = prepare(group, values)
+            except ObjectFormatError as err:
+                raise CheckpointError(f"checkpoint {kind}: {err}") from None
             keys = []
-            for i, shard in enumerate(codec.split_shards(entries, max_object_bytes)):
+            for i, shard in enumerate(objects_io.split_shards(values, max_object_bytes)):
                 key = f"{kind}/{group}-{i:05d}.safetensors"
-                objects[key] = codec.encode(shard)
+                objects[key] = (kind, shard)
                 keys.append(key)
             groups[kind][group] = keys
     return objects, groups
@@ -181,11 +186,14 @@ def save_checkpoint(store: Store, state: CheckpointState, keep: int | None = Non
     # manifest no longer verifies, and leftovers outside the new manifest go when prune drops the prefix.
     start = time.perf_counter()
     objects, groups = plan_objects(state, max_object_bytes)
-    objects[META] = [meta_bytes]
-    total = sum(len(b) for bufs in objects.values() for b in bufs)
-    infos: dict[str, ObjectInfo] = _run_all(
-        {key: (store.put_buffers, f"{name}/{key}", bufs) for key, bufs in objects.items()},
-        workers or _auto_workers(store, total))
+    total = len(meta_bytes) + sum(objects_io.nbytes(v) for _, values in objects.values() for v in values.values())
+    calls = {key: (objects_io.put_object, store, f"{name}/{key}", kind, values)
+             for key, (kind, values) in objects.items()}
+    calls[META] = (store.put_bytes, f"{name}/{META}", meta_bytes)
+    try:
+        infos: dict[str, ObjectInfo] = _run_all(calls, workers or _auto_workers(store, total))
+    except ObjectFormatError as err:
+        raise CheckpointError(f"checkpoint {store.key_url(name)}: {err}") from None
     hook_point("checkpoint_manifest", state.iteration)  # crash tests: every object written, no manifest yet
     manifest = {"format": FORMAT, "iteration": state.iteration, "created_unix": time.time(), "groups": groups,
                 "meta": META, "objects": {k: {"size": i.size, "sha256": i.sha256} for k, i in infos.items()}}
@@ -216,39 +224,35 @@ def _read_manifest(store: Store, name: str) -> dict:
         raise CheckpointError(f"manifest {url} is unreadable (truncated or corrupt): {err}") from None
 
 
-def _read_object(store: Store, name: str, key: str, spec: dict, decode=None):
-    """The object's bytes once they match the manifest, decoded by `decode` when given (on the thread that
-    read them, while other threads still hash)."""
+def _read_object(store: Store, name: str, key: str, spec: dict, kind: str | None):
+    """The object once it matches the manifest: {name: tensor/array} for a kind, else its bytes."""
     url = store.key_url(f"{name}/{key}")
+
+    def verify(info: ObjectInfo) -> None:
+        if info.size != spec["size"] or info.sha256 != spec["sha256"]:
+            raise CheckpointError(f"object {url} is corrupt: {info.size} bytes with sha256 {info.sha256[:12]}..., "
+                                  f"manifest says {spec['size']} bytes with sha256 {str(spec['sha256'])[:12]}...")
     try:
-        buf, info = store.get_buffer(f"{name}/{key}", size=spec["size"])
+        return objects_io.read_object(store, f"{name}/{key}", kind, spec["size"], verify)
     except ObjectMissing:
         raise CheckpointError(f"object {url} listed in the manifest is missing") from None
-    if info.size != spec["size"] or info.sha256 != spec["sha256"]:
-        raise CheckpointError(f"object {url} is corrupt: {info.size} bytes with sha256 {info.sha256[:12]}..., "
-                              f"manifest says {spec['size']} bytes with sha256 {str(spec['sha256'])[:12]}...")
-    if decode is None:
-        return buf
-    try:
-        return decode(buf)[0]
-    except (ValueError, KeyError) as err:  # FormatError is a ValueError
+    except ObjectFormatError as err:
         raise CheckpointError(f"object {url} does not decode: {err}") from None
 
 
 def load_checkpoint(store: Store, iteration: int, *, workers: int | None = None) -> CheckpointState:
     """Load and verify one checkpoint; CheckpointError if it is incomplete or any object does not match.
-    Tensors and arrays view the verified buffers without copying (on file://, objects from 1 MiB on are
-    mapped copy-on-write: writing to a loaded tensor never changes the checkpoint)."""
+    On file:// tensors map the verified files copy-on-write (no copy; writing to one never changes the
+    checkpoint)."""
     name = checkpoint_name(iteration)
     manifest = _read_manifest(store, name)
     if manifest.get("iteration") != iteration:
         raise CheckpointError(f"manifest {store.key_url(name + '/' + MANIFEST)} is for iteration "
                               f"{manifest.get('iteration')}, not {iteration}")
     objects, groups = manifest["objects"], manifest["groups"]
-    decoders = {k: codec.decode_tensors for keys in groups.get("tensors", {}).values() for k in keys}
-    decoders.update({k: codec.decode_arrays for keys in groups.get("arrays", {}).values() for k in keys})
+    kinds = {k: kind for kind in (TENSORS, ARRAYS) for keys in groups.get(kind, {}).values() for k in keys}
     total = sum(spec["size"] for spec in objects.values())
-    got = _run_all({key: (_read_object, store, name, key, spec, decoders.get(key))
+    got = _run_all({key: (_read_object, store, name, key, spec, kinds.get(key))
                          for key, spec in objects.items()}, workers or _auto_workers(store, total))
     try:
         state = CheckpointState(iteration=iteration, meta=json.loads(bytes(got[manifest["meta"]])))

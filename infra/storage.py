@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Sequence
+from typing import Callable, Sequence
 from urllib.parse import urlsplit
 
 from fsspec.implementations.local import LocalFileSystem
@@ -17,7 +17,8 @@ from fsspec.implementations.local import LocalFileSystem
 from infra.config import StorageConfig
 from infra.storage_errors import (Fixes, ObjectMissing, Redactor, RetryPolicy, StorageAuthError, StorageError,
                                   StorageUnreachable, log, with_retries)
-from infra.storage_io import CallTimeout, ObjectInfo, local_get, local_get_bytes, local_put, s3_delete, s3_get, s3_put
+from infra.storage_io import (CallTimeout, ObjectInfo, local_get, local_get_bytes, local_put, local_put_written, s3_delete,
+                              s3_get, s3_put)
 
 __all__ = ["Store", "ObjectInfo", "open_store", "check_storage", "resolve_storage_url", "StorageError", "StorageAuthError",
            "StorageUnreachable", "ObjectMissing", "RetryPolicy"]
@@ -63,6 +64,13 @@ class Store:
 
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
         return self.put_buffers(key, [data])
+
+    def put_written(self, key: str, write: Callable[[str], None]) -> ObjectInfo:
+        """Local stores only: `write(path)` writes the object to a temporary path (hashed, then renamed into
+        place), e.g. a library's save_file writing straight from tensor memory."""
+        if not self.is_local:
+            raise StorageError(f"{self.url} is not a local store; use put_bytes")
+        return self._retry("write", key, lambda: local_put_written(self.path(key), write))
 
     def _put_once(self, key: str, buffers: Sequence) -> ObjectInfo:
         if self.is_local:

@@ -8,7 +8,7 @@ import mmap
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 CHUNK_BYTES = 16 << 20  # granularity of S3 ranged reads and of buffers cut for writing
 WRITE_BATCH_BYTES = 4 << 20  # hashed, then written while still in the CPU cache
@@ -108,6 +108,22 @@ def local_put(path: str, buffers: Sequence) -> ObjectInfo:
             os.remove(tmp)
         raise
     return hasher.result()
+
+
+def local_put_written(path: str, write: Callable[[str], None]) -> ObjectInfo:
+    """`write(tmp_path)` makes the object (e.g. safetensors' save_file); it is hashed from the page cache
+    (mapped, no copy) and renamed into place, so a reader never sees half an object."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        write(tmp)
+        info = local_get(tmp, None)[1]
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    return info
 
 
 def new_buffer(size: int) -> memoryview:
