@@ -254,7 +254,7 @@ class ContinuousBatcher:
             if req.return_logprob:
                 req.logprobs.append(logprobs[i])
             n = len(req.output_ids)
-            if n >= req.max_output:  # checked first: EOS on the last allowed position reports length
-                self._finish(req, {"type": "length", "length": n})
-            elif tok in req.stop_ids:
+            if tok in req.stop_ids:  # checked first: an EOS on the last allowed position is a stop (SGLang 0.5.23)
                 self._finish(req, {"type": "stop", "matched": tok})
+            elif n >= req.max_output:
+                self._finish(req, {"type": "length", "length": n})

@@ -13,8 +13,8 @@ Timing model (all in integer nanoseconds, so hand-computed cases are exact):
 - Every engine steps on its own clock. One decode step costs `step_base_s + step_per_seq_s x active`
   and gives every active request one token. The step in which requests are admitted also costs
   `prefill_per_token_s x their input length` (prompt + partial response: a continued row is re-prefilled).
-- A request ends at its sample's natural length (last token EOS, finish "stop"; "length" when that EOS
-  falls on the last allowed position, as SGLang reports it) or at max_new_tokens ("length").
+- A request ends at its sample's natural length (last token EOS, finish "stop" with "matched", also when that
+  EOS falls on the last allowed position, as SGLang 0.5.23 reports it) or at max_new_tokens ("length").
 - on_result returning True (or calling abort_all()) at virtual time T: every running request answers with
   the tokens of the steps its engine completed by T (finish "abort"; a request whose last step ended exactly
   at T has finished normally), queued requests answer with none, and the clock stops at T.
@@ -213,8 +213,8 @@ class SimulatedEngine:
 
     @staticmethod
     def _finish_type(req: _Request) -> str:
-        """SGLang: an EOS on the last allowed position reports "length"."""
-        return "stop" if req.eos and req.produce < req.budget else "length"
+        """SGLang 0.5.23: an EOS ends a request with "stop", also on the last allowed position."""
+        return "stop" if req.eos else "length"
 
     def _abort_everything(self, queue: deque) -> None:
         """At the current time: running requests answer with what their engine's completed steps gave them."""

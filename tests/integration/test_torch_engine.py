@@ -77,11 +77,13 @@ def test_logprobs_match_forward(varied_engine, varied_hf, temperature):
         assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
 
 
-def test_eos_on_last_allowed_position_reports_length(varied_engine, varied_hf):
+def test_eos_on_last_allowed_position_reports_stop(varied_engine, varied_hf):
+    """SGLang 0.5.23 (../shared/sglang-contract): stop before length, the EOS included."""
     prompt = next(p for p in PROMPTS if 1 in hf_greedy(varied_hf, p, 24))
     n = hf_greedy(varied_hf, prompt, 24).index(1) + 1
     res = run(generate_all(varied_engine.url, [prompt], {"max_new_tokens": n, "temperature": 0}))[0]
-    assert res.output_ids[-1] == 1 and res.meta_info.finish_reason.type == "length"
+    assert res.output_ids[-1] == 1 and len(res.output_ids) == n
+    assert res.meta_info.finish_reason.type == "stop" and res.meta_info.finish_reason.matched == 1
 
 
 def test_abort_mid_generation_then_continue_matches_uninterrupted(varied_engine):

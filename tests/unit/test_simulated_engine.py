@@ -7,11 +7,12 @@ import pytest
 
 from infra.config import RolloutConfig
 from rollout.dock import TransferDock
+from rollout.dock_staleness import token_staleness_max
 from rollout.engines.protocol import GenerateResponse
 from rollout.engines.simulated import EngineTiming, SimulatedEngine
 from rollout.engines.simulated_workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths,
-                                                TableLengths, parse_simulated_input, simulated_prompt)
-from rollout.partial import SamplingSettings, generate_until_ready_sync
+                                                TableLengths, answer, parse_simulated_input, simulated_prompt)
+from rollout.partial import SamplingSettings, generate_until_ready_sync, parse_responses
 from rollout.partial_async import generate_until_ready_async
 from tasks.prompts import groups_for_iteration
 
@@ -80,16 +81,40 @@ def test_engines_run_on_their_own_clocks_and_first_fill_is_round_robin():
     assert eng.usage()["engine_busy_s"] == pytest.approx(0.03 + 0.07)
 
 
-def test_budget_limits_and_eos_on_the_last_position_reports_length():
+def test_budget_limits_and_eos_on_the_last_position_reports_stop():
     eng = engine({0: [4, 9]})
     out = eng.generate([request(simulated_prompt(0, 3), max_new=4), request(simulated_prompt(0, 3), max_new=4)])
-    assert out[0]["output_ids"][-1] == EOS and out[0]["meta_info"]["finish_reason"]["type"] == "length"
+    # SGLang 0.5.23 (../shared/sglang-contract): an EOS on the last allowed position is a stop, token included
+    assert out[0]["output_ids"][-1] == EOS and len(out[0]["output_ids"]) == 4
+    assert out[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
     assert out[1]["output_ids"][-1] == FILL_TOKEN and out[1]["meta_info"]["finish_reason"] == {"type": "length",
                                                                                                  "length": 4}
     assert eng.generate([request(simulated_prompt(5, 3), max_new=0)])[0]["output_ids"] == []  # answered at once
-    for answer in out:
-        GenerateResponse.model_validate(answer)  # SGLang's shape, as the client parses it
-        assert [e[1] for e in answer["meta_info"]["output_token_logprobs"]] == answer["output_ids"]
+    for reply in out:
+        GenerateResponse.model_validate(reply)  # SGLang's shape, as the client parses it
+        assert [e[1] for e in reply["meta_info"]["output_token_logprobs"]] == reply["output_ids"]
+
+
+def test_the_dock_counts_an_eos_on_the_last_position_as_stopped_however_it_is_reported():
+    """Engine answer -> parse_responses -> dock: the truncated flag (truncated_share, Sample.status) is "complete
+    without a stop"; an EOS at the budget's last position is a stop whether the engine says stop (SGLang 0.5.23,
+    the engines here) or length (older engines): the dock also checks the last token against its EOS ids."""
+    cfg = RolloutConfig(global_batch_size=1, n_samples_per_prompt=2, max_tokens=4, max_model_len=12, max_split=1)
+    dock = TransferDock.from_config(cfg, [EOS])
+    dock.load_groups([0], [simulated_prompt(0, 4)], [0])
+    generate_until_ready_sync(dock, engine({0: [4, 9]}), cfg, SamplingSettings(stop_token_ids=[EOS]), weight_version=0)
+    dock.select_batch()
+    assert dock.batch_arrays()["truncated"].tolist() == [False, True]
+    assert [s.status.value for s in dock.batch_samples()[0]] == ["completed", "truncated"]
+    dock = TransferDock.from_config(cfg, [EOS])
+    dock.load_groups([0], [simulated_prompt(0, 4)], [0])
+    ids = [[SAMPLE_KEY_BASE, FILL_TOKEN, FILL_TOKEN, EOS], [SAMPLE_KEY_BASE, FILL_TOKEN, FILL_TOKEN, 9]]
+    answers = [answer("a", 4, ids[0], [[-1.0, t, None] for t in ids[0]], "length", EOS, 0, 0.0),
+               answer("b", 4, ids[1], [[-1.0, t, None] for t in ids[1]], "stop", EOS, 0, 0.0)]  # a stop string
+    tokens, logprobs, stopped, versions = parse_responses(answers, 0)
+    assert stopped.tolist() == [False, True]
+    dock.put_generation(dock.take_rows(), tokens, logprobs, versions, stopped)
+    assert dock.stopped[:2].tolist() == [True, True] and dock.complete[:2].all()
 
 
 def test_abort_from_a_callback_stops_the_clock_and_keeps_the_tokens_so_far():
@@ -146,14 +171,14 @@ def test_lognormal_lengths_are_seeded_per_group():
     assert 1700 < np.median(many) < 2300 and many.min() >= 1
 
 
-def run_iterations(mode: str, max_split: int, iterations: int = 4, extra: int = 0) -> tuple[float, float]:
-    """A small long-tail workload through the real dock and drivers -> (trained tokens per s, stale share)."""
+def run_iterations(mode: str, max_split: int, iterations: int = 4, extra: int = 0) -> tuple[float, float, int]:
+    """A small long-tail workload through the real dock and drivers -> (trained tokens per s, stale share,
+    token_staleness_max over the run)."""
     cfg = RolloutConfig(global_batch_size=16, n_samples_per_prompt=4, max_tokens=2048, max_model_len=2048 + 16,
                         max_split=max_split, mode=mode, over_sampling_groups=extra)
-    dock = TransferDock.from_config(cfg, [EOS])
-    dock.require_max_age_all_finished = mode == "async"  # as flows/setup.py builds it
+    dock = TransferDock.from_config(cfg, [EOS])  # the staleness bound on, as in a run
     eng = SimulatedEngine(EngineTiming(num_engines=2, slots_per_engine=16), LognormalLengths(n=4, median=150, seed=1))
-    next_id, tokens, stale = 0, 0, 0
+    next_id, tokens, stale, worst = 0, 0, 0, 0
     for it in range(iterations):
         count = groups_for_iteration(dock, it, 1000)
         dock.load_groups(np.arange(next_id, next_id + count), [simulated_prompt(g, 8) for g in range(next_id, next_id + count)],
@@ -166,17 +191,25 @@ def run_iterations(mode: str, max_split: int, iterations: int = 4, extra: int = 
         assert not dock.in_flight.any() and len(batch["group_ids"]) == 16
         tokens += int(batch["response_lengths"].sum())
         stale += int((batch["weight_versions"] < it).sum())
+        worst = max(worst, token_staleness_max(batch["weight_versions"], it))
         dock.clear()
         eng.update_weights(None, it + 1)
-    return tokens / eng.clock_s, stale / tokens
+    return tokens / eng.clock_s, stale / tokens, worst
 
 
 def test_partial_rollout_beats_no_partial_on_a_long_tail():
-    base, base_stale = run_iterations("sync", 1)
-    sync4, _ = run_iterations("sync", 4)
-    async_, async_stale = run_iterations("async", 2)
+    base, base_stale, _ = run_iterations("sync", 1)
+    sync4, _, _ = run_iterations("sync", 4)
+    async_, async_stale, _ = run_iterations("async", 2)
     assert base_stale == 0 and async_stale > 0
     assert sync4 > 1.1 * base and async_ > 1.2 * base, (base, sync4, async_)
+
+
+@pytest.mark.parametrize("mode,max_split,extra", [("sync", 3, 0), ("sync", 2, 8), ("async", 2, 0), ("async", 1, 8)])
+def test_the_real_drivers_keep_the_staleness_bound(mode, max_split, extra):
+    cfg = RolloutConfig(max_split=max_split, mode=mode, over_sampling_groups=extra)
+    _, stale_share, worst = run_iterations(mode, max_split, iterations=5, extra=extra)
+    assert 0 < worst <= cfg.effective_max_age - 1 and stale_share > 0
 
 
 def test_longtail_bench_prints_one_json_line_per_mode(capsys):
