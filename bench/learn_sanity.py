@@ -23,7 +23,7 @@ import torch
 from infra.config import GRPOConfig, OptimizerConfig, TinyModelConfig
 from infra.models import build_tiny_model, load_tokenizer
 from rollout import toy_task
-from tasks.batching import TrainBatch
+from rollout.batch import from_sequences
 from tasks.grpo_loss import group_advantages
 from tasks.learner import LearnerActor
 
@@ -93,9 +93,8 @@ def main() -> None:
         rewards = np.array([toy_task.reward(t, lab) for t, lab in zip(texts, row_labels)])
         adv = group_advantages(rewards.reshape(args.prompts, args.n))
         tokens = [p + r for p, r in zip([p for p in prompt_ids for _ in range(args.n)], responses)]
-        batch = TrainBatch(tokens=tokens, response_lengths=[len(r) for r in responses],
-                           loss_masks=[[1] * len(r) for r in responses], advantages=adv.reshape(-1).tolist(),
-                           rollout_logprobs=rollout_lp, weight_versions=[[version] * len(r) for r in responses])
+        batch = from_sequences(tokens, [len(r) for r in responses], rollout_lp,
+                               [[version] * len(r) for r in responses], advantages=adv.reshape(-1), n=args.n)
         metrics = learner.update(batch)
         past.append(copy.deepcopy(learner.model.state_dict()))
         curve.append(float(rewards.mean()))

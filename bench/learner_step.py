@@ -15,11 +15,11 @@ import torch
 
 from infra.config import GRPOConfig, OptimizerConfig
 from infra.models import build_tiny_model
-from tasks.batching import TrainBatch
+from rollout.batch import RolloutBatch, from_sequences
 from tasks.learner import LearnerActor
 
 
-def random_batch(samples: int, tokens: int, seed: int) -> TrainBatch:
+def random_batch(samples: int, tokens: int, seed: int) -> RolloutBatch:
     """`samples` sequences of ~`tokens` tokens (prompt 4-6, the rest response, +-25%)."""
     rng = np.random.default_rng(seed)
     toks, resp = [], []
@@ -28,9 +28,8 @@ def random_batch(samples: int, tokens: int, seed: int) -> TrainBatch:
         r = max(1, int(rng.integers(int(0.75 * (tokens - prompt)), int(1.25 * (tokens - prompt)) + 1)))
         toks.append(rng.integers(2, 40, prompt + r).tolist())
         resp.append(r)
-    return TrainBatch(tokens=toks, response_lengths=resp, loss_masks=[[1] * r for r in resp],
-                      advantages=rng.normal(size=samples).tolist(),
-                      rollout_logprobs=[[-3.0] * r for r in resp], weight_versions=[[0] * r for r in resp])
+    return from_sequences(toks, resp, [[-3.0] * r for r in resp], [[0] * r for r in resp],
+                          advantages=rng.normal(size=samples))
 
 
 def main() -> None:

@@ -213,3 +213,9 @@ def report_markdown(run_dir: Path, plots: list[Path], summary: dict) -> str:
 
 def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def build_report(run_dir: str | Path, summary: dict) -> tuple[list[Path], str]:
+    """The plots and their markdown page, for RunTracker.finish(report=...)."""
+    plots = write_report(run_dir)
+    return plots, report_markdown(Path(run_dir), plots, summary)

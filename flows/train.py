@@ -14,6 +14,7 @@ from prefect import flow
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.utilities.annotations import quote
 
+from flows.report import build_report
 from flows.run_lock import acquire_run_lock
 from flows.setup import Run, build_run, shutdown_run
 from infra.config import RunConfig
@@ -131,7 +132,7 @@ def grpo_train(config: RunConfig, resume: bool = False) -> dict:
                                      {**outcome.scalars, "time/iteration_wall_s": wall},
                                      outcome.response_lengths, outcome.ages, outcome.flow_run_id)
                 tracker.settle()
-        return tracker.finish(run.baseline, loop_wall_s=time.perf_counter() - loop_start)
+        return tracker.finish(run.baseline, loop_wall_s=time.perf_counter() - loop_start, report=build_report)
     finally:
         if tracker is not None:
             tracker.close()

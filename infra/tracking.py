@@ -170,28 +170,28 @@ class RunTracker:
         self.next_iteration = iteration + 1
         self.partial_rows_in = int(row.get("partial_rows", 0))
 
-    def finish(self, baseline: float | None, loop_wall_s: float | None = None) -> dict:
-        """loop_wall_s: wall time of this process's iteration loop (Prefect, reporting and all)."""
+    def finish(self, baseline: float | None, loop_wall_s: float | None = None, report=None) -> dict:
+        """loop_wall_s: wall time of this process's iteration loop (Prefect, reporting and all); report:
+        (run_dir, summary) -> (plot paths, markdown), attached to wandb and Prefect (flows.report.build_report)."""
         summary = summarize(read_metrics(self.run_dir), baseline)
         if loop_wall_s is not None:
             summary["loop_wall_s"] = loop_wall_s
         write_summary(self.run_dir, summary)
-        self._attach_report(summary)
+        if report is not None:
+            self._attach_report(summary, report)
         self.finished = True
         return summary
 
-    def _attach_report(self, summary: dict) -> None:
+    def _attach_report(self, summary: dict, report) -> None:
         from infra import wandb_shared
 
         try:
-            from flows.report import report_markdown, write_report  # plots live with the `report` command
-
-            plots = write_report(self.run_dir)
+            plots, markdown = report(self.run_dir, summary)
         except Exception as err:  # a plot must never fail a finished run
             log.warning("report not written: %s: %s", type(err).__name__, err)
             return
         wandb_shared.log_images(self.wandb_run, {p.stem: p for p in plots}, max(0, self.next_iteration - 1))
-        self.artifacts.markdown("report", report_markdown(self.run_dir, plots, summary), "run report")
+        self.artifacts.markdown("report", markdown, "run report")
 
     def settle(self) -> None:
         """Block until this iteration's reports have reached the Prefect server (see ArtifactSink.drain), unless

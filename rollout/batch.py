@@ -15,6 +15,8 @@ import numpy as np
 
 from rollout.sample import Sample, Status
 
+UNTRAINED = (Status.FAILED, Status.ABORTED)
+
 
 def offsets(lengths: np.ndarray) -> np.ndarray:
     """lengths[k] -> int64[k + 1] start offsets of each span in the flat column (last = total)."""
@@ -140,7 +142,10 @@ class RolloutBatch:
             parts = [np.asarray(get(s), dtype=dtype) for s in flat]
             return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
-        masks = [s.loss_mask if s.loss_mask is not None else [1] * s.response_length for s in flat]
+        # A sample its rollout function marked FAILED or ABORTED keeps its place in the group (its reward
+        # still shapes the group baseline) but none of its tokens is trained.
+        masks = [[0] * s.response_length if s.status in UNTRAINED else
+                 s.loss_mask if s.loss_mask is not None else [1] * s.response_length for s in flat]
         return cls(group_ids=np.array([g[0].group_index for g in groups], dtype=np.int64), n=sizes.pop(),
                    prompt_tokens=column(lambda s: s.prompt_tokens, np.int32),
                    prompt_lengths=np.array([len(s.prompt_tokens) for s in flat], dtype=np.int64),

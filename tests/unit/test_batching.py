@@ -75,3 +75,29 @@ def test_samples_round_trip_through_columns():
     assert batch.sample_groups()[0][0] is groups[0][0]  # the user's own samples reach the reward function
     with pytest.raises(ValueError, match="groups of one size"):
         RolloutBatch.from_samples([groups[0], groups[0][:1]])
+
+
+def test_failed_and_aborted_samples_are_not_trained():
+    groups = [[Sample(0, i, [3], [5, 6], [-1.0, -1.0], [0, 0], status=status, loss_mask=[1, 0] if i == 0 else None)
+               for i, status in enumerate((Status.COMPLETED, Status.FAILED, Status.ABORTED, Status.TRUNCATED))]]
+    batch = RolloutBatch.from_samples(groups)
+    assert batch.loss_mask.tolist() == [1, 0, 0, 0, 0, 0, 1, 1] and batch.loss_tokens.tolist() == [1, 0, 0, 2]
+
+
+def test_dock_columns_match_the_dock_samples():
+    from rollout.dock import TransferDock
+
+    dock = TransferDock(2, 3, 1, max_tokens=4, max_model_len=16, eos_token_ids=[1])
+    dock.load_groups([10, 11], [[3, 4, 5], [6]], ["a", "b"])
+    rows = dock.take_rows()
+    lengths = [1, 2, 4, 3, 1, 2]
+    dock.put_generation(rows, [[7 + r] * (n - 1) + [1] for r, n in zip(rows.tolist(), lengths)],
+                        [[-0.5 * r] * n for r, n in zip(rows.tolist(), lengths)], 3, [False] * 6)
+    dock.select_batch()
+    labels = [dock.labels[s] for s in dock.select_batch().tolist()]
+    batch = RolloutBatch.from_dock_arrays(dock.batch_arrays(), dock.n, labels)
+    for got, want in zip(to_samples(batch), dock.batch_samples()):
+        assert [(s.group_index, s.index, s.prompt_tokens, s.response_tokens, s.rollout_logprobs, s.weight_versions,
+                 s.status, s.label) for s in got] == [(s.group_index, s.index, s.prompt_tokens, s.response_tokens,
+                                                       s.rollout_logprobs, s.weight_versions, s.status, s.label)
+                                                      for s in want]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 
+from flows.report import build_report
 from infra.config import load_config
 from infra.prefect_artifacts import RunArtifacts, artifact_key, metrics_table
 from infra.terminal_progress import TerminalProgress, progress_fields
@@ -113,7 +114,7 @@ def test_tracker_offline_wandb_records_iterations_and_resumes_the_same_run(tmp_p
     for it in range(2):
         tracker.on_iteration({**METRICS, "iteration": it, "loss": 0.5 - it / 10},
                              {**SCALARS, "train/loss": 0.5 - it / 10}, response_lengths=[16, 4], ages=[1, 0])
-    summary = tracker.finish(baseline=0.3)
+    summary = tracker.finish(baseline=0.3, report=build_report)
     tracker.close()
     assert run_id and summary["iterations"] == 2 and len(lines) == 2 and lines[0].startswith("iter    0")
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
