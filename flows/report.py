@@ -140,7 +140,8 @@ def plot_is_weights(rows: list[dict], path: Path) -> None:
     from matplotlib.colors import LogNorm
 
     plt = _pyplot()
-    hists = [(float(r["iteration"]), r["is_weight_hist"]) for r in rows if (r.get("is_weight_hist") or {}).get("counts")]
+    hists = [(float(r["iteration"]), r["is_weight_hist"]) for r in rows
+             if (r.get("is_weight_hist") or {}).get("counts")]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     if hists:
         edges = np.asarray(hists[-1][1]["edges"], dtype=float)

@@ -295,7 +295,8 @@ class RunConfig(_Section):
                 f"grpo.micro_batch_size ({self.grpo.micro_batch_size}) must divide the samples of one step "
                 f"(rollout.global_batch_size x rollout.n_samples_per_prompt / grpo.num_steps_per_rollout = {rows})")
         if self.rollout.sft and self.grpo.tis:
-            raise ValueError("grpo.tis must be false in SFT mode (rollout.rollout_function_path="
+            raise ValueError("grpo.tis must be false in SFT mode, i.e. grpo.off_policy=none "
+                             "(rollout.rollout_function_path="
                              f"{SFT_ROLLOUT_FUNCTION}): pre-generated samples have no rollout logprobs")
         if self.schedule.debug_train_only and not self.storage.load_debug_rollout_data:
             raise ValueError("schedule.debug_train_only needs storage.load_debug_rollout_data (a path template)")

@@ -1,6 +1,6 @@
 """GRPO loss pieces as pure functions: advantages, KL estimators, clipped policy loss, off-policy
-corrections against the engine's rollout logprobs (grpo.off_policy), loss aggregation. Shapes: G groups of n samples; B samples x T response tokens (right-padded, with a
-0/1 `mask` marking the tokens that count).
+corrections against the engine's rollout logprobs (grpo.off_policy), loss aggregation. Shapes: G groups of
+n samples; B samples x T response tokens (right-padded, with a 0/1 `mask` marking the tokens that count).
 
 Everything here is stateless and unit-tested against hand-computed values; the learner composes it.
 """
