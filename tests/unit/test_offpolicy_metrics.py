@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tasks.grpo_loss import off_policy_correction
-from tasks.offpolicy_metrics import (IS_WEIGHT_BIN_EDGES, OffPolicyStats, is_weight_histogram, is_weight_quantiles,
-                                     mismatch_kl, token_staleness, version_spans)
+from tasks.offpolicy_metrics import (IS_WEIGHT_BIN_EDGES, SCALAR_KEYS, OffPolicyStats, is_weight_histogram,
+                                     is_weight_quantiles, mismatch_kl, token_staleness, version_spans)
 
 T = torch.tensor
 # three samples: versions 3, 2, 2 (a partial rollout continued under newer weights), then padding; one token
@@ -74,3 +74,14 @@ def test_rejected_sequence_share_counts_only_under_seq_reject():
         m = stats.metrics()
         assert m["rejected_sequence_share"] == rejected and m["masked_token_share"] == 0.0, mode
         assert m["token_staleness_max"] == 1 and m["logprob_mismatch_kl"] == 0.0, mode
+
+
+def test_the_prefect_metrics_table_carries_the_scalars_not_the_histogram():
+    from infra.prefect_artifacts import metrics_table
+
+    stats = OffPolicyStats("tis", current_version=3)
+    stats.add(VERSIONS, MASK, torch.zeros(3, 4), torch.full((3, 4), -0.1), MASK)
+    metrics = json.loads(json.dumps(stats.metrics()))  # as the iteration's row holds it
+    table = {row["metric"]: row["value"] for row in metrics_table({"iteration": 0, **metrics})}
+    assert set(SCALAR_KEYS) <= set(table) and table["token_staleness_max"] == "2"
+    assert not any(key.startswith("is_weight_hist") for key in table)
