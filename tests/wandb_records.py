@@ -1,51 +1,48 @@
-"""Read the records of an offline wandb run (<dir>/wandb/offline-run-*/run-<id>.wandb) for assertions.
+"""Read what an offline wandb run recorded (<dir>/wandb/offline-run-*/run-<id>.wandb), for assertions.
 
-The file is a LevelDB-style log (7-byte file header, 32 KiB blocks, records split into FULL / FIRST /
-MIDDLE / LAST chunks) of wandb's `Record` protobufs."""
+wandb's own reader does the parsing: `wandb leet inspect PATH --json --follow` prints each record of the
+transaction log as one JSON line and returns once the run's exit record is written (wandb's writer may still
+be busy for a moment after run.finish() returns), or after an idle timeout.
+"""
 from __future__ import annotations
 
-import struct
+import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-BLOCK = 32768
-FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+def _flat(item: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a/b": "1"}: leaf values as JSON text, nested keys joined by '/' (wandb's own
+    nested-key notation, e.g. an image logged under report/reward has report/reward/_type)."""
+    out = {}
+    for key, value in item.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{name}/"))
+        else:
+            out[name] = json.dumps(value)
+    return out
 
 
-def _chunks(data: bytes):
-    pos, pending = 7, b""
-    while pos + 7 <= len(data):
-        left = BLOCK - pos % BLOCK
-        if left < 7:
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if length == 0 and kind == 0:
-            return
-        body, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-        if kind == FULL:
-            yield body
-        elif kind == FIRST:
-            pending = body
-        elif kind == MIDDLE:
-            pending += body
-        elif kind == LAST:
-            yield pending + body
-
-
-def read_run(path: Path) -> dict:
-    """-> {"run_id", "history": [ {key: json value string} ... ]} of one offline segment."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    out = {"run_id": None, "history": []}
-    for raw in _chunks(Path(path).read_bytes()):
-        record = pb.Record()
-        record.ParseFromString(raw)
-        kind = record.WhichOneof("record_type")
+def read_run(path: Path, idle_timeout_s: int = 20) -> dict:
+    """-> {"run_id", "exited", "history": [{key: JSON value text} ...]} of one offline segment."""
+    proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", str(path), "--json", "--follow",
+                           "--idle-timeout", f"{idle_timeout_s}s"],
+                          capture_output=True, text=True, timeout=idle_timeout_s + 60)
+    if proc.returncode:
+        raise RuntimeError(f"wandb leet inspect {path} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    out = {"run_id": None, "exited": False, "history": []}
+    for line in proc.stdout.splitlines():
+        record = json.loads(line)
+        kind = record.get("type")
         if kind == "run":
-            out["run_id"] = record.run.run_id
+            out["run_id"] = record["run"]["run_id"]
         elif kind == "history":
-            out["history"].append({item.key or "/".join(item.nested_key): item.value_json
-                                   for item in record.history.item})
+            out["history"].append(_flat(record["history"].get("item", {})))
+        elif kind == "exit":
+            out["exited"] = True
     return out
 
 
@@ -54,13 +51,8 @@ def offline_segments(directory: Path) -> list[Path]:
 
 
 def read_segments(directory: Path, count: int, timeout_s: float = 20.0) -> list[dict]:
-    """The `count` offline segments under directory, once each has its run record (wandb's service process
-    may still be writing a file for a moment after run.finish() returns)."""
-    import time
-
+    """The records of the `count` offline segments under directory (each read to its exit record)."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        runs = [read_run(p) for p in offline_segments(directory)]
-        if (len(runs) == count and all(r["run_id"] for r in runs)) or time.monotonic() > deadline:
-            return runs
-        time.sleep(0.2)
+    while len(offline_segments(directory)) < count and time.monotonic() < deadline:
+        time.sleep(0.1)  # the segment files appear at wandb.init
+    return [read_run(p, idle_timeout_s=int(timeout_s)) for p in offline_segments(directory)]

@@ -128,11 +128,11 @@ def test_tracker_offline_wandb_records_iterations_and_resumes_the_same_run(tmp_p
     resumed.finish(baseline=None)
     resumed.close()
     segments = read_segments(tmp_path, 2)
-    assert [s["run_id"] for s in segments] == [run_id, run_id]
+    assert [(s["run_id"], s["exited"]) for s in segments] == [(run_id, True), (run_id, True)]
     logged = [(int(h["iteration"]), float(h["train/loss"])) for s in segments for h in s["history"]
               if "train/loss" in h]
     assert logged == [(0, 0.5), (1, 0.4), (2, 0.2)]
-    assert any("report/reward/_type" in h for h in segments[0]["history"])  # the plots, as wandb images
+    assert any("report/reward._type" in h for h in segments[0]["history"])  # the plots, as wandb images
 
 
 def test_tracker_disabled_wandb_and_no_prefect_run(tmp_path):
