@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -28,15 +28,38 @@ class PromptSet:
         return len(self.texts)
 
 
+def jsonl_lines(path: str | Path, error: type[Exception], what: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of the non-blank lines of a JSONL file, decoded as UTF-8 (a leading BOM is dropped).
+    A line that is not UTF-8 (a binary, compressed or Latin-1 file) raises `error` naming the file, the line
+    and the byte; `what` says which file it is (e.g. "a prompt file (data.prompts_path)")."""
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise error(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
+                            f"{what} must be UTF-8 JSON Lines, one JSON object per line (a binary or compressed "
+                            "file? re-save it as UTF-8 text)") from None
+            if line.strip():
+                yield lineno, line
+
+
 def parse_json_object(where: str, line: str, expected: str, error: type[Exception]) -> dict:
     """One JSONL line -> its object; `error` naming `where` (path:line) for bad JSON or a non-object."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as err:
-        raise error(f"{where}: not valid JSON ({err.msg}); fix or remove that line") from None
+        raise error(f"{where}: not valid JSON ({err.msg}); expected one JSON object with {expected} per line: "
+                    "fix or remove that line") from None
     if not isinstance(row, dict):
-        raise error(f"{where}: expected a JSON object with {expected}")
+        raise error(f"{where}: expected a JSON object with {expected}; got a JSON {_json_type(row)}")
     return row
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type (number, array, object, ...)."""
+    names = {bool: "boolean", int: "number", float: "number", list: "array", dict: "object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _parse_line(path: str, lineno: int, line: str, prompt_key: str, label_key: str) -> tuple[str, Any]:
@@ -46,7 +69,10 @@ def _parse_line(path: str, lineno: int, line: str, prompt_key: str, label_key: s
             raise PromptFileError(f"{path}:{lineno}: missing key {key!r} (set {setting} if the file uses "
                                   f"another name; keys present: {sorted(row)})")
     prompt = row[prompt_key]
-    if not isinstance(prompt, str) or not prompt.strip():
+    if not isinstance(prompt, str):
+        raise PromptFileError(f"{path}:{lineno}: {prompt_key!r} must be a string (the prompt text); got "
+                              f"{_json_type(prompt)} {json.dumps(prompt)[:40]}")
+    if not prompt.strip():
         raise PromptFileError(f"{path}:{lineno}: empty prompt under {prompt_key!r}; remove the line")
     return prompt, row[label_key]
 
@@ -59,12 +85,10 @@ def read_prompts(path: str | Path, tokenizer, max_prompt_tokens: int, prompt_key
     if not Path(path).is_file():
         raise PromptFileError(f"prompt file {path!r} does not exist (data.prompts_path)")
     texts, labels = [], []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if line.strip():
-                prompt, label = _parse_line(path, lineno, line, prompt_key, label_key)
-                texts.append(prompt)
-                labels.append(label)
+    for lineno, line in jsonl_lines(path, PromptFileError, "a prompt file (data.prompts_path)"):
+        prompt, label = _parse_line(path, lineno, line, prompt_key, label_key)
+        texts.append(prompt)
+        labels.append(label)
     if not texts:
         raise PromptFileError(f"prompt file {path!r} holds no prompts")
     tokens = tokenizer(texts, add_special_tokens=False)["input_ids"]

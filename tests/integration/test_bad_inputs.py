@@ -87,6 +87,19 @@ def test_bad_prompt_file_exits_2_naming_the_line(lines, expected, prefect_harnes
     assert checkpoints(tmp_path / "run") == []  # refused before anything was trained
 
 
+@pytest.mark.parametrize("content, expected", [
+    (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\xed\x9d\n", r"prompts.jsonl:1: not UTF-8 text .*must be UTF-8 JSON Lines"),
+    ((GOOD[0] + '\n{"prompt": 42, "label": 2}\n').encode(), r"prompts.jsonl:2: 'prompt' must be a string"),
+], ids=["binary-file", "number-prompt"])
+def test_binary_file_or_non_string_prompt_exits_2_naming_the_line(content, expected, prefect_harness, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(content)
+    code, err = train(tmp_path / "run", f"data.prompts_path={path}")
+    assert code == 2
+    assert re.search(expected, error_line(err)) and str(path) in error_line(err), error_line(err)
+    assert checkpoints(tmp_path / "run") == []
+
+
 def test_unreachable_storage_at_start_exits_2_with_the_fix(prefect_harness, tmp_path):  # noqa: F811
     from seaweed_server import free_ports
 

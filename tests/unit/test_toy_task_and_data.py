@@ -60,6 +60,36 @@ def test_bad_prompt_files_name_line_and_fix(tmp_path, tiny_model_dir, lines, mat
         read_prompts(write(tmp_path, lines), load_tokenizer(tiny_model_dir), max_prompt_tokens=8)
 
 
+@pytest.mark.parametrize("content, match", [
+    (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03binary\n", r"p.jsonl:1: not UTF-8 text \(byte 0x8b at column 2\); "
+     r"a prompt file \(data.prompts_path\) must be UTF-8 JSON Lines"),  # gzip's magic bytes
+    ('{"prompt": "a*1=", "label": 1}\n{"prompt": "caf\xe9", "label": 2}\n'.encode("latin-1"),
+     r"p.jsonl:2: not UTF-8 text \(byte 0xe9 at column 16\)"),
+    (b'{"prompt": "a*1=", "label": 1}\n{"prompt": 42, "label": 2}\n',
+     r"p.jsonl:2: 'prompt' must be a string \(the prompt text\); got number 42"),
+    (b'{"prompt": ["a*1="], "label": 1}\n', r"p.jsonl:1: 'prompt' must be a string .*got array"),
+    (b"\x00\x01\x02\n", r"p.jsonl:1: not valid JSON .*expected one JSON object with 'prompt' and 'label' per line"),
+    (b"[1, 2]\n", r"p.jsonl:1: expected a JSON object with 'prompt' and 'label'; got a JSON array"),
+], ids=["gzip", "latin-1", "number-prompt", "list-prompt", "control-bytes", "array-line"])
+def test_binary_non_utf8_and_non_string_prompts_name_file_line_and_expectation(tmp_path, tiny_model_dir, content,
+                                                                                match):
+    from infra.models import load_tokenizer
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(PromptFileError, match=match) as err:
+        read_prompts(path, load_tokenizer(tiny_model_dir), max_prompt_tokens=8)
+    assert str(path) in str(err.value)
+
+
+def test_a_utf8_bom_is_not_an_error(tmp_path, tiny_model_dir):
+    from infra.models import load_tokenizer
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "a*1=", "label": 1}\n\n{"prompt": "a*2=", "label": 2}\n')
+    assert read_prompts(path, load_tokenizer(tiny_model_dir), max_prompt_tokens=8).texts == ["a*1=", "a*2="]
+
+
 def test_over_long_prompts_truncated_and_counted(tmp_path, tiny_model_dir):
     from infra.models import load_tokenizer
 
