@@ -25,6 +25,8 @@ from tasks.reward import RewardSetup
 log = logging.getLogger(__name__)
 BUILTIN_TASK_REWARD = "rollout.toy_task.reward"
 RUN_CONFIG_FILE = "config.json"
+# Settings that did nothing and were removed; a config.json of an older run may still hold them.
+REMOVED_SETTINGS = {"rollout": ("async_check_steps",), "grpo": ("reward_model_path", "reward_model_weight")}
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,12 @@ def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> 
     path = Path(run_dir) / RUN_CONFIG_FILE
     if not path.is_file():
         raise ConfigError(f"{path} does not exist: RUN_DIR must be the run_dir of an earlier `spillover train`")
-    return build_config(json.loads(path.read_text()), list(overrides or []) + [f"run_dir={run_dir}"])
+    data = json.loads(path.read_text())
+    for section, names in REMOVED_SETTINGS.items():
+        for name in names:
+            if isinstance(data.get(section), dict) and data[section].pop(name, None) is not None:
+                log.warning("%s: %s.%s was removed (it had no effect); ignored", path, section, name)
+    return build_config(data, list(overrides or []) + [f"run_dir={run_dir}"])
 
 
 def needs_engines(cfg: RunConfig) -> bool:

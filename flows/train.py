@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from prefect import flow
+from prefect import Task, flow
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.utilities.annotations import quote
 
@@ -54,7 +54,9 @@ class StageClock:
     def run(self, name: str, step, *args):
         maybe_kill(name, self.iteration)
         start = time.perf_counter()
-        out = step(*(a if isinstance(a, (int, float, str, bool, type(None))) else quote(a) for a in args))
+        if isinstance(step, Task):
+            args = tuple(a if isinstance(a, (int, float, str, bool, type(None))) else quote(a) for a in args)
+        out = step(*args)
         self.task_s[name] = time.perf_counter() - start
         return out
 
