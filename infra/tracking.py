@@ -100,7 +100,22 @@ def summary_markdown(m: dict) -> str:
         "",
         f"Rows in the dock after clear: {ages}. Generation: {m.get('rounds', 0)} rounds, "
         f"{m.get('tokens_generated', 0)} tokens. Iteration time {m.get('time_s', 0):.2f}s: {tasks}.",
+        *([] if "token_staleness_max" not in m else [
+            "", f"Off-policy: token staleness max {m['token_staleness_max']}, version span max "
+            f"{m.get('version_span_max', 0)}, IS weight p50 / p99 / max {m.get('is_weight_p50', 1.0):.3f} / "
+            f"{m.get('is_weight_p99', 1.0):.3f} / {m.get('is_weight_max', 1.0):.3f}, masked tokens "
+            f"{m.get('masked_token_share', 0.0):.3f}, rejected samples {m.get('rejected_sequence_share', 0.0):.3f}, "
+            f"training-inference KL {m.get('logprob_mismatch_kl', 0.0):.2e}."]),
     ])
+
+
+def wandb_is_weight_histogram(hist: dict) -> dict:
+    """The learner's IS-weight histogram ({"edges", "counts"}: tasks/offpolicy_metrics.py) as a wandb.Histogram
+    over log2(weight), where its bins are even -> {"train/is_weight_log2_hist": wandb.Histogram}."""
+    import wandb
+
+    counts, edges = np.asarray(hist["counts"]), np.log2(np.asarray(hist["edges"], dtype=np.float64))
+    return {"train/is_weight_log2_hist": wandb.Histogram(np_histogram=(counts, edges))}
 
 
 class RunTracker:
@@ -163,6 +178,8 @@ class RunTracker:
             row["response_length_hist"] = length_histogram(response_lengths, ages, rollout.max_tokens,
                                                            rollout.max_tokens // rollout.max_split)
         iteration = int(row["iteration"])
+        if self.wandb_run is not None and (row.get("is_weight_hist") or {}).get("counts"):
+            scalars = {**scalars, **wandb_is_weight_histogram(row["is_weight_hist"])}
         append_metrics(self.run_dir, row)
         self.terminal.line(one_line(row))
         wandb_shared.log_at_iteration(self.wandb_run, scalars, iteration)

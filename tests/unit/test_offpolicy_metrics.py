@@ -85,3 +85,30 @@ def test_the_prefect_metrics_table_carries_the_scalars_not_the_histogram():
     table = {row["metric"]: row["value"] for row in metrics_table({"iteration": 0, **metrics})}
     assert set(SCALAR_KEYS) <= set(table) and table["token_staleness_max"] == "2"
     assert not any(key.startswith("is_weight_hist") for key in table)
+
+
+def test_tracker_sends_the_scalars_and_the_histogram_to_wandb_and_the_summary(tmp_path):
+    """Through the real reporting path (Updated -> RunTracker -> offline wandb). The update task passes on
+    the LOGGED keys with scalar values; the histogram is included here as it would be once it passes too."""
+    from infra.config import load_config
+    from infra.tracking import RunTracker, summary_markdown
+    from tasks.results import Updated
+    from tasks.update import LOGGED
+    from wandb_records import read_segments
+
+    stats = OffPolicyStats("tis", current_version=3)
+    stats.add(VERSIONS, MASK, torch.zeros(3, 4), torch.full((3, 4), -0.1), MASK)
+    metrics = stats.metrics()
+    updated = Updated(metrics={k: metrics[k] for k in LOGGED if k in metrics}, weight_version=4)
+    row = {"iteration": 0, **json.loads(json.dumps(updated.metrics))}
+    assert "Off-policy: token staleness max 2, version span max 1" in summary_markdown(row)
+    cfg = load_config("configs/tiny.yaml", [f"run_dir={tmp_path}", "tracking.wandb_mode=offline"])
+    tracker = RunTracker(tmp_path, cfg.tracking, lambda _: None, run_config=cfg)
+    tracker.start()
+    tracker.on_iteration(row, updated.scalars())
+    tracker.close()
+    [segment] = read_segments(tmp_path, 1)
+    [logged] = [h for h in segment["history"] if "train/token_staleness_max" in h]
+    assert {f"train/{k}" for k in SCALAR_KEYS} <= set(logged) and logged["train/token_staleness_max"] == "2"
+    assert json.loads(logged["train/is_weight_log2_hist.bins"]) == pytest.approx([k / 2 for k in range(-8, 9)])
+    assert json.loads(logged["train/is_weight_log2_hist.values"]) == metrics["is_weight_hist"]["counts"]
