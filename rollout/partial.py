@@ -20,11 +20,13 @@ def generate_until_ready_sync(dock, engine: Generator, rollout_cfg, sampling: Sa
                               on_round: Callable[[dict], None] | None = None) -> GenerationStats:
     """Rounds of max_tokens // max_split new tokens per row until >= GBS groups are ready (drain: all rows).
 
-    Each round takes up to GBS x n rows from the dock (carried-over rows first, oldest first).
+    Each round takes up to (GBS + over_sampling_groups) x n rows from the dock (carried-over rows first, oldest
+    first): the over-sampled groups go out from the first round (APRIL), not only as earlier rows finish.
     With max_split = 1 a round generates whole responses: plain GRPO.
     """
     round_tokens = rollout_cfg.max_tokens // rollout_cfg.max_split
-    rows_per_round = rollout_cfg.global_batch_size * rollout_cfg.n_samples_per_prompt
+    rows_per_round = ((rollout_cfg.global_batch_size + rollout_cfg.over_sampling_groups)
+                      * rollout_cfg.n_samples_per_prompt)
     dock.set_drain(drain)
     stats = GenerationStats()
     start = time.perf_counter()

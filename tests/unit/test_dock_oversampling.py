@@ -107,3 +107,38 @@ def test_a_run_loads_and_trains_exactly_iterations_x_gbs_groups(max_split, extra
         trained += dock.group_ids[dock.select_batch()].tolist()
         dock.clear()
     assert next_id == iterations * gbs and sorted(trained) == list(range(iterations * gbs))
+
+
+class CountingEngine:
+    """A simulated engine (rollout/engines/simulated.py) that records how many requests each round sent."""
+
+    def __init__(self, lengths):
+        from rollout.engines.simulated import EngineTiming, SimulatedEngine
+        from rollout.engines.simulated_workload import TableLengths
+
+        self.engine = SimulatedEngine(EngineTiming(num_engines=1, slots_per_engine=64), TableLengths(lengths), EOS)
+        self.rounds: list[int] = []
+
+    def generate(self, requests, on_result=None):
+        self.rounds.append(len(requests))
+        return self.engine.generate(requests, on_result)
+
+
+@pytest.mark.parametrize("max_split", [1, 2])
+def test_sync_rounds_dispatch_the_over_sampled_groups_from_the_first_round(max_split):
+    """README: the K extra groups are loaded and dispatched (APRIL) -- in sync mode too, not only once earlier
+    rows finish: the first round sends (GBS + K) x n requests."""
+    from rollout.engines.simulated_workload import simulated_prompt
+    from rollout.partial import generate_until_ready_sync
+    from rollout.requests import SamplingSettings
+
+    gbs, n, extra = 2, 2, 2
+    cfg = RolloutConfig(global_batch_size=gbs, n_samples_per_prompt=n, max_split=max_split, max_tokens=8,
+                        max_model_len=16, over_sampling_groups=extra)
+    dock = TransferDock.from_config(cfg, [EOS])
+    count = dock.groups_to_load(first_iteration=True)
+    dock.load_groups(np.arange(count), [simulated_prompt(g, 4) for g in range(count)], list(range(count)))
+    engine = CountingEngine({g: [2, 3] for g in range(count)})  # every response ends in the first round
+    generate_until_ready_sync(dock, engine, cfg, SamplingSettings(stop_token_ids=[EOS]), weight_version=0)
+    assert engine.rounds == [(gbs + extra) * n]
+    assert dock.ready_group_count() == gbs + extra  # the surplus is complete and waits for the next batch
