@@ -31,7 +31,7 @@ def session_processes(session_id: int) -> list[tuple[int, str]]:
         try:
             state, _, _, session = stat_of(proc.name)
             if session == session_id and state not in ("Z", "X"):
-                found.append((int(proc.name), (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]))
+                found.append((int(proc.name), (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:300]))
         except (OSError, IndexError, ValueError):  # gone meanwhile
             pass
     return found

@@ -17,7 +17,6 @@ import re
 
 import pytest
 
-from test_train_flow import prefect_harness  # noqa: F401  (shared fixture)
 from small_run import SMALL_RUN
 
 pytestmark = pytest.mark.timeout(900)
@@ -78,7 +77,7 @@ GOOD = [json.dumps({"prompt": f"a*{n}=", "label": n}) for n in range(1, 21)]
     (GOOD[:1] + [json.dumps({"prompt": "x" * 30 + "a*2=", "label": 2})],
      rf"prompt #2 has 34 tokens, more than the {MAX_PROMPT} allowed .*data.over_long_prompts=truncate"),
 ], ids=["malformed-line", "missing-label", "missing-prompt", "empty-prompt", "over-long-prompt"])
-def test_bad_prompt_file_exits_2_naming_the_line(lines, expected, prefect_harness, tmp_path):  # noqa: F811
+def test_bad_prompt_file_exits_2_naming_the_line(lines, expected, prefect_harness, tmp_path):
     path = prompt_file(tmp_path, lines)
     code, err = train(tmp_path / "run", f"data.prompts_path={path}")
     assert code == 2
@@ -100,7 +99,7 @@ def test_binary_file_or_non_string_prompt_exits_2_naming_the_line(content, expec
     assert checkpoints(tmp_path / "run") == []
 
 
-def test_unreachable_storage_at_start_exits_2_with_the_fix(prefect_harness, tmp_path):  # noqa: F811
+def test_unreachable_storage_at_start_exits_2_with_the_fix(prefect_harness, tmp_path):
     from seaweed_server import free_ports
 
     endpoint = f"http://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
@@ -112,7 +111,7 @@ def test_unreachable_storage_at_start_exits_2_with_the_fix(prefect_harness, tmp_
     assert "never-shown-secret" not in err and "SOMEKEY" not in err
 
 
-def test_wrong_credentials_exit_2_without_showing_them(prefect_harness, s3_server, tmp_path):  # noqa: F811
+def test_wrong_credentials_exit_2_without_showing_them(prefect_harness, s3_server, tmp_path):
     code, err = train(tmp_path / "run", f"storage.url={s3_server.url('bad-keys')}",
                       f"storage.endpoint_url={s3_server.endpoint_url}", "storage.region=us-east-1",
                       f"storage.access_key_id={s3_server.access_key}", "storage.secret_access_key=wrong-secret-value")
@@ -134,7 +133,7 @@ def checkpoints(run_dir) -> list[tuple[int, bool]]:
 
 
 @pytest.mark.slow  # ~70 s: five flow runs on one run directory
-def test_bad_rewards_and_mismatched_resumes_stop_clearly_and_lose_nothing(prefect_harness, ray_session,  # noqa: F811
+def test_bad_rewards_and_mismatched_resumes_stop_clearly_and_lose_nothing(prefect_harness, ray_session,
                                                                           caplog, tmp_path):
     """One run through the whole list, each step on the state the previous one left:
     1. over-long prompts with data.over_long_prompts=truncate are cut and counted; the reward turns NaN in

@@ -8,14 +8,15 @@ import torch
 from infra.config import ConfigError, load_config
 from infra.imports import ImportPathError
 
-from test_train_flow import prefect_harness, small_config  # noqa: F401  (shared fixture and config)
+from test_train_flow import small_config
+from wandb_records import read_segments
 
 
 def rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_debug_data_replay_reproduces_training_and_eval_is_logged(prefect_harness, ray_session, tmp_path):  # noqa: F811
+def test_debug_data_replay_reproduces_training_and_eval_is_logged(prefect_harness, ray_session, tmp_path):
     from flows.train import grpo_train
 
     eval_file = tmp_path / "eval.jsonl"
@@ -23,13 +24,20 @@ def test_debug_data_replay_reproduces_training_and_eval_is_logged(prefect_harnes
     template = str(tmp_path / "debug" / "rollout_{rollout_id}.parquet")
     first = tmp_path / "first"
     grpo_train(small_config(first, iterations=2, **{"storage.save_debug_rollout_data": template,
-                                                    "schedule.eval_interval": 1,
+                                                    "schedule.eval_interval": 1, "tracking.wandb_mode": "offline",
                                                     "data.eval_paths": json.dumps({"toy": str(eval_file)})}))
     original = rows(first)
     assert (tmp_path / "debug" / "rollout_1.parquet").is_file()
     for row in original:
         assert {"eval/toy", "eval/toy-truncated_ratio", "eval/step"} <= set(row)
         assert 0.0 <= row["eval/toy"] <= 1.0 and row["eval/step"] == row["iteration"]
+    # the keys the README promises, read back from the run's real offline wandb record
+    (segment,) = read_segments(first, 1)
+    logged = {key for record in segment["history"] for key in record}
+    assert {"eval/toy", "eval/toy-truncated_ratio", "eval/step", "train/loss", "train/lr", "train/optimizer_steps",
+            "train/token_staleness_max", "rollout/reward_mean", "rollout/partial_rows", "time/update_s",
+            "time/task_generate_until_ready_s", "time/iteration_s"} <= logged, sorted(logged)
+    assert not {"rollout/lr", "rollout/update_s", "rollout/optimizer_steps", "rollout/eval/toy"} & logged
 
     replay = tmp_path / "replay"
     grpo_train(small_config(replay, iterations=2, **{"storage.load_debug_rollout_data": template,
@@ -43,7 +51,7 @@ def test_debug_data_replay_reproduces_training_and_eval_is_logged(prefect_harnes
     assert original[0]["loss"] == pytest.approx(replayed[0]["loss"], rel=1e-5, abs=1e-7)
 
 
-def test_sft_mode_raises_the_likelihood_of_the_given_responses(prefect_harness, ray_session, tmp_path):  # noqa: F811
+def test_sft_mode_raises_the_likelihood_of_the_given_responses(prefect_harness, ray_session, tmp_path):
     from flows.train import grpo_train
     from infra.checkpoint import load_latest_checkpoint
     from infra.models import load_causal_lm
@@ -76,7 +84,7 @@ def test_sft_mode_raises_the_likelihood_of_the_given_responses(prefect_harness, 
     assert response_logprob(model) > before + 1.0
 
 
-def test_wrong_rollout_function_fails_at_start_naming_the_path(prefect_harness, tmp_path):  # noqa: F811
+def test_wrong_rollout_function_fails_at_start_naming_the_path(prefect_harness, tmp_path):
     from flows.setup import build_run
 
     with pytest.raises(ImportPathError, match="rollout.rollout_function_path='rollout.partial.nope'"):

@@ -5,14 +5,14 @@ import pytest
 
 from infra.config import ConfigError
 
-from test_train_flow import prefect_harness, small_config  # noqa: F401  (shared fixture and config)
+from test_train_flow import small_config
 
 
 def rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_resume_continues_and_refuses_mixed_runs(prefect_harness, ray_session, tmp_path):  # noqa: F811
+def test_resume_continues_and_refuses_mixed_runs(prefect_harness, ray_session, tmp_path):
     from flows.setup import load_run_config
     from flows.train import grpo_train
 

@@ -17,13 +17,16 @@ def small_config(run_dir, iterations=3, **extra):
     return load_config("configs/tiny.yaml", overrides + [f"{k}={v}" for k, v in extra.items()])
 
 
-def task_names_by_iteration(flow_names):
+def task_names_by_iteration(parent_id, flow_names):
+    """{subflow name: (state, sorted task names)} of the named subflows of one flow run (the session's Prefect
+    server holds other tests' runs with the same subflow names)."""
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter, \
-        TaskRunFilterFlowRunId
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterParentFlowRunId, \
+        TaskRunFilter, TaskRunFilterFlowRunId
 
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=flow_names)))
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            name=FlowRunFilterName(any_=flow_names), parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
         out = {}
         for run in runs:
             tasks = client.read_task_runs(task_run_filter=TaskRunFilter(
@@ -36,7 +39,8 @@ def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_
     from flows.train import grpo_train
 
     cfg = small_config(tmp_path / "run")
-    summary = grpo_train(cfg)
+    state = grpo_train(cfg, return_state=True)
+    summary = state.result()
     assert summary["iterations"] == 3
 
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -53,7 +57,7 @@ def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_
     names = [f"iteration-{i:04d}" for i in range(3)]
     deadline = time.time() + 20  # the server records task runs in batches (see infra/prefect_env.py)
     while True:
-        found = task_names_by_iteration(names)
+        found = task_names_by_iteration(state.state_details.flow_run_id, names)
         if all(found.get(n, ("", []))[1] == ITERATION_TASKS for n in names) or time.time() > deadline:
             break
         time.sleep(1)
