@@ -75,10 +75,7 @@ class Workload:
 
 
 def build_dock(cfg: RolloutConfig, eos_ids: list[int]) -> TransferDock:
-    dock = TransferDock.from_config(cfg, eos_ids)
-    # as flows/setup.py: in async mode rows at max age finish before a batch forms (the staleness bound)
-    dock.require_max_age_all_finished = cfg.require_max_age_all_finished or cfg.mode == "async"
-    return dock
+    return TransferDock.from_config(cfg, eos_ids)  # the staleness bound as a run has it (rollout.staleness_bounded)
 
 
 def generate_and_select(dock: TransferDock, engine, cfg: RolloutConfig, eos_ids: list[int], version: int) -> dict:
