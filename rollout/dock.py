@@ -7,8 +7,8 @@ Semantics follow MindSpeed-RL's GRPOTransferDock (see ../shared/DESIGN.md), with
   (rollout.dock_buffers). Nothing on the hot path loops over rows or tokens in Python: engine inputs
   come back as TokenRows (each row's list[int] is built when the request is built), the learner reads
   `batch_arrays()`; `batch_samples()` (Python lists) is the convenient, slower view.
-- Order is by key, not by moving data: a group's age is the largest age of its rows; rows go to
-  generation and groups to training by (age descending, load order ascending).
+- Order is by key, not by moving data: rows go to generation and groups to training by (group age
+  descending, load order ascending).
 - The training batch is chosen once (`select_batch`) and every consumer reads that batch.
 - Staleness bound (`require_max_age_all_finished`, on by default in both modes): ages are per group (every
   row carries its group's age: the updates since the group's first token, as MindSpeed-RL); a batch forms
@@ -91,7 +91,8 @@ class TransferDock:
         return np.repeat(self.group_ids >= 0, self.n)
 
     def _group_age(self) -> np.ndarray:
-        return self.age.reshape(self.capacity_groups, self.n).max(axis=1)
+        """int32[G] (a view): every row of a group carries the group's age (clear and restore keep it so)."""
+        return self.age[::self.n]
 
     def _started_groups(self) -> np.ndarray:
         """bool[G]: occupied and holding a response token or a complete row (the group's age clock runs)."""
@@ -290,8 +291,7 @@ class TransferDock:
         self.rounds[rows] = 0
         self.prompts.free(batch)
         self.responses.free(rows)
-        carried = np.repeat(self._started_groups(), self.n)  # a group ages as one: its rows take its age
-        self.age[carried] = np.repeat(self._group_age() + 1, self.n)[carried]
+        self.age += np.repeat(self._started_groups(), self.n)  # a group ages as one, from its first token
         self.batch, self._batch_arrays = None, None
         carried = self._occupied_rows() & self.generated
         return {"trained_groups": int(len(batch)), "carried_rows": int(carried.sum()),

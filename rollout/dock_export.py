@@ -139,6 +139,8 @@ def restore(cls: type["TransferDock"], arrays: dict[str, np.ndarray], meta: dict
     if len(meta["labels"]) != dock.capacity_groups:
         raise ValueError(f"dock snapshot: {len(meta['labels'])} labels for {dock.capacity_groups} group slots")
     dock.labels = list(meta["labels"])
+    # every row takes its group's age (snapshots before the staleness bound went by group aged rows one by one)
+    dock.age = np.repeat(dock.age.reshape(dock.capacity_groups, dock.n).max(axis=1), dock.n)
     dock.prompts.load(arrays["prompt_lengths"], {"tokens": arrays["prompt_tokens"]})
     dock.responses.load(arrays["response_lengths"], {"tokens": arrays["response_tokens"],
                                                      "logprobs": arrays["response_logprobs"],

@@ -87,3 +87,13 @@ def test_the_bound_is_on_by_default_in_both_modes_and_can_be_turned_off(mode):
     off = RolloutConfig(mode=mode, require_max_age_all_finished=False)
     assert not off.staleness_bounded and not TransferDock.from_config(off, [0]).require_max_age_all_finished
     assert RolloutConfig(mode=mode, max_split=1, over_sampling_groups=2).effective_max_age == 2
+
+
+def test_restore_gives_every_row_its_groups_age():
+    """Snapshots written before ages went by group can hold [1, 0] for a split group: restored as [1, 1]."""
+    dock = TransferDock(1, 2, 2, 8, 16, [0], require_max_age_all_finished=True)
+    dock.load_groups([0, 1], [[1], [2]], ["a", "b"])
+    arrays, meta = dock.snapshot()
+    arrays["age"] = np.array([0, 0, 1, 0], dtype=np.int32)
+    restored = TransferDock.restore(arrays, meta)
+    assert restored.age.tolist() == [0, 0, 1, 1] and restored.group_order().tolist() == [1, 0]
