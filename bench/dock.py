@@ -2,7 +2,8 @@
 
 Per iteration: load (2 x GBS the first time, GBS after), rounds of max_tokens // max_split tokens from a
 fake engine (response lengths lognormal, capped at max_tokens) until GBS groups are ready, select the
-batch, four consumers read it as columns (`batch_arrays`), clear. `bookkeeping_ms` is the wall time of
+batch, build the learner's columnar batch from it once (`RolloutBatch.from_dock_arrays`, what the flow's
+generate step hands on), clear. `bookkeeping_ms` is the wall time of
 every dock call per iteration (not the fake generation, not the data set), averaged over iterations
 after the first (which loads 2 x GBS and first-touches memory; `first_iteration_ms`);
 `bookkeeping_cpu_ms` is the same in process CPU time (steadier on a shared machine). The Python-list views -- every
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rollout.batch import RolloutBatch  # noqa: E402
 from rollout.dock import TransferDock  # noqa: E402
 
 EOS = 2
@@ -99,9 +101,8 @@ def run(gbs: int, n: int, max_split: int, max_tokens: int, iterations: int, medi
             n_rounds += 1
             n_tokens += len(flat)
         timed("select_batch", dock.select_batch)
-        for _ in range(4):  # reward, ref logprob, old logprob, update: each reads the chosen batch
-            timed("batch_group_ids", dock.batch_group_ids)
-            timed("batch_arrays", dock.batch_arrays)
+        timed("rollout_batch", rollout_batch, dock)  # the one batch every later step reads
+        timed("batch_group_ids", dock.batch_group_ids)  # clear/age-sort reports what was trained
         if it == iterations - 1:
             peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             list_views = _list_views(dock)
@@ -134,6 +135,11 @@ def run(gbs: int, n: int, max_split: int, max_tokens: int, iterations: int, medi
         "tokens_stored_end": dock.stats()["tokens_stored"],
         "peak_rss_mb": round(peak_rss_mb, 1),
     }
+
+
+def rollout_batch(dock: TransferDock) -> RolloutBatch:
+    labels = [dock.labels[slot] for slot in dock.select_batch().tolist()]
+    return RolloutBatch.from_dock_arrays(dock.batch_arrays(), dock.n, labels)
 
 
 def _list_views(dock: TransferDock) -> dict[str, float]:
