@@ -89,10 +89,14 @@ def test_old_logprob_source_and_stale_share(learners, ray_session):
     policy, ref = learners
     version = ray.get(policy.weight_version.remote())
     fresh = make_batch(1, version=version)
-    ref_lp = ray.get(ref.compute_logprobs.remote(fresh))
+    ref_lp, learner_lp = ray.get([ref.compute_logprobs.remote(fresh), policy.compute_logprobs.remote(fresh)])
     m = ray.get(policy.update.remote(fresh, None, ref_lp))
     assert m["old_logprob_source"] == "rollout" and m["stale_token_share"] == 0.0
     assert m["tis_weight_mean"] == pytest.approx(1.0)  # old == rollout -> weight 1
+    # the mismatch still measured, from the update's own forward pass under the same weights
+    log_ratio = learner_lp.astype(np.float64) - fresh.rollout_logprobs
+    assert m["logprob_mismatch_tokens"] == len(log_ratio) and m["token_staleness_max"] == 0
+    assert m["logprob_mismatch_kl"] == pytest.approx(np.mean(np.exp(log_ratio) - log_ratio - 1), rel=1e-4)
 
     stale = make_batch(2, version=version)  # generated before that update: every token is one version old
     m = ray.get(policy.update.remote(stale, None, ray.get(ref.compute_logprobs.remote(stale))))
