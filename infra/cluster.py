@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import os
 
-from infra.ray_env import LOCAL_RAY_ENV, set_loopback_env  # noqa: F401  (sets the env before ray loads)
+import ray
 
-import ray  # noqa: E402
+from infra.ray_env import set_loopback_env
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> dict:
@@ -20,9 +20,21 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> dict:
         info = ray.init(address=address, log_to_driver=False)
     else:
         set_loopback_env()
+        _reread_cluster_flag()
         # Logical CPUs: engines and learners are mostly waiting on each other, so over-subscribe a bit
         # to keep fractional-CPU actors from starving plain tasks.
         # address="local": always a new local instance, never one that another process started on this machine
         info = ray.init(address="local", num_cpus=num_cpus or max(4, 2 * (os.cpu_count() or 1)),
                         include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     return {"address": info.address_info.get("address") if hasattr(info, "address_info") else str(info)}
+
+
+def _reread_cluster_flag() -> None:
+    """Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at `import ray`, and this driver's value decides
+    where the local instance listens (measured: with the import-time value, GCS, raylet, workers and agents
+    bind every interface even though they start after set_loopback_env()). Read it again, with Ray's own
+    parser, so it does not matter whether `ray` was imported before the loopback variables were set."""
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR,
+                                                              not ray_constants.IS_WINDOWS_OR_OSX)

@@ -1,5 +1,6 @@
-"""Ray's loopback settings, applied when a spillover package is imported: Ray reads them once, at its
-own import, so they must be in the environment before anything imports `ray`."""
+"""Ray's loopback settings, applied by `set_loopback_env()` at start-up (infra.cluster.init_ray calls it before
+it starts a local Ray, whose processes read them when they start; tests call it first thing). Nothing here
+runs at import."""
 from __future__ import annotations
 
 import os
