@@ -1,25 +1,37 @@
-"""Kill -9 and resume, end to end: `spillover train` as a subprocess SIGKILLs itself when a chosen task of
-iteration 1 starts (SPILLOVER_KILL_AT, infra/faults.py), `spillover resume RUN_DIR` finishes the run, and
-the result is the uninterrupted run's: every prompt group trained exactly once and the final checkpoint's
-policy tensors (weights, AdamW state, torch RNG) bit-identical.
+"""Kill -9 and resume, end to end: `spillover train` / `spillover resume` as subprocesses that SIGKILL
+themselves at a chosen point of iteration 1 (SPILLOVER_KILL_AT through the kill_hook test plugin), and the
+end is the uninterrupted run's: every prompt group trained exactly once and the final checkpoint's policy
+tensors (weights, AdamW state, torch RNG) bit-identical.
+
+One chain covers the whole matrix. Each task kill point (the start of each of the iteration's tasks) leaves
+the same durable state, checkpoint 0, so the chain is: `train` killed at load_prompts of iteration 1, then
+`resume` killed at generate_until_ready of iteration 1, ... at save_checkpoint, then `resume` killed in
+iteration 1's checkpoint write after every object and before the manifest (a half-written checkpoint that must never
+be loaded), then a `resume` that finishes. Each resume starts from what the previous kill left, so a kill
+that damaged durable state shows in the final comparison, and the state is checked after every kill too.
+One process start per kill point instead of two, plus the reference run.
+
+The chain runs on the real S3 server; keys go as config values to `train` and from the environment to
+every `resume` (config.json never holds them), and at the end neither key appears in the run directory,
+the processes' output, the checkpoint objects or the Prefect database (parameters, logs, artifacts).
 
 Determinism needs three settings (DETERMINISTIC below): rollout.deterministic_sampling (every request
 carries a sampling_seed, so tokens do not depend on batching, timing or the engine; tested in
-tests/integration/test_seeded_sampling.py), and old logprobs from the learner without truncated IS (grpo.skip_old_logprob=false, grpo.tis=false): the CPU engine's logprobs
-are equal only up to ~1e-7 across batch compositions, which would reach the weights through the loss.
+tests/integration/test_seeded_sampling.py), and old logprobs from the learner without truncated IS
+(grpo.skip_old_logprob=false, grpo.tis=false): the CPU engine's logprobs are equal only up to ~1e-7
+across batch compositions, which would reach the weights through the loss.
 
-The killed run must leave no process behind: each subprocess gets a unique SPILLOVER_PROC_TAG in its
-environment, which every descendant inherits (Ray's raylet and workers, engine actors, the router), and
-/proc is searched for it. Found on these machines: Ray's workers and agents (engine actors, an idle
-worker, the dashboard and runtime-env agents) outlive the SIGKILL by a few seconds and then exit on their
-own -- except Ray's dashboard and runtime-env agents: they notice the raylet's death at once, then block
-for Ray's hard-coded 60 s trying to report it to the (dead) GCS, and exit. So each test requires every
-other process of the killed run (raylet, GCS, workers, engines, learners, router) to be gone within
-LEFTOVER_GRACE_S, and the module's teardown requires the agents to be gone too (AGENT_GRACE_S, counted
-from the kill; by then it has long passed). Whatever is still there is SIGKILLed and fails the test.
-
-All subprocesses share one Prefect server (prefect_test_harness, started once for the module): an
-ephemeral server per process costs ~10-25 s here and timed out under load.
+No run may leave a process behind. Each subprocess leads its own session, and every process it starts
+stays in that session (tests/run_processes.py): Ray's GCS, raylet, agents and workers, engine and learner
+actors, the sglang-router (which overwrites its environment with its process title, so an environment tag
+misses it) and Prefect's ephemeral server. While a run is alive its session is sampled, and the test
+requires the router to have been seen in every run and the ephemeral Prefect server in the one run that
+uses it (the second link; the others share the session's Prefect server). After a run ends, every process
+of its session must be gone within LEFTOVER_GRACE_S -- except Ray's dashboard and runtime-env agents after
+a SIGKILL: they notice the raylet's death at once, then block for Ray's hard-coded 60 s trying to report
+it to the (dead) GCS, and exit; they must be gone within AGENT_GRACE_S of the kill. Leftovers are checked
+while the next link already runs (the deadlines count from each run's end), and whatever is still there
+at the end is SIGKILLed and fails the test.
 """
 from __future__ import annotations
 
@@ -30,17 +42,19 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
+from run_processes import reap, session_processes, wait_until_gone
 from small_run import SMALL_RUN
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-TAG_ENV = "SPILLOVER_PROC_TAG"
-SEVEN_TASKS = ["load_prompts", "generate_until_ready", "compute_reward", "compute_ref_logprob",
-               "compute_old_logprob", "update", "clear_and_age_sort"]
+TASK_KILLS = ["load_prompts", "generate_until_ready", "compute_reward", "compute_ref_logprob",
+              "compute_old_logprob", "update", "clear_and_age_sort", "save_checkpoint"]  # every task of the iteration
+EPHEMERAL_LINK = 1  # this link's run starts its own Prefect server (none given): it must die with the run
 SMALL = ["schedule.num_iterations=3", *SMALL_RUN, "tracking.wandb_mode=disabled", "tracking.progress=false",
          "engines.rollout_num_gpus=1"]
 DETERMINISTIC = ["rollout.deterministic_sampling=true", "grpo.skip_old_logprob=false", "grpo.tis=false",
@@ -48,6 +62,8 @@ DETERMINISTIC = ["rollout.deterministic_sampling=true", "grpo.skip_old_logprob=f
 LEFTOVER_GRACE_S = 30.0
 AGENT_GRACE_S = 90.0
 RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")  # exit ~60 s after the raylet dies (see above)
+ROUTER = "sglang::router"  # its process title
+PREFECT_SERVER = "prefect.server.api.server:create_app"
 
 
 def distinct_chars(response: str, label, **_) -> float:
@@ -56,108 +72,79 @@ def distinct_chars(response: str, label, **_) -> float:
     return len(set(response)) / 16.0
 
 
-# ---- the kill -9 matrix ------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One `spillover` subprocess: its session id (= its pid), what was seen in its session while it ran,
+    and when it ended."""
+    args: list[str]
+    log: Path
+    session: int = 0
+    returncode: int | None = None
+    ended: float = 0.0
+    seen: dict[int, str] = field(default_factory=dict)
 
-@pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
-    """One Prefect server for every subprocess of this module -> (API URL, its SQLite database file)."""
-    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL, PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        db = PREFECT_API_DATABASE_CONNECTION_URL.value() or ""
-        yield PREFECT_API_URL.value(), Path(db.split(":///", 1)[-1]) if ":///" in db else None
-
-
-def tagged_processes(tag: str) -> list[tuple[int, str]]:
-    """(pid, command line) of every live process whose environment carries this run's tag."""
-    needle = f"{TAG_ENV}={tag}".encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            if needle in (proc / "environ").read_bytes() and (proc / "stat").read_text().split()[2] != "Z":
-                found.append((int(proc.name), (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]))
-        except OSError:  # gone meanwhile, or not ours to read
-            pass
-    return found
-
-
-def wait_until_gone(tags: list[str], timeout_s: float, ignore: tuple[str, ...] = ()) -> list[tuple[int, str]]:
-    """Wait until no process of these tags is alive (processes whose command line starts with one of
-    `ignore` do not count) -> what is left after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = [p for tag in tags for p in tagged_processes(tag) if not p[1].startswith(ignore)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.5)
+    def saw(self, needle: str) -> bool:
+        return any(needle in cmd for cmd in self.seen.values())
 
 
 class Spillover:
-    """Runs `spillover ...` subprocesses for one test, each in its own session with a unique process tag;
-    `reap()` (teardown) SIGKILLs whatever of theirs is still alive."""
+    """Runs `spillover ...` subprocesses, each leading its own session; `check_gone` / `reap` find their
+    processes by that session."""
 
-    def __init__(self, prefect_api_url: str, tmp_path: Path, all_tags: list[str]):
-        self.api_url, self.tmp_path, self.tags, self.logs = prefect_api_url, tmp_path, [], []
-        self.all_tags = all_tags  # the module's, for the final check of Ray's agents
+    def __init__(self, prefect_api_url: str, tmp_path: Path):
+        self.api_url, self.tmp_path, self.runs = prefect_api_url, tmp_path, []
 
-    def env(self, **extra) -> dict:
+    def env(self, ephemeral_prefect: bool = False, **extra) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_ADDRESS", "AWS_",
                                                                           "SPILLOVER_"))}
-        env.update(PREFECT_API_URL=self.api_url, PREFECT_HOME=str(self.tmp_path / "prefect-home"),
+        env.update(PREFECT_HOME=str(self.tmp_path / "prefect-home"), SPILLOVER_TEST_HOOKS="kill_hook",
                    PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1]),
                                                env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        if not ephemeral_prefect:
+            env["PREFECT_API_URL"] = self.api_url
         env.update({k: str(v) for k, v in extra.items()})
         return env
 
-    def run(self, args: list[str], timeout_s: float = 600, **env_extra) -> tuple[subprocess.CompletedProcess, str]:
-        tag = uuid.uuid4().hex
-        self.tags.append(tag)
-        self.all_tags.append(tag)
-        log = self.tmp_path / f"spillover-{len(self.tags)}-{args[0]}.log"
-        self.logs.append(log)
-        with open(log, "wb") as out:
-            proc = subprocess.run([str(BIN / "spillover"), *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                  env=self.env(**{TAG_ENV: tag}, **env_extra), timeout=timeout_s,
-                                  start_new_session=True)
-        return proc, tag
+    def run(self, args: list[str], timeout_s: float = 600, ephemeral_prefect: bool = False, **env_extra) -> Run:
+        run = Run(args, self.tmp_path / f"spillover-{len(self.runs) + 1}-{args[0]}.log")
+        self.runs.append(run)
+        with open(run.log, "wb") as out:
+            proc = subprocess.Popen([str(BIN / "spillover"), *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                    env=self.env(ephemeral_prefect, **env_extra), start_new_session=True)
+        run.session = proc.pid
+        deadline = time.monotonic() + timeout_s
+        while proc.poll() is None:  # record the session's processes while it is alive (it may kill itself)
+            run.seen.update(session_processes(run.session))
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise TimeoutError(f"{args} ran over {timeout_s} s:\n{self.output(run)}")
+            time.sleep(0.5)
+        run.returncode, run.ended = proc.returncode, time.monotonic()
+        return run
 
-    def output(self, index: int = -1) -> str:
-        return self.logs[index].read_text(errors="replace")
+    @staticmethod
+    def output(run: Run) -> str:
+        return run.log.read_text(errors="replace")[-4000:]
+
+    def check_gone(self, run: Run, grace_s: float = LEFTOVER_GRACE_S, ignore: tuple[str, ...] = ()) -> None:
+        """Every process of the run's session is gone within grace_s of its end (those matching `ignore`
+        aside)."""
+        left = wait_until_gone([run.session], max(0.0, run.ended + grace_s - time.monotonic()), ignore)
+        assert left == [], f"`spillover {run.args[0]}` left processes behind {grace_s:.0f} s after it ended: {left}"
 
     def reap(self) -> list[tuple[int, str]]:
-        return reap(self.tags)
-
-
-def reap(tags: list[str]) -> list[tuple[int, str]]:
-    """SIGKILL every live process of these tags (each one a descendant of a subprocess this module started)."""
-    left = [p for tag in tags for p in tagged_processes(tag)]
-    for pid, _ in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return left
-
-
-@pytest.fixture(scope="module")
-def all_tags():
-    """Every subprocess tag of the module; at the end none of their processes may be left, Ray's agents
-    included."""
-    tags: list[str] = []
-    yield tags
-    left = wait_until_gone(tags, AGENT_GRACE_S)
-    reap(tags)
-    assert left == [], f"processes of killed runs still alive at the end of the module: {left}"
+        return reap([run.session for run in self.runs])
 
 
 @pytest.fixture
-def spillover(prefect_api, all_tags, tmp_path):
-    runner = Spillover(prefect_api[0], tmp_path, all_tags)
+def spillover(prefect_harness, tmp_path):
+    runner = Spillover(prefect_harness.api_url, tmp_path)
     yield runner
+    agents_deadline = max((run.ended for run in runner.runs), default=0.0) + AGENT_GRACE_S
+    left = wait_until_gone([run.session for run in runner.runs], max(0.0, agents_deadline - time.monotonic()))
     runner.reap()
+    assert left == [], f"processes of the runs still alive {AGENT_GRACE_S:.0f} s after they ended: {left}"
 
 
 def train_args(run_dir: Path, *extra: str) -> list[str]:
@@ -175,27 +162,19 @@ def final_state(url: str, storage_cfg=None):
     return load_latest_checkpoint(open_store(url, storage_cfg))
 
 
-@pytest.fixture(scope="module")
-def reference(prefect_api, all_tags, tmp_path_factory):
-    """The uninterrupted run: its metrics rows and the final checkpoint."""
-    tmp = tmp_path_factory.mktemp("reference")
-    runner = Spillover(prefect_api[0], tmp, all_tags)
-    try:
-        proc, tag = runner.run(train_args(tmp / "run"))
-        assert proc.returncode == 0, runner.output()[-4000:]
-        assert wait_until_gone([tag], LEFTOVER_GRACE_S) == []
-    finally:
-        runner.reap()
-    rows = metrics_rows(tmp / "run")
-    state = final_state(str(tmp / "run" / "checkpoints"))
-    assert [r["iteration"] for r in rows] == [0, 1, 2] and state.iteration == 2
-    assert len({r["loss"] for r in rows}) > 1 and rows[0]["grad_norm"] > 0  # the weights really move
-    return rows, state
+def assert_checkpoints(url: str, expected: list[tuple[int, bool]], storage_cfg=None, after: str = "") -> None:
+    """(iteration, has a manifest) of every checkpoint prefix at url."""
+    from infra.checkpoint import list_checkpoints
+    from infra.storage import open_store
+
+    got = [(c.iteration, c.complete) for c in list_checkpoints(open_store(url, storage_cfg))]
+    assert got == expected, after
 
 
-def assert_same_as_reference(run_dir: Path, state, reference) -> None:
-    ref_rows, ref_state = reference
-    rows = metrics_rows(run_dir)
+def assert_same_as_reference(run_dir: Path, state, ref_dir: Path, ref_state) -> None:
+    rows, ref_rows = metrics_rows(run_dir), metrics_rows(ref_dir)
+    assert [r["iteration"] for r in ref_rows] == [0, 1, 2] and ref_state.iteration == 2
+    assert len({r["loss"] for r in ref_rows}) > 1 and ref_rows[0]["grad_norm"] > 0  # the weights really move
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     trained = [g for r in rows for g in r["trained_stream_ids"]]
     assert sorted(trained) == list(range(12)), trained  # every group exactly once over the whole run
@@ -209,69 +188,53 @@ def assert_same_as_reference(run_dir: Path, state, reference) -> None:
     assert state.meta["cursor"] == ref_state.meta["cursor"]
 
 
-def kill_and_resume(spillover: Spillover, run_dir: Path, kill_at: str, train_extra=(), resume_extra=(),
-                    before_resume=None, **env_extra) -> None:
-    """Train with SPILLOVER_KILL_AT=kill_at (must die by SIGKILL, leaving nothing behind), run
-    before_resume() if given, then `spillover resume` (must finish)."""
-    killed, tag = spillover.run(train_args(run_dir, *train_extra), SPILLOVER_KILL_AT=kill_at, **env_extra)
-    assert killed.returncode == -signal.SIGKILL, spillover.output()[-4000:]
-    if before_resume is not None:
-        before_resume()
-    left = wait_until_gone([tag], LEFTOVER_GRACE_S, ignore=RAY_AGENTS)
-    assert left == [], f"the killed run left processes behind after {LEFTOVER_GRACE_S:.0f} s: {left}"
-    resumed, tag = spillover.run(["resume", str(run_dir), *resume_extra], **env_extra)
-    assert resumed.returncode == 0, spillover.output()[-4000:]
-    assert wait_until_gone([tag], LEFTOVER_GRACE_S) == []
-
-
-def assert_checkpoints(url: str, expected: list[tuple[int, bool]], storage_cfg=None) -> None:
-    """(iteration, has a manifest) of every checkpoint prefix at url."""
-    from infra.checkpoint import list_checkpoints
-    from infra.storage import open_store
-
-    assert [(c.iteration, c.complete) for c in list_checkpoints(open_store(url, storage_cfg))] == expected
-
-
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
-@pytest.mark.parametrize("task", SEVEN_TASKS)
-def test_kill_9_at_task_start_then_resume_matches_uninterrupted(task, reference, spillover, tmp_path):
-    run_dir = tmp_path / "run"
-    checkpoints = str(run_dir / "checkpoints")
-    kill_and_resume(spillover, run_dir, f"{task}:1",
-                    before_resume=lambda: assert_checkpoints(checkpoints, [(0, True)]))  # iteration 1 is redone
-    assert_same_as_reference(run_dir, final_state(str(run_dir / "checkpoints")), reference)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_s3_kill_9_between_objects_and_manifest_then_resume_without_leaking_credentials(
-        s3_server, reference, spillover, prefect_api, tmp_path):
-    """Checkpoints on the real S3 server (keys given as config values to `train`, from the environment to
-    `resume`, since config.json never holds them). The kill comes in iteration 1's checkpoint write, after
-    every object and before the manifest: that half-written checkpoint is never loaded, resume starts from
-    iteration 0's and the end is still the uninterrupted run's. Neither key appears in the run directory,
-    the processes' output, the checkpoint objects or the Prefect database (parameters, logs, artifacts)."""
+@pytest.mark.timeout(1500)
+def test_kill_9_at_every_point_then_resume_matches_uninterrupted_and_leaks_nothing(
+        s3_server, spillover, prefect_harness, tmp_path):
     run_dir = tmp_path / "run"
     url = s3_server.url(f"kill-resume-{uuid.uuid4().hex[:8]}")
     s3_cfg = s3_server.storage_config()
     location = [f"storage.url={url}", f"storage.endpoint_url={s3_server.endpoint_url}", "storage.region=us-east-1"]
     keys = [f"storage.access_key_id={s3_server.access_key}", f"storage.secret_access_key={s3_server.secret_key}"]
-    kill_and_resume(spillover, run_dir, "checkpoint_manifest:1", train_extra=location + keys,
-                    before_resume=lambda: assert_checkpoints(url, [(0, True), (1, False)], s3_cfg),
-                    AWS_ACCESS_KEY_ID=s3_server.access_key, AWS_SECRET_ACCESS_KEY=s3_server.secret_key)
-    state = final_state(url, s3_cfg)
-    assert_same_as_reference(run_dir, state, reference)
+    aws = {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
+    kills = [(f"{task}:1", [(0, True)]) for task in TASK_KILLS] + [("checkpoint_manifest:1", [(0, True), (1, False)])]
+
+    previous = None
+    for link, (kill_at, left_behind) in enumerate(kills):
+        args = train_args(run_dir, *location, *keys) if link == 0 else ["resume", str(run_dir)]
+        run = spillover.run(args, ephemeral_prefect=link == EPHEMERAL_LINK, SPILLOVER_KILL_AT=kill_at, **aws)
+        assert run.returncode == -signal.SIGKILL, f"{kill_at}: {spillover.output(run)}"
+        assert run.saw(ROUTER), (kill_at, run.seen)
+        if link == EPHEMERAL_LINK:
+            assert run.saw(PREFECT_SERVER), (kill_at, run.seen)
+        assert_checkpoints(url, left_behind, s3_cfg, after=f"kill at {kill_at}")
+        if previous is not None:  # checked now: its processes had the whole of this run to exit
+            spillover.check_gone(previous, ignore=RAY_AGENTS)
+        previous = run
+    last = spillover.run(["resume", str(run_dir)], **aws)
+    assert last.returncode == 0, spillover.output(last)
+    spillover.check_gone(previous, ignore=RAY_AGENTS)
+    spillover.check_gone(last)
     assert_checkpoints(url, [(1, True), (2, True)], s3_cfg)
 
+    # The uninterrupted run last: Ray's agents of the last killed run exit meanwhile (see above).
+    ref_dir = tmp_path / "reference"
+    reference = spillover.run(train_args(ref_dir))
+    assert reference.returncode == 0, spillover.output(reference)
+    spillover.check_gone(reference)
+    assert_same_as_reference(run_dir, final_state(url, s3_cfg), ref_dir, final_state(str(ref_dir / "checkpoints")))
+    assert_no_credentials(run_dir, spillover, url, s3_server, prefect_harness.database)
+
+
+def assert_no_credentials(run_dir: Path, spillover: Spillover, url: str, s3_server, db: Path | None) -> None:
     from infra.storage import open_store
 
-    store = open_store(url, s3_cfg)
+    store = open_store(url, s3_server.storage_config())
     texts = {str(p): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    texts.update({str(log): log.read_bytes() for log in spillover.logs})
+    texts.update({str(run.log): run.log.read_bytes() for run in spillover.runs})
     texts.update({f"{url}/ckpt-{i:08d}/{name}": store.get_bytes(f"ckpt-{i:08d}/{name}")
                   for i in (1, 2) for name in ("meta.json", "manifest.json")})
-    db = prefect_api[1]
     assert db is not None and db.is_file()
     texts.update({str(p): p.read_bytes() for p in db.parent.glob(db.name + "*")})  # the db and its -wal
     assert str(run_dir / "config.json") in texts
