@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infra.config import OFF_POLICY_NEEDS_OLD_LOGPROBS, GRPOConfig, OptimizerConfig
+from infra.config import GRPOConfig, OptimizerConfig
 from infra.models import load_causal_lm, load_tokenizer
 from tasks.batching import MicroBatch, RolloutBatch, check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
 from tasks.grpo_loss import (aggregate, clipped_policy_loss, entropy_from_logits, kl_penalty, off_policy_correction,
@@ -89,10 +89,8 @@ class LearnerActor:
         if old_logprobs is not None:
             check_per_token("old_logprobs", old_logprobs, batch)
             return old_logprobs, "given"
-        all_current = bool((batch.weight_versions == self._version).all())
-        if self.grpo.skip_old_logprob and all_current and self.grpo.off_policy not in OFF_POLICY_NEEDS_OLD_LOGPROBS:
-            return batch.rollout_logprobs, "rollout"
-        return self.compute_logprobs(batch), "computed"
+        # None: the caller decided the rollout logprobs stand in (tasks.logprob.needs_old_logprob_pass)
+        return batch.rollout_logprobs, "rollout"
 
     def update(self, batch: RolloutBatch, old_logprobs: np.ndarray | None = None,
                ref_logprobs: np.ndarray | None = None) -> dict:
@@ -133,6 +131,7 @@ class LearnerActor:
             "stepped": all(stepped), "optimizer_steps": int(sum(stepped)),
             "trained_weight_version": trained_on, "weight_version": self._version,
             "update_s": time.perf_counter() - started, "lr": self.optimizer.param_groups[0]["lr"],
+            **({"nll": -float(np.dot(old, batch.loss_mask)) / tokens} if batch.sft else {}),  # before the step
         }
 
     def _off_policy_pass(self, batch: RolloutBatch, old: np.ndarray, stats: OffPolicyStats,
@@ -185,7 +184,8 @@ class LearnerActor:
                 sums["tis"] += float((weights * mask).sum())
                 sums["ppo_kl"] += float(((old_mb - logp.detach()) * mask).sum())
                 sums["entropy"] += float((entropy_from_logits(logits.detach(), self.temperature) * mask).sum())
-                sums["stale"] += float(((mb.weight_versions < self._version).float() * mb.loss_mask).sum())
+                policy_made = (mb.weight_versions >= 0) & (mb.weight_versions < self._version)  # -1: SFT, no policy
+                sums["stale"] += float((policy_made.float() * mb.loss_mask).sum())
                 if mask.sum() > 0:
                     sums["tis_max"] = max(sums["tis_max"], float(weights[mask > 0].max()))
         params = [p for p in self.model.parameters() if p.requires_grad]

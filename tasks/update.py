@@ -24,7 +24,8 @@ def update(policy, engine, scored: Scored, old: Logprobs, ref: Logprobs) -> Upda
     """engine: the RolloutManager to send the new weights to (None: no engines, e.g. replayed data)."""
     metrics = ray.get(policy.update.remote(scored.batch_ref, old.ref, ref.ref))
     version = int(metrics["weight_version"])
-    out = {k: metrics[k] for k in LOGGED if k in metrics and isinstance(metrics[k], (int, float, str, bool))}
+    out = {k: metrics[k] for k in LOGGED if k in metrics}
+    out["old_logprob_source"] = old.source  # "computed" by the learner, or "rollout" logprobs
     if engine is not None:
         start = time.perf_counter()
         engine.update_weights(policy.state_dict_ref.remote(), version)

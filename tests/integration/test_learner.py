@@ -11,6 +11,7 @@ from infra.config import GRPOConfig, OptimizerConfig, build_config
 from infra.models import load_causal_lm
 from rollout.batch import RolloutBatch, from_sequences, select_groups, split
 from tasks.learner import LearnerActor, create_learners
+from tasks.logprob import needs_old_logprob_pass
 from tasks.offpolicy_metrics import SCALAR_KEYS
 from tasks.update import LOGGED
 
@@ -99,8 +100,10 @@ def test_old_logprob_source_and_stale_share(learners, ray_session):
     assert m["logprob_mismatch_kl"] == pytest.approx(np.mean(np.exp(log_ratio) - log_ratio - 1), rel=1e-4)
 
     stale = make_batch(2, version=version)  # generated before that update: every token is one version old
-    m = ray.get(policy.update.remote(stale, None, ray.get(ref.compute_logprobs.remote(stale))))
-    assert m["old_logprob_source"] == "computed" and m["stale_token_share"] == 1.0
+    assert needs_old_logprob_pass((version, version), version + 1, skip_old_logprob=True)  # the caller decides
+    old = ray.get(policy.compute_logprobs.remote(stale))
+    m = ray.get(policy.update.remote(stale, old, ray.get(ref.compute_logprobs.remote(stale))))
+    assert m["old_logprob_source"] == "given" and m["stale_token_share"] == 1.0
     with pytest.raises(ray.exceptions.RayTaskError, match="needs ref_logprobs"):
         ray.get(policy.update.remote(stale, None, None))
 
@@ -143,8 +146,10 @@ def test_masked_is_drops_tokens_and_recomputes_old_logprobs(tiny_model_dir):
     batch = replace(batch, rollout_logprobs=old - shift)
     over_cap = np.exp(old.astype(np.float64) - batch.rollout_logprobs) > 1.5
     assert 0 < over_cap.sum() < len(over_cap)
-    m = learner.update(batch)
-    assert m["old_logprob_source"] == "computed"  # masked IS needs the learner's own old logprobs
+    # masked IS needs the learner's own old logprobs: the config turns the rollout-logprob shortcut off
+    assert not build_config(overrides=["grpo.off_policy=masked_is"]).grpo.skip_old_logprob
+    m = learner.update(batch, learner.compute_logprobs(batch))
+    assert m["old_logprob_source"] == "given"
     assert m["masked_token_share"] == pytest.approx(over_cap.mean())
     assert m["num_trained_tokens"] == len(over_cap) - over_cap.sum()
     assert m["tis_weight_max"] <= 1.5
