@@ -132,8 +132,8 @@ def decoupled_ppo_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, beha
 
 
 def off_policy_correction(mode: OffPolicy, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                          mask: torch.Tensor, cap: float, low: float = 0.5,
-                          high: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+                          mask: torch.Tensor, cap: float, low: float = 0.8,
+                          high: float = 1.25) -> tuple[torch.Tensor, torch.Tensor]:
     """grpo.off_policy as (weights[B, T], keep[B, T]) from ([B, T] x 3): the per-token loss of
     clipped_policy_loss(logp, old, A) is multiplied by `weights` and aggregated over `keep` (mask minus what
     the correction drops). With old = prox this is decoupled_ppo_loss for mode "decoupled"."""
