@@ -65,7 +65,11 @@ def test_sft_mode_raises_the_likelihood_of_the_given_responses(prefect_harness, 
                                                  "grpo.tis": "false", "data.sft_path": str(sft),
                                                  "optimizer.lr": 0.01})
     grpo_train(cfg)
-    assert [r["sft_samples"] for r in rows(run_dir)] == [4, 4, 4, 4]
+    sft_rows = rows(run_dir)
+    assert [r["sft_samples"] for r in sft_rows] == [4, 4, 4, 4]
+    # what an SFT run reports: the per-token NLL (falling), the real lengths, nothing stale, no reward
+    assert sft_rows[-1]["nll"] < sft_rows[0]["nll"] and all(r["stale_token_share"] == 0.0 for r in sft_rows)
+    assert sft_rows[0]["response_length_max"] == 5 and "reward_mean" not in sft_rows[0]
 
     ids = [14, 44, 7, 41]  # "a*3=" in the tiny char tokenizer
     resp = [14, 14, 14, 1]  # "aaa" + EOS
