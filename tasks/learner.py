@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infra.config import GRPOConfig, OptimizerConfig
+from infra.config import OFF_POLICY_NEEDS_OLD_LOGPROBS, GRPOConfig, OptimizerConfig
 from infra.models import load_causal_lm, load_tokenizer
 from tasks.batching import MicroBatch, RolloutBatch, check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
 from tasks.grpo_loss import (aggregate, clipped_policy_loss, entropy_from_logits, kl_penalty, off_policy_correction,
@@ -89,6 +89,8 @@ class LearnerActor:
         if old_logprobs is not None:
             check_per_token("old_logprobs", old_logprobs, batch)
             return old_logprobs, "given"
+        if self.grpo.off_policy in OFF_POLICY_NEEDS_OLD_LOGPROBS:  # no silent fallback (every weight would be 1)
+            raise ValueError(f"grpo.off_policy={self.grpo.off_policy} needs old logprobs from compute_logprobs, not None")
         # None: the caller decided the rollout logprobs stand in (tasks.logprob.needs_old_logprob_pass)
         return batch.rollout_logprobs, "rollout"
 
@@ -107,7 +109,7 @@ class LearnerActor:
             check_per_token("ref_logprobs", ref_logprobs, batch)
         old, old_source = self._old_logprobs(batch, old_logprobs)
         num_tokens = int(batch.loss_tokens.sum())
-        stats = OffPolicyStats(g.off_policy, self._version)  # mismatch: from old, else from step 0's forward
+        stats = OffPolicyStats(g.off_policy, self._version)  # mismatch: from old, else step 0's forward pass
         kept = self._off_policy_pass(batch, old, stats, measure_mismatch=old_source != "rollout")
         sums = dict.fromkeys(("pg_loss", "kl_loss", "loss", "clipped", "tis", "kl", "entropy", "stale", "ppo_kl",
                               "tis_max"), 0.0)
@@ -153,8 +155,7 @@ class LearnerActor:
         """One AdamW step over the samples `subset`; adds its metric sums to `sums` -> (grad norm, stepped).
         kept: _off_policy_pass's; mismatch: where to add the training-inference mismatch of this forward pass."""
         g = self.grpo
-        per_row = kept[subset]
-        total_tokens, total_seqs = float(per_row.sum()), float((per_row > 0).sum())
+        total_tokens, total_seqs = float(kept[subset].sum()), float((kept[subset] > 0).sum())
         self.optimizer.zero_grad(set_to_none=True)
         for mb in self._micro_batches(batch, subset):
             logits = self._response_logits(mb)

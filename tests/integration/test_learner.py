@@ -148,6 +148,8 @@ def test_masked_is_drops_tokens_and_recomputes_old_logprobs(tiny_model_dir):
     assert 0 < over_cap.sum() < len(over_cap)
     # masked IS needs the learner's own old logprobs: the config turns the rollout-logprob shortcut off
     assert not build_config(overrides=["grpo.off_policy=masked_is"]).grpo.skip_old_logprob
+    with pytest.raises(ValueError, match="grpo.off_policy=masked_is needs old logprobs"):
+        learner.update(batch)  # no silent fallback to the rollout logprobs
     m = learner.update(batch, learner.compute_logprobs(batch))
     assert m["old_logprob_source"] == "given"
     assert m["masked_token_share"] == pytest.approx(over_cap.mean())
