@@ -90,7 +90,7 @@ class LearnerActor:
             check_per_token("old_logprobs", old_logprobs, batch)
             return old_logprobs, "given"
         if self.grpo.off_policy in OFF_POLICY_NEEDS_OLD_LOGPROBS:  # no silent fallback (every weight would be 1)
-            raise ValueError(f"grpo.off_policy={self.grpo.off_policy} needs old logprobs from compute_logprobs, not None")
+            raise ValueError(f"grpo.off_policy={self.grpo.off_policy} needs old logprobs (compute_logprobs), not None")
         # None: the caller decided the rollout logprobs stand in (tasks.logprob.needs_old_logprob_pass)
         return batch.rollout_logprobs, "rollout"
 
