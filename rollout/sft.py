@@ -28,7 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rollout.data_source import parse_json_object
+from rollout.data_source import jsonl_lines, parse_json_object
 from rollout.sample import Sample, Status
 
 SFT_WEIGHT_VERSION = -1
@@ -77,8 +77,7 @@ def read_sft_lines(path: str | Path) -> list[tuple[int, str]]:
     p = Path(path)
     if not p.is_file():
         raise SFTDataError(f"SFT sample file {str(p)!r} does not exist (data.sft_path)")
-    with open(p, encoding="utf-8") as fh:
-        lines = [(n, line) for n, line in enumerate(fh, start=1) if line.strip()]
+    lines = list(jsonl_lines(p, SFTDataError, "an SFT sample file (data.sft_path)"))
     if not lines:
         raise SFTDataError(f"SFT sample file {str(p)!r} holds no rows (data.sft_path)")
     return lines

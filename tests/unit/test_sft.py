@@ -148,3 +148,10 @@ def test_ppo_loss_with_advantage_one_at_ratio_one_has_the_nll_gradient(tmp_path,
     assert any(g.abs().sum() > 0 for g in nll_grads)
     for a, b in zip(ppo_grads, nll_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_binary_sft_file_names_the_file_and_line(tmp_path, source):
+    path = tmp_path / "sft.jsonl"
+    path.write_bytes(b'{"prompt": "a", "response": "b"}\n\x1f\x8b\x08\x00binary\n')
+    with pytest.raises(SFTDataError, match=r"sft.jsonl:2: not UTF-8 text .*SFT sample file"):
+        generate_sft_rollout(config(path, gbs=1), 0, source)
