@@ -154,4 +154,4 @@ def test_a_binary_sft_file_names_the_file_and_line(tmp_path, source):
     path = tmp_path / "sft.jsonl"
     path.write_bytes(b'{"prompt": "a", "response": "b"}\n\x1f\x8b\x08\x00binary\n')
     with pytest.raises(SFTDataError, match=r"sft.jsonl:2: not UTF-8 text .*SFT sample file"):
-        generate_sft_rollout(config(path, gbs=1), 0, source)
+        generate_sft_rollout(config(str(path), gbs=1), 0, source)
