@@ -46,8 +46,12 @@ def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     for key in ("reward_mean", "response_length_p50", "response_length_max", "partial_rows", "time_s",
-                "trained_group_ids", "loss", "kl", "clip_fraction", "tis_weight_mean", "task_s"):
+                "trained_group_ids", "loss", "kl", "clip_fraction", "tis_weight_mean", "task_s",
+                "token_staleness_max", "version_span_max", "is_weight_p99", "masked_token_share",
+                "logprob_mismatch_kl"):
         assert key in rows[0], key
+    max_age = cfg.rollout.effective_max_age  # the staleness bound is on by default
+    assert all(0 <= r["token_staleness_max"] <= max_age - 1 for r in rows), [r["token_staleness_max"] for r in rows]
     trained = [g for r in rows for g in r["trained_stream_ids"]]
     assert sorted(trained) == list(range(3 * 4))  # every loaded group trained exactly once, none twice
     assert all(len(r["trained_group_ids"]) == 4 for r in rows)
