@@ -138,6 +138,7 @@ def plot_is_weights(rows: list[dict], path: Path) -> None:
     """Left: each iteration's IS-weight histogram (fixed log-spaced bins) as a column, coloured by the share
     of that iteration's tokens; right: the quantiles per iteration. Far from 1 = stale or mismatched tokens."""
     from matplotlib.colors import LogNorm
+    from matplotlib.ticker import FuncFormatter
 
     plt = _pyplot()
     hists = [(float(r["iteration"]), r["is_weight_hist"]) for r in rows
@@ -166,6 +167,11 @@ def plot_is_weights(rows: list[dict], path: Path) -> None:
             right.plot(its, _column(rows, key), marker="o", ms=3, label=label)
     right.axhline(1.0, color="gray", ls=":", lw=1, label="on-policy (1)")
     right.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")  # log-axis ticks as 1, 10, 1.2 (not 10^0, 1.2 x 10^0)
+    right.yaxis.set_major_formatter(plain)
+    low, high = right.get_ylim()
+    if high / low < 10:  # within a decade only minor ticks fall inside: label them
+        right.yaxis.set_minor_formatter(plain)
     right.set(xlabel="iteration", ylabel="IS weight", title="IS weight quantiles per iteration")
     right.legend(fontsize=8)
     _save(fig, path)

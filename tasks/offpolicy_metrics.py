@@ -13,9 +13,10 @@ import torch
 
 from tasks.grpo_loss import kl_penalty
 
-# log-spaced bins of the IS weight exp(old - rollout): 1/16 ... 16, four bins per factor of 4 (2^(k/2));
-# weights beyond either end are counted in the end bins. Fixed, so histograms of iterations add up.
-IS_WEIGHT_BIN_EDGES: tuple[float, ...] = tuple(2.0 ** (k / 2) for k in range(-8, 9))
+# log-spaced bins of the IS weight exp(old - rollout), two per factor of 2 from 2^-4.25 to 2^4.25 (~1/19 ... 19),
+# the middle one [2^-0.25, 2^0.25) centred on 1 (so on-policy rounding noise stays in one bin); weights beyond
+# either end are counted in the end bins. Fixed, so the histograms of iterations line up.
+IS_WEIGHT_BIN_EDGES: tuple[float, ...] = tuple(2.0 ** ((k + 0.5) / 2) for k in range(-9, 9))
 IS_WEIGHT_QUANTILES = (50, 90, 99)
 SCALAR_KEYS = ("token_staleness_max", "version_span_max", "is_weight_p50", "is_weight_p90", "is_weight_p99",
                "is_weight_max", "masked_token_share", "rejected_sequence_share", "logprob_mismatch_kl")
@@ -116,7 +117,7 @@ class OffPolicyStats:
     def metrics(self) -> dict:
         """token_staleness_max, version_span_max, is_weight_p50/p90/p99/max, masked_token_share,
         rejected_sequence_share, logprob_mismatch_kl (k3; 0 when no token came from the current weights),
-        logprob_mismatch_tokens, is_weight_hist ({"edges": [17], "counts": [16]})."""
+        logprob_mismatch_tokens, is_weight_hist ({"edges": [18], "counts": [17]})."""
         weights = np.concatenate(self.weights) if self.weights else np.zeros(0)
         return {
             "token_staleness_max": self.staleness_max, "version_span_max": self.span_max,

@@ -31,8 +31,9 @@ def test_is_weight_quantiles_and_histogram():
     # [1, 2) holds 1, 1.5 and the clipped 0.5; [2, 4] holds 2, 3.9, 4 and the clipped 100
     assert is_weight_histogram([0.5, 1.0, 1.5, 2.0, 3.9, 4.0, 100.0], edges=(1.0, 2.0, 4.0)) == [3, 4]
     counts = is_weight_histogram([1.0, 1.0, 0.7, 16.0])
-    assert len(counts) == len(IS_WEIGHT_BIN_EDGES) - 1 == 16 and sum(counts) == 4
-    assert counts[8] == 2 and counts[6] == 1 and counts[15] == 1  # 1 in [1, 2^0.5); 0.7 in [2^-1, 2^-0.5)
+    assert len(counts) == len(IS_WEIGHT_BIN_EDGES) - 1 == 17 and sum(counts) == 4
+    # 1 in the middle bin [2^-0.25, 2^0.25); 0.7 (2^-0.51) in [2^-0.75, 2^-0.25); 16 in the last, [2^3.75, 2^4.25]
+    assert counts[8] == 2 and counts[7] == 1 and counts[16] == 1
 
 
 def test_mismatch_kl_is_k3_of_engine_vs_learner_on_chosen_tokens():
@@ -110,5 +111,5 @@ def test_tracker_sends_the_scalars_and_the_histogram_to_wandb_and_the_summary(tm
     [segment] = read_segments(tmp_path, 1)
     [logged] = [h for h in segment["history"] if "train/token_staleness_max" in h]
     assert {f"train/{k}" for k in SCALAR_KEYS} <= set(logged) and logged["train/token_staleness_max"] == "2"
-    assert json.loads(logged["train/is_weight_log2_hist.bins"]) == pytest.approx([k / 2 for k in range(-8, 9)])
+    assert json.loads(logged["train/is_weight_log2_hist.bins"]) == pytest.approx([(k + 0.5) / 2 for k in range(-9, 9)])
     assert json.loads(logged["train/is_weight_log2_hist.values"]) == metrics["is_weight_hist"]["counts"]
