@@ -89,8 +89,7 @@ def test_the_prefect_metrics_table_carries_the_scalars_not_the_histogram():
 
 
 def test_tracker_sends_the_scalars_and_the_histogram_to_wandb_and_the_summary(tmp_path):
-    """Through the real reporting path (Updated -> RunTracker -> offline wandb). The update task passes on
-    the LOGGED keys with scalar values; the histogram is included here as it would be once it passes too."""
+    """Through the real reporting path: the update task's LOGGED keys -> Updated -> RunTracker -> offline wandb."""
     from infra.config import load_config
     from infra.tracking import RunTracker, summary_markdown
     from tasks.results import Updated
