@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout.batch import RolloutBatch  # noqa: E402
+from rollout.batch import to_samples
 from rollout.dock import TransferDock  # noqa: E402
 
 EOS = 2
@@ -101,7 +101,7 @@ def run(gbs: int, n: int, max_split: int, max_tokens: int, iterations: int, medi
             n_rounds += 1
             n_tokens += len(flat)
         timed("select_batch", dock.select_batch)
-        timed("rollout_batch", rollout_batch, dock)  # the one batch every later step reads
+        timed("rollout_batch", dock.rollout_batch)  # the one batch every later step reads
         timed("batch_group_ids", dock.batch_group_ids)  # clear/age-sort reports what was trained
         if it == iterations - 1:
             peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -137,18 +137,13 @@ def run(gbs: int, n: int, max_split: int, max_tokens: int, iterations: int, medi
     }
 
 
-def rollout_batch(dock: TransferDock) -> RolloutBatch:
-    labels = [dock.labels[slot] for slot in dock.select_batch().tolist()]
-    return RolloutBatch.from_dock_arrays(dock.batch_arrays(), dock.n, labels)
-
-
 def _list_views(dock: TransferDock) -> dict[str, float]:
     """Time the Python-list views of the batch (after peak_rss_mb is read: Python objects are big)."""
     rows = (dock.select_batch()[:, None] * dock.n + np.arange(dock.n)).reshape(-1)
     t0 = time.perf_counter()
     dock.generation_inputs(rows, None)[0].to_lists()
     t1 = time.perf_counter()
-    dock.batch_samples()
+    to_samples(dock.rollout_batch())
     t2 = time.perf_counter()
     return {"batch_inputs_to_lists_ms": round(1000 * (t1 - t0), 1), "batch_samples_ms": round(1000 * (t2 - t1), 1)}
 

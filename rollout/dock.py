@@ -6,7 +6,7 @@ Semantics follow MindSpeed-RL's GRPOTransferDock (see ../shared/DESIGN.md), with
   partial responses (tokens, rollout logprobs, weight versions) live in paged flat columns
   (rollout.dock_buffers). Nothing on the hot path loops over rows or tokens in Python: engine inputs
   come back as TokenRows (each row's list[int] is built when the request is built), the learner reads
-  `batch_arrays()`; `batch_samples()` (Python lists) is the convenient, slower view.
+  `rollout_batch()` (columns; `rollout.batch.to_samples` makes the slower Sample view of it).
 - Order is by key, not by moving data: rows go to generation and groups to training by (group age
   descending, load order ascending).
 - The training batch is chosen once (`select_batch`) and every consumer reads that batch.
@@ -38,7 +38,7 @@ from rollout import dock_export, dock_staleness
 from rollout.dock_buffers import PagedColumns, TokenRows
 from rollout.dock_checks import (DockError, check_dock_sizes, check_in_flight, check_occupied, check_rows,
                                   parse_generation, parse_prompts)
-from rollout.sample import Sample
+from rollout.batch import RolloutBatch
 
 PROMPT_DTYPES = {"tokens": np.int32}
 RESPONSE_DTYPES = {"tokens": np.int32, "logprobs": np.float32, "versions": np.int32}
@@ -63,6 +63,7 @@ class TransferDock:
         self.group_ids = np.full(self.capacity_groups, -1, dtype=np.int64)  # -1: free slot
         self.load_seq = np.zeros(self.capacity_groups, dtype=np.int64)
         self.labels: list[Any] = [None] * self.capacity_groups
+        self.metadata: list[dict | None] = [None] * self.capacity_groups  # data.additional_keys per group (JSON)
         self.next_load_seq = 0
         for flag in ROW_FLAGS:
             setattr(self, flag, np.zeros(self.capacity_rows, dtype=bool))
@@ -127,9 +128,13 @@ class TransferDock:
         wanted = self.capacity_groups if first_iteration else self.gbs
         return min(wanted, self.free_group_slots())
 
-    def load_groups(self, group_ids: np.ndarray | Sequence[int], prompt_tokens, labels: Sequence[Any]) -> np.ndarray:
-        """Load k prompt groups (n rows each) into free slots; -> slots[k]. A group id already here is an error."""
+    def load_groups(self, group_ids: np.ndarray | Sequence[int], prompt_tokens, labels: Sequence[Any],
+                    metadata: Sequence[dict | None] | None = None) -> np.ndarray:
+        """Load k prompt groups (n rows each) into free slots; -> slots[k]. A group id already here is an error.
+        metadata: a JSON-able dict per group (data.additional_keys), kept next to its label."""
         ids, flat, lengths = parse_prompts(group_ids, prompt_tokens, labels, self.max_model_len)
+        if metadata is not None and len(metadata) != len(ids):
+            raise ValueError(f"load_groups: {len(ids)} group ids but {len(metadata)} metadata entries")
         if self.batch is not None:
             raise DockError("load_groups: a training batch is selected; call clear() before loading")
         if len(ids) > self.free_group_slots():
@@ -142,8 +147,8 @@ class TransferDock:
         self.group_ids[slots] = ids
         self.load_seq[slots] = self.next_load_seq + np.arange(len(ids))
         self.next_load_seq += len(ids)
-        for slot, label in zip(slots.tolist(), labels):
-            self.labels[slot] = label
+        for slot, label, meta in zip(slots.tolist(), labels, metadata if metadata is not None else [None] * len(ids)):
+            self.labels[slot], self.metadata[slot] = label, meta
         self.prompts.append(slots, lengths, {"tokens": flat})
         return slots
 
@@ -263,9 +268,11 @@ class TransferDock:
     def batch_group_ids(self) -> np.ndarray:
         return self.group_ids[self._require_batch("batch_group_ids")].copy()
 
-    def batch_samples(self) -> list[list[Sample]]:
-        """One list of n Samples per batch group, in batch order."""
-        return dock_export.batch_samples(self, self._require_batch("batch_samples"))
+    def rollout_batch(self) -> RolloutBatch:
+        """The batch as the learner's columns (rollout/batch.py), group by group in batch order."""
+        slots = self._require_batch("rollout_batch")
+        return RolloutBatch.from_dock_arrays(self.batch_arrays(), self.n, [self.labels[s] for s in slots.tolist()],
+                                             [self.metadata[s] for s in slots.tolist()])
 
     def batch_arrays(self) -> dict[str, np.ndarray]:
         """The batch as flat read-only columns (see rollout.dock_export.batch_arrays); built once per batch."""
@@ -284,7 +291,7 @@ class TransferDock:
         rows = (batch[:, None] * self.n + np.arange(self.n)).reshape(-1)
         self.group_ids[batch] = -1
         for slot in batch.tolist():
-            self.labels[slot] = None
+            self.labels[slot] = self.metadata[slot] = None
         for flag in ROW_FLAGS:
             getattr(self, flag)[rows] = False
         self.age[rows] = 0

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rollout.dock_buffers import split_flat
-from rollout.sample import Sample, Status
 
 if TYPE_CHECKING:
     from rollout.dock import TransferDock
@@ -45,32 +43,6 @@ def batch_arrays(dock: "TransferDock", batch: np.ndarray) -> dict[str, np.ndarra
         "weight_versions": np.take(columns["versions"], index), "response_lengths": dock.responses.length[rows].copy(),
         "truncated": ~dock.stopped[rows], "ages": dock.age[rows].copy(),
     }
-
-
-def batch_samples(dock: "TransferDock", batch: np.ndarray) -> list[list[Sample]]:
-    """One list of n Samples per batch group (batch order). Samples of a group share the label object."""
-    rows = batch_rows(dock, batch)
-    r_len = dock.responses.length[rows]
-    prompts = split_flat(dock.prompts.gather(batch, "tokens"), dock.prompts.length[batch])
-    index = dock.responses.index(rows)
-    tokens, logprobs, versions = (split_flat(np.take(dock.responses.columns[c], index), r_len)
-                                  for c in ("tokens", "logprobs", "versions"))
-    statuses = np.where(dock.stopped[rows], 0, 1).tolist()
-    status_of = (Status.COMPLETED, Status.TRUNCATED)
-    ages, rounds = dock.age[rows].tolist(), dock.rounds[rows].tolist()
-    n = dock.n
-    groups = []
-    for g, (slot, group_id) in enumerate(zip(batch.tolist(), dock.group_ids[batch].tolist())):
-        label = dock.labels[slot]
-        group = []
-        for i in range(n):
-            r = g * n + i
-            group.append(Sample(group_index=group_id, index=group_id * n + i, prompt_tokens=list(prompts[g]),
-                                response_tokens=tokens[r], rollout_logprobs=logprobs[r], weight_versions=versions[r],
-                                label=label, status=status_of[statuses[r]],
-                                metadata={"age": ages[r], "rounds": rounds[r]}))
-        groups.append(group)
-    return groups
 
 
 def age_histogram(dock: "TransferDock") -> dict[str, int]:
@@ -114,7 +86,7 @@ def snapshot(dock: "TransferDock") -> tuple[dict[str, np.ndarray], dict[str, Any
                    "max_age": dock.max_age, "require_max_age_all_finished": dock.require_max_age_all_finished,
                    "over_sampling_groups": dock.over_sampling_groups},
         "has_batch": dock.batch is not None, "drain": dock.drain, "next_load_seq": int(dock.next_load_seq),
-        "labels": list(dock.labels),
+        "labels": list(dock.labels), "metadata": list(dock.metadata),
     }
     return arrays, meta
 
@@ -139,6 +111,9 @@ def restore(cls: type["TransferDock"], arrays: dict[str, np.ndarray], meta: dict
     if len(meta["labels"]) != dock.capacity_groups:
         raise ValueError(f"dock snapshot: {len(meta['labels'])} labels for {dock.capacity_groups} group slots")
     dock.labels = list(meta["labels"])
+    dock.metadata = list(meta.get("metadata") or [None] * dock.capacity_groups)  # older snapshots have none
+    if len(dock.metadata) != dock.capacity_groups:
+        raise ValueError(f"dock snapshot: {len(dock.metadata)} metadata entries for {dock.capacity_groups} group slots")
     # every row takes its group's age (snapshots before the staleness bound went by group aged rows one by one)
     dock.age = np.repeat(dock.age.reshape(dock.capacity_groups, dock.n).max(axis=1), dock.n)
     dock.prompts.load(arrays["prompt_lengths"], {"tokens": arrays["prompt_tokens"]})

@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from rollout.data_source import read_prompts
 from rollout.evaluation import run_eval
+from rollout.functions import RolloutOutput
 from rollout.partial_async import generate_until_ready_async
 from rollout.requests import (GenerationStats, Generator, SamplingSettings, build_requests, parse_responses,
                               request_seeds)
@@ -72,26 +72,20 @@ def generate_batch(dock, engine: Generator, rollout_cfg, stop_token_ids, weight_
 def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = False):
     """The default rollout function (seed signature): partial rollout over the run's dock.
 
-    args: the RunConfig; data_source: the run (dock, engine, weight_version, ...). Training: the GBS
-    groups the dock chose (generation stats go to the iteration's metrics). evaluation=True: every data set
-    of data.eval_paths, generated greedily once per prompt -> {key: groups}.
+    args: the RunConfig; data_source: a rollout.context.RolloutContext. Training: RolloutOutput with the GBS
+    groups the dock chose, as columns, and the generation stats. evaluation=True: every data set of
+    data.eval_paths, generated greedily once per prompt -> {key: groups}.
     """
     if evaluation:
         return _evaluate(args, data_source)
+    dock = data_source.dock
     drain = rollout_id == args.schedule.num_iterations - 1
-    stats = generate_batch(data_source.dock, data_source.engine, args.rollout, data_source.stop_token_ids,
-                           data_source.weight_version, drain, getattr(data_source, "on_round", None), args.model.seed)
-    if getattr(data_source, "current", None) is not None:
-        data_source.current.metrics.update(stats.as_dict())
-    return data_source.dock.batch_samples()
+    stats = generate_batch(dock, data_source.engine, args.rollout, data_source.stop_token_ids,
+                           data_source.weight_version, drain, data_source.on_round, args.model.seed)
+    return RolloutOutput(dock.rollout_batch(), stats.as_dict())
 
 
 def _evaluate(args, data_source) -> dict:
-    if getattr(data_source, "eval_sets", None) is None:
-        max_prompt = args.rollout.max_model_len - args.rollout.max_tokens
-        data_source.eval_sets = {key: read_prompts(path, data_source.tokenizer, max_prompt, args.data.prompt_key,
-                                                   args.data.label_key, args.data.over_long_prompts)
-                                 for key, path in args.data.eval_paths.items()}
     return run_eval(data_source.eval_sets, data_source.engine.generate, data_source.reward_fn,
                     tokenizer=data_source.tokenizer, stop_token_ids=data_source.stop_token_ids,
                     max_new_tokens=args.rollout.max_tokens, max_model_len=args.rollout.max_model_len,

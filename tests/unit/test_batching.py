@@ -84,20 +84,22 @@ def test_failed_and_aborted_samples_are_not_trained():
     assert batch.loss_mask.tolist() == [1, 0, 0, 0, 0, 0, 1, 1] and batch.loss_tokens.tolist() == [1, 0, 0, 2]
 
 
-def test_dock_columns_match_the_dock_samples():
+def test_dock_columns_hold_each_rows_prompt_and_response():
     from rollout.dock import TransferDock
 
     dock = TransferDock(2, 3, 1, max_tokens=4, max_model_len=16, eos_token_ids=[1])
     dock.load_groups([10, 11], [[3, 4, 5], [6]], ["a", "b"])
     rows = dock.take_rows()
     lengths = [1, 2, 4, 3, 1, 2]
-    dock.put_generation(rows, [[7 + r] * (n - 1) + [1] for r, n in zip(rows.tolist(), lengths)],
-                        [[-0.5 * r] * n for r, n in zip(rows.tolist(), lengths)], 3, [False] * 6)
+    responses = [[7 + r] * (n - 1) + [1] for r, n in zip(rows.tolist(), lengths)]
+    dock.put_generation(rows, responses, [[-0.5 * r] * n for r, n in zip(rows.tolist(), lengths)], 3, [False] * 6)
     dock.select_batch()
-    labels = [dock.labels[s] for s in dock.select_batch().tolist()]
-    batch = RolloutBatch.from_dock_arrays(dock.batch_arrays(), dock.n, labels)
-    for got, want in zip(to_samples(batch), dock.batch_samples()):
-        assert [(s.group_index, s.index, s.prompt_tokens, s.response_tokens, s.rollout_logprobs, s.weight_versions,
-                 s.status, s.label) for s in got] == [(s.group_index, s.index, s.prompt_tokens, s.response_tokens,
-                                                       s.rollout_logprobs, s.weight_versions, s.status, s.label)
-                                                      for s in want]
+    batch = dock.rollout_batch()
+    assert batch.group_ids.tolist() == [10, 11] and batch.labels == ("a", "b") and len(batch) == 6
+    assert [batch.sequence(r).tolist() for r in range(6)] == [p + resp for p, resp in
+                                                               zip([[3, 4, 5]] * 3 + [[6]] * 3, responses)]
+    assert batch.rollout_logprobs.tolist() == [-0.5 * r for r, n in zip(range(6), lengths) for _ in range(n)]
+    assert batch.weight_versions.tolist() == [3] * sum(lengths) and not batch.truncated.any()
+    samples = to_samples(batch)
+    assert [[s.index for s in g] for g in samples] == [[30, 31, 32], [33, 34, 35]]
+    assert samples[1][0].prompt_tokens == [6] and samples[1][0].response_tokens == responses[3]

@@ -7,6 +7,7 @@ import pytest
 from dock_helpers import EOS, finish_groups, load, make_dock, put
 
 from infra.config import RolloutConfig
+from rollout.batch import to_samples
 from rollout.dock import DockError, TransferDock
 from rollout.dock_buffers import PagedColumns
 from rollout.sample import Status
@@ -114,7 +115,7 @@ def test_completion_rules():
     assert dock.complete[:8].tolist() == [True, True, True, True, True, True, False, False]
     assert dock.ready_group_count() == 1
     dock.select_batch()
-    statuses = [s.status for s in dock.batch_samples()[0]]
+    statuses = [s.status for s in to_samples(dock.rollout_batch())[0]]
     assert statuses == [Status.COMPLETED, Status.TRUNCATED, Status.TRUNCATED, Status.COMPLETED]
 
 

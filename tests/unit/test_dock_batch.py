@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from dock_helpers import finish_groups, load, make_dock, put
 
+from rollout.batch import to_samples
 from rollout.dock import DockError, TransferDock
 
 
@@ -23,7 +24,7 @@ def test_ready_groups_update_ready_and_batch_chosen_once():
     rest = dock.take_rows()
     put(dock, rest, 1, eos=True)  # group 1 becomes ready too: the batch does not change
     assert dock.select_batch().tolist() == [0, 2]
-    samples = dock.batch_samples()
+    samples = to_samples(dock.rollout_batch())
     assert [[s.index for s in g] for g in samples] == [[0, 1], [4, 5]]
     assert [g[0].label for g in samples] == ["label-0", "label-2"]
     arrays = dock.batch_arrays()
@@ -37,7 +38,7 @@ def test_select_batch_needs_gbs_ready_groups_and_consumers_need_a_batch():
     load(dock, [0, 1])
     with pytest.raises(DockError, match="select_batch"):
         dock.select_batch()
-    for call in (dock.batch_samples, dock.batch_arrays, dock.batch_group_ids, dock.clear):
+    for call in (dock.rollout_batch, dock.batch_arrays, dock.batch_group_ids, dock.clear):
         with pytest.raises(DockError, match="no batch selected"):
             call()
 
@@ -127,7 +128,7 @@ def test_snapshot_restore_equal_state_and_behaviour(tmp_path):
         rows = d.take_rows()
         put(d, rows, 2, eos=True, version=7)
         d.select_batch()
-    assert dock.batch_samples() == restored.batch_samples()
+    assert to_samples(dock.rollout_batch()) == to_samples(restored.rollout_batch())
     assert dock.clear() == restored.clear()
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rollout.batch import to_samples
 from rollout.dock import TransferDock
 from rollout.sample import Status
 
@@ -106,7 +107,7 @@ def train(dock: TransferDock, ref: Reference) -> None:
     assert (dock.select_batch() == batch).all()
     arrays = dock.batch_arrays()
     offset = 0
-    for group in dock.batch_samples():
+    for group in to_samples(dock.rollout_batch()):
         for sample in group:
             s = sample.index
             assert sample.prompt_tokens == ref.prompt[s] and sample.response_tokens == ref.tokens[s]

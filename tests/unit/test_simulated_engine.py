@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from infra.config import RolloutConfig
+from rollout.batch import to_samples
 from rollout.dock import TransferDock
 from rollout.dock_staleness import token_staleness_max
 from rollout.engines.protocol import GenerateResponse
@@ -105,7 +106,7 @@ def test_the_dock_counts_an_eos_on_the_last_position_as_stopped_however_it_is_re
     generate_until_ready_sync(dock, engine({0: [4, 9]}), cfg, SamplingSettings(stop_token_ids=[EOS]), weight_version=0)
     dock.select_batch()
     assert dock.batch_arrays()["truncated"].tolist() == [False, True]
-    assert [s.status.value for s in dock.batch_samples()[0]] == ["completed", "truncated"]
+    assert [s.status.value for s in to_samples(dock.rollout_batch())[0]] == ["completed", "truncated"]
     dock = TransferDock.from_config(cfg, [EOS])
     dock.load_groups([0], [simulated_prompt(0, 4)], [0])
     ids = [[SAMPLE_KEY_BASE, FILL_TOKEN, FILL_TOKEN, EOS], [SAMPLE_KEY_BASE, FILL_TOKEN, FILL_TOKEN, 9]]
