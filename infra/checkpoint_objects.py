@@ -114,7 +114,8 @@ def read_object(store: Store, key: str, kind: str | None, size: int,
             return buf
         lib = safetensors.torch if kind == TENSORS else safetensors.numpy
         try:
-            return lib.load(bytes(buf))
+            whole = buf.obj if isinstance(buf.obj, bytes) and len(buf.obj) == len(buf) else bytes(buf)
+            return lib.load(whole)  # (S3 hands over its bytes object: no copy here)
         except (SafetensorError, ValueError, TypeError, RuntimeError) as err:
             raise ObjectFormatError(f"not a valid safetensors object: {err}") from None
     path = store.path(key)

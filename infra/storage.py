@@ -88,8 +88,9 @@ class Store:
         return self._retry("read", key, lambda: self.fs.cat_file(self.path(key), **self._kw()))
 
     def get_buffer(self, key: str, size: int | None = None) -> tuple[memoryview, ObjectInfo]:
-        """The object in a writable buffer (tensors may view it without copying), hashed while read.
-        With `size` (e.g. from a manifest) at most that many bytes are read: compare the returned size."""
+        """The object's bytes, hashed while read: locally a private (writable) mapping or copy, on S3 a view of
+        one `bytes` object. With `size` (e.g. from a manifest) at most that many bytes are read: compare the
+        returned size."""
         return self._retry("read", key, lambda: self._get_once(key, size))
 
     def _get_once(self, key: str, size: int | None) -> tuple[memoryview, ObjectInfo]:

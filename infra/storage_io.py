@@ -178,18 +178,19 @@ def s3_put(fs, path: str, buffers: Sequence, timeout: CallTimeout) -> ObjectInfo
 
 
 def s3_get(fs, path: str, size: int | None, timeout: CallTimeout) -> tuple[memoryview, ObjectInfo]:
-    """Ranged GETs in parallel batches into one writable buffer, hashed in order."""
+    """A view of one `bytes` object holding the object (what safetensors' load takes, without another copy),
+    fetched by ranged GETs in parallel batches and hashed in order."""
     if size is None:
         size = fs.info(path, timeout=timeout())["size"]
     hasher = Hasher()
     if size == 0:
         fs.info(path, timeout=timeout())  # still an error when it does not exist
-        return new_buffer(0), hasher.result()
+        return memoryview(b""), hasher.result()
     if size <= CHUNK_BYTES:
-        view = memoryview(bytearray(fs.cat_file(path, start=0, end=size, timeout=timeout(size))))
+        view = memoryview(fs.cat_file(path, start=0, end=size, timeout=timeout(size)))
         hasher.update(view)
         return view, hasher.result()
-    view = new_buffer(size)
+    parts = []
     starts = list(range(0, size, CHUNK_BYTES))
     batch = max(1, getattr(fs, "max_concurrency", 8))
     for i in range(0, len(starts), batch):
@@ -197,11 +198,11 @@ def s3_get(fs, path: str, size: int | None, timeout: CallTimeout) -> tuple[memor
         datas = fs.cat_ranges([path] * len(group), group, [min(s + CHUNK_BYTES, size) for s in group],
                               on_error="raise", timeout=timeout(len(group) * CHUNK_BYTES))
         for start, data in zip(group, datas):
-            view[start:start + len(data)] = data
-            hasher.update(view[start:start + len(data)])
+            hasher.update(memoryview(data))
+            parts.append(data)
             if start + len(data) < min(start + CHUNK_BYTES, size):  # shorter than `size`
-                return view[:hasher.size], hasher.result()
-    return view, hasher.result()
+                return memoryview(b"".join(parts)), hasher.result()
+    return memoryview(b"".join(parts)), hasher.result()
 
 
 def s3_delete(fs, path: str, timeout: CallTimeout) -> None:
