@@ -18,7 +18,7 @@ from infra.models import load_tokenizer, resolve_model_path
 from rollout import toy_task
 from rollout.context import EvalSets, RolloutContext
 from rollout.controller import RolloutController
-from rollout.data_source import PromptCursor, read_prompts
+from rollout.data_source import PromptCursor, read_prompt_file
 from rollout.dock import TransferDock
 from tasks.reward import RewardSetup
 
@@ -98,8 +98,7 @@ def build_run(cfg: RunConfig, saved=None, *, engine=None, learners=None, with_en
     model_path = resolve_model_path(cfg.model, run_dir, max_position=max(512, cfg.rollout.max_model_len))
     tokenizer = load_tokenizer(model_path)
     max_prompt = cfg.rollout.max_model_len - cfg.rollout.max_tokens
-    prompts = read_prompts(prepare_data(cfg, run_dir), tokenizer, max_prompt, cfg.data.prompt_key,
-                           cfg.data.label_key, cfg.data.over_long_prompts)
+    prompts = read_prompt_file(prepare_data(cfg, run_dir), tokenizer, cfg.data, max_prompt)
     if prompts.truncated_count:
         log.warning("%d prompts longer than %d tokens were cut to their last %d tokens (data.over_long_prompts="
                     "truncate); metrics: truncated_prompts", prompts.truncated_count, max_prompt, max_prompt)
@@ -132,7 +131,8 @@ def build_run(cfg: RunConfig, saved=None, *, engine=None, learners=None, with_en
                              eval_data=EvalSets(cfg, tokenizer) if cfg.data.eval_paths else None)
     reward = RewardSetup(tokenizer, stop_ids, reward_fn, cfg.grpo.reward_function_path, cfg.grpo.rule_reward_weight,
                          exact_match=toy_task.exact_match if builtin else None,
-                         prompt_texts=lambda ids: [prompts.texts[i] for i in cursor.dataset_indices(ids).tolist()])
+                         prompt_texts=lambda ids: [prompts.texts[i] for i in cursor.dataset_indices(ids).tolist()],
+                         concurrency=cfg.grpo.reward_concurrency)
     return Run(cfg, run_dir, Path(model_path), dock, cursor, controller, context, reward, learners[0], learners[1],
                engine, baseline=toy_task.prompt_independent_baseline(prompts.labels)[1] if builtin else None,
                owns_engine=owns_engine, owns_learners=owns_learners)

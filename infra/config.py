@@ -46,12 +46,22 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     prompts_path: str | None = Field(
-        None, description="JSONL file of prompts (one object per line). Empty: generate the built-in "
-        "repeat task into <run_dir>/data/train.jsonl.")
+        None, description="Prompt file: JSON Lines (one object per line) or Parquet (one row per prompt). Empty: "
+        "generate the built-in repeat task into <run_dir>/data/train.jsonl.")
     prompt_key: str = Field("prompt", description="JSON key of the prompt text.")
     label_key: str = Field("label", description="JSON key of the label handed to the reward function.")
+    additional_keys: list[str] = Field(
+        default_factory=list, description="More keys (columns) of each prompt, carried with its group through "
+        "the dock, checkpoints and debug rollout data to the reward function, which gets them as one dict "
+        "{key: value} in a keyword argument named `metadata` (only if it names that parameter; batched "
+        "functions get one dict per response).")
+    apply_chat_template: bool = Field(
+        False, description="Render text prompts as one user message with the tokenizer's chat template (prompts "
+        "that are lists of {role, content} messages are always rendered).")
+    system_prompt: str | None = Field(
+        None, description="System message put first in every chat-rendered prompt that has none of its own.")
     num_prompts: int = Field(4096, ge=1, description="Prompts generated for the built-in task.")
-    eval_paths: dict[str, str] = Field(default_factory=dict, description="Eval data sets: key -> JSONL path.")
+    eval_paths: dict[str, str] = Field(default_factory=dict, description="Eval data sets: key -> JSONL or Parquet path.")
     sft_path: str | None = Field(
         None, description="SFT mode (rollout.rollout_function_path=rollout.sft.generate_sft_rollout): JSONL of "
         "pre-generated samples, {prompt, response} or {prompt_tokens, response_tokens}, optional loss_mask.")
@@ -86,6 +96,9 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (the learner uses the same).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(-1, description="Top-k sampling; -1 = off.")
+    stop: list[str] = Field(
+        default_factory=list, max_length=32, description="Stop strings (SGLang's sampling_params.stop, at most "
+        "32): generation ends once the response text contains one (its tokens stay in the response).")
     deterministic_sampling: bool = Field(
         False, description="Seed every request (SGLang's sampling_params.sampling_seed, from model.seed, the group "
         "and the sample index): samples then do not depend on batching, timing or restarts, so a resumed run "
@@ -129,6 +142,8 @@ class RolloutConfig(_Section):
                              f"({self.max_tokens}) to leave room for the prompt")
         if self.max_age is not None and self.max_age < 1:
             raise ValueError(f"rollout.max_age must be >= 1; got {self.max_age}")
+        if any(not s for s in self.stop):
+            raise ValueError("rollout.stop holds an empty string; give non-empty stop strings")
         return self
 
 
@@ -161,6 +176,9 @@ class GRPOConfig(_Section):
     reward_function_path: str = Field("rollout.toy_task.reward", description="Import path of the rule reward.")
     reward_model_path: str | None = Field(None, description="HF sequence classifier scoring prompt+response.")
     rule_reward_weight: float = Field(1.0, description="Weight of the rule reward in the total.")
+    reward_concurrency: int = Field(
+        32, ge=1, description="An `async def` reward function is awaited concurrently, at most this many calls "
+        "at once (a remote verifier or sandbox).")
     reward_model_weight: float = Field(0.0, description="Weight of the reward model score in the total.")
 
     @model_validator(mode="before")

@@ -17,6 +17,10 @@ from infra.config import TinyModelConfig
 PAD, EOS = "<pad>", "<eos>"
 TINY_ALPHABET = " \n0123456789abcdefghijklmnopqrstuvwxyz:=+-*.,?!"
 TINY_MARKER = "spillover_tiny.json"
+# A chat template the char vocabulary can spell (lower case, no special tokens): "role: content" lines, then
+# "assistant: " as the generation prompt. Enough to run chat-message prompts offline through the real path.
+TINY_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 def build_char_tokenizer(alphabet: str = TINY_ALPHABET) -> PreTrainedTokenizerFast:
@@ -27,9 +31,11 @@ def build_char_tokenizer(alphabet: str = TINY_ALPHABET) -> PreTrainedTokenizerFa
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=PAD, padding_side="left",
     )
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None, seed: int = 0,
@@ -40,7 +46,7 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None, se
     """
     cfg = cfg or TinyModelConfig()
     out = Path(out_dir)
-    marker = {"tiny": cfg.model_dump(), "seed": seed, "max_position": max_position}
+    marker = {"tiny": cfg.model_dump(), "seed": seed, "max_position": max_position, "chat_template": 1}
     if (out / TINY_MARKER).is_file() and json.loads((out / TINY_MARKER).read_text()) == marker:
         return out
     tokenizer = build_char_tokenizer()

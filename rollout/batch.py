@@ -37,7 +37,8 @@ class RolloutBatch:
     group_ids[G] (the groups' stream ids), n, prompt_tokens[Tp] / prompt_lengths[R], response_tokens[Tr] /
     response_lengths[R], rollout_logprobs[Tr], weight_versions[Tr] (-1: no policy made the token, e.g.
     SFT), loss_mask[Tr] (0/1), truncated[R] (complete without a stop), ages[R] (iterations carried over),
-    labels[G]; advantages[R] once the reward step has set them. `sft` marks a supervised batch (advantage 1,
+    labels[G], metadata[G] (data.additional_keys per group: a dict, or () when the run has none); advantages[R]
+    once the reward step has set them. `sft` marks a supervised batch (advantage 1,
     no behaviour policy).
     """
 
@@ -53,6 +54,7 @@ class RolloutBatch:
     truncated: np.ndarray
     ages: np.ndarray
     labels: tuple = ()
+    metadata: tuple = ()
     advantages: np.ndarray | None = None
     sft: bool = False
     samples: tuple | None = field(default=None, repr=False)  # the Sample groups it was built from, if any
@@ -72,6 +74,8 @@ class RolloutBatch:
                                  f"have {tokens} tokens")
         if (self.prompt_lengths[self.response_lengths > 0] < 1).any():
             raise ValueError("RolloutBatch: a response needs at least one prompt token before it")
+        if self.metadata and len(self.metadata) != len(self.group_ids):
+            raise ValueError(f"RolloutBatch.metadata has {len(self.metadata)} entries for {len(self.group_ids)} groups")
         if self.advantages is not None and (len(self.advantages) != rows or not np.isfinite(self.advantages).all()):
             raise ValueError(f"RolloutBatch.advantages must be {rows} finite numbers (check the rewards for NaN)")
 
@@ -113,8 +117,8 @@ class RolloutBatch:
 
     # ---- construction -----------------------------------------------------------------------------
     @classmethod
-    def from_dock_arrays(cls, arrays: dict[str, np.ndarray], n: int, labels) -> "RolloutBatch":
-        """From `TransferDock.batch_arrays()` (one prompt per group) and the batch groups' labels."""
+    def from_dock_arrays(cls, arrays: dict[str, np.ndarray], n: int, labels, metadata=None) -> "RolloutBatch":
+        """From `TransferDock.batch_arrays()` (one prompt per group), the batch groups' labels and metadata."""
         group_prompts = arrays["prompt_lengths"]
         starts = offsets(group_prompts)
         row_groups = np.repeat(np.arange(len(group_prompts)), n)
@@ -127,7 +131,8 @@ class RolloutBatch:
                    response_tokens=tokens, response_lengths=arrays["response_lengths"].astype(np.int64),
                    rollout_logprobs=arrays["rollout_logprobs"], weight_versions=arrays["weight_versions"],
                    loss_mask=np.ones(len(tokens), dtype=np.uint8), truncated=np.asarray(arrays["truncated"], bool),
-                   ages=arrays["ages"].astype(np.int32), labels=tuple(labels))
+                   ages=arrays["ages"].astype(np.int32), labels=tuple(labels),
+                   metadata=_group_metadata(metadata))
 
     @classmethod
     def from_samples(cls, groups: list[list[Sample]], sft: bool = False) -> "RolloutBatch":
@@ -156,7 +161,8 @@ class RolloutBatch:
                    loss_mask=np.concatenate([np.asarray(m, np.uint8) for m in masks]) if flat else np.zeros(0, np.uint8),
                    truncated=np.array([s.status == Status.TRUNCATED for s in flat], dtype=bool),
                    ages=np.array([int(s.metadata.get("age", 0)) for s in flat], dtype=np.int32),
-                   labels=tuple(g[0].label for g in groups), sft=sft, samples=tuple(tuple(g) for g in groups))
+                   labels=tuple(g[0].label for g in groups), sft=sft, samples=tuple(tuple(g) for g in groups),
+                   metadata=_group_metadata([g[0].metadata.get("data") for g in groups]))
 
 
 def from_sequences(sequences, response_lengths, rollout_logprobs, weight_versions, advantages=None, n: int = 1,
@@ -194,12 +200,14 @@ def select_groups(batch: RolloutBatch, groups) -> RolloutBatch:
     return replace(batch, group_ids=batch.group_ids[groups], prompt_tokens=take(batch.prompt_tokens, batch.prompt_lengths),
                    prompt_lengths=batch.prompt_lengths[rows], response_lengths=batch.response_lengths[rows],
                    truncated=batch.truncated[rows], ages=batch.ages[rows], labels=tuple(batch.labels[g] for g in groups),
+                   metadata=tuple(batch.metadata[g] for g in groups) if batch.metadata else (),
                    advantages=None if batch.advantages is None else batch.advantages[rows],
                    samples=None if batch.samples is None else tuple(batch.samples[g] for g in groups), **r_cols)
 
 
 def to_samples(batch: RolloutBatch) -> list[list[Sample]]:
-    """One list of n new Samples per group (status COMPLETED or TRUNCATED, metadata {"age"})."""
+    """One list of n new Samples per group (status COMPLETED or TRUNCATED, metadata {"age"}, plus "data": the
+    group's data.additional_keys when it has them)."""
     prompts = split(batch.prompt_tokens, batch.prompt_lengths)
     columns = [split(getattr(batch, c), batch.response_lengths)
                for c in ("response_tokens", "rollout_logprobs", "weight_versions", "loss_mask")]
@@ -214,7 +222,8 @@ def to_samples(batch: RolloutBatch) -> list[list[Sample]]:
                                 weight_versions=versions.tolist(),
                                 loss_mask=None if mask.all() else mask.tolist(), label=batch.labels[g],
                                 status=Status.TRUNCATED if batch.truncated[r] else Status.COMPLETED,
-                                metadata={"age": int(batch.ages[r])}))
+                                metadata={"age": int(batch.ages[r]),
+                                          **({"data": batch.metadata[g]} if batch.metadata else {})}))
         groups.append(group)
     return groups
 
@@ -222,3 +231,15 @@ def to_samples(batch: RolloutBatch) -> list[list[Sample]]:
 def label_of_rows(batch: RolloutBatch) -> list[Any]:
     """labels[R]: each row's group label."""
     return [label for label in batch.labels for _ in range(batch.n)]
+
+
+def metadata_of_rows(batch: RolloutBatch) -> list[dict | None]:
+    """metadata[R]: each row's group metadata (None for every row when the batch has none)."""
+    groups = batch.metadata or (None,) * len(batch.group_ids)
+    return [meta for meta in groups for _ in range(batch.n)]
+
+
+def _group_metadata(metadata) -> tuple:
+    """Per-group metadata -> a tuple, or () when there is none at all."""
+    metadata = tuple(metadata) if metadata is not None else ()
+    return metadata if any(m is not None for m in metadata) else ()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable
 
-from rollout.data_source import PromptCursor, PromptSet, read_prompts
+from rollout.data_source import PromptCursor, PromptSet, read_prompt_file
 
 
 class EvalSets:
@@ -23,8 +23,7 @@ class EvalSets:
     def sets(self) -> dict[str, PromptSet]:
         data, rollout = self.cfg.data, self.cfg.rollout
         max_prompt = rollout.max_model_len - rollout.max_tokens
-        return {key: read_prompts(path, self.tokenizer, max_prompt, data.prompt_key, data.label_key,
-                                  data.over_long_prompts) for key, path in data.eval_paths.items()}
+        return {key: read_prompt_file(path, self.tokenizer, data, max_prompt) for key, path in data.eval_paths.items()}
 
 
 @dataclass(frozen=True)

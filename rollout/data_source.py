@@ -1,4 +1,4 @@
-"""Prompt data: read and validate a JSONL prompt file, and the cursor that hands out prompt groups.
+"""Prompt data: read and validate a prompt file (JSON Lines or Parquet), and the cursor that hands out prompt groups.
 
 A group's id is its position in the prompt stream (unique across epochs); its data set index is
 `order[position % N]` for the epoch's (seeded) shuffle.
@@ -12,6 +12,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from rollout.chat import ChatPromptError, check_prompt, render_messages, to_messages
+
 
 class PromptFileError(ValueError):
     """A prompt file that cannot be used; the message names the file, the line and the fix."""
@@ -23,6 +25,7 @@ class PromptSet:
     labels: list[Any]
     tokens: list[list[int]]
     truncated_count: int = 0
+    metadata: list[dict] | None = None  # data.additional_keys per prompt; None without additional keys
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -62,47 +65,120 @@ def _json_type(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _parse_line(path: str, lineno: int, line: str, prompt_key: str, label_key: str) -> tuple[str, Any]:
-    row = parse_json_object(f"{path}:{lineno}", line, f"{prompt_key!r} and {label_key!r}", PromptFileError)
-    for key, setting in ((prompt_key, "data.prompt_key"), (label_key, "data.label_key")):
+PARQUET_MAGIC = b"PAR1"
+
+
+def is_parquet(path: str | Path) -> bool:
+    """A Parquet file starts with PAR1 (whatever its name)."""
+    with open(path, "rb") as fh:
+        return fh.read(4) == PARQUET_MAGIC
+
+
+def prompt_rows(path: str, keys: list[str]) -> Iterator[tuple[str, dict]]:
+    """("path:line" or "path row N", row) of a JSONL or Parquet prompt file. Parquet rows hold only `keys`
+    (the columns read); a missing column is one error naming the file and the columns present."""
+    if not is_parquet(path):
+        expected = " and ".join(repr(k) for k in keys[:2])
+        for lineno, line in jsonl_lines(path, PromptFileError, "a prompt file (data.prompts_path)"):
+            yield f"{path}:{lineno}", parse_json_object(f"{path}:{lineno}", line, expected, PromptFileError)
+        return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise PromptFileError(f"{path}: not a readable Parquet file ({err}); re-write it, or give JSON Lines") from None
+    present = parquet.schema_arrow.names
+    columns = [k for k in dict.fromkeys(keys) if k in present]
+    row = 0
+    for batch in parquet.iter_batches(batch_size=4096, columns=columns):
+        for values in batch.to_pylist():
+            row += 1
+            yield f"{path} row {row}", values
+    if row == 0:
+        raise PromptFileError(f"prompt file {path!r} holds no prompts")
+
+
+def _parse_row(where: str, row: dict, keys: "PromptKeys") -> tuple[str | list, Any, dict | None]:
+    for key, setting in [(keys.prompt, "data.prompt_key"), (keys.label, "data.label_key")] + [
+            (k, "data.additional_keys") for k in keys.additional]:
         if key not in row:
-            raise PromptFileError(f"{path}:{lineno}: missing key {key!r} (set {setting} if the file uses "
-                                  f"another name; keys present: {sorted(row)})")
-    prompt = row[prompt_key]
-    if not isinstance(prompt, str):
-        raise PromptFileError(f"{path}:{lineno}: {prompt_key!r} must be a string (the prompt text); got "
-                              f"{_json_type(prompt)} {json.dumps(prompt)[:40]}")
-    if not prompt.strip():
-        raise PromptFileError(f"{path}:{lineno}: empty prompt under {prompt_key!r}; remove the line")
-    return prompt, row[label_key]
+            raise PromptFileError(f"{where}: missing key {key!r} (set {setting} if the file uses another name; "
+                                  f"keys present: {sorted(row)})")
+    try:
+        prompt = check_prompt(row[keys.prompt], keys.prompt)
+    except ChatPromptError as err:
+        raise PromptFileError(f"{where}: {err}") from None
+    metadata = {k: row[k] for k in keys.additional} if keys.additional else None
+    try:  # labels and metadata go into checkpoints and debug data as JSON
+        json.dumps([row[keys.label], metadata], allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise PromptFileError(f"{where}: the label {keys.label!r} and data.additional_keys values must be JSON "
+                              f"values (text, numbers, lists, objects): {err}") from None
+    return prompt, row[keys.label], metadata
+
+
+@dataclass(frozen=True)
+class PromptKeys:
+    prompt: str = "prompt"
+    label: str = "label"
+    additional: tuple[str, ...] = ()
 
 
 def read_prompts(path: str | Path, tokenizer, max_prompt_tokens: int, prompt_key: str = "prompt",
-                 label_key: str = "label", over_long: str = "refuse") -> PromptSet:
-    """Read `path` (JSONL) and tokenize every prompt. Over-long prompts are refused (error naming the line)
-    or, with over_long="truncate", cut to their last `max_prompt_tokens` tokens and counted."""
+                 label_key: str = "label", over_long: str = "refuse", additional_keys=(),
+                 system_prompt: str | None = None, apply_chat_template: bool = False) -> PromptSet:
+    """Read `path` (JSON Lines, or Parquet) and tokenize every prompt. A prompt is a string or a list of chat
+    messages; messages (and, with apply_chat_template, strings as one user message) are rendered by the
+    tokenizer's chat template, with system_prompt first (rollout.chat). Over-long prompts are refused (error
+    naming the line) or, with over_long="truncate", cut to their last `max_prompt_tokens` tokens and counted."""
     path = str(path)
     if not Path(path).is_file():
         raise PromptFileError(f"prompt file {path!r} does not exist (data.prompts_path)")
-    texts, labels = [], []
-    for lineno, line in jsonl_lines(path, PromptFileError, "a prompt file (data.prompts_path)"):
-        prompt, label = _parse_line(path, lineno, line, prompt_key, label_key)
+    keys = PromptKeys(prompt_key, label_key, tuple(additional_keys))
+    texts, labels, metadata, wheres, chats = [], [], [], [], []
+    for where, row in prompt_rows(path, [prompt_key, label_key, *keys.additional]):
+        prompt, label, meta = _parse_row(where, row, keys)
+        if isinstance(prompt, str) and system_prompt and not apply_chat_template:
+            raise PromptFileError(f"{where}: data.system_prompt is set but this prompt is plain text and "
+                                  "data.apply_chat_template is false; set data.apply_chat_template=true to render "
+                                  "text prompts as chat, or drop data.system_prompt")
+        if not isinstance(prompt, str) or apply_chat_template:
+            chats.append((len(texts), to_messages(prompt, system_prompt)))
         texts.append(prompt)
         labels.append(label)
+        metadata.append(meta)
+        wheres.append(where)
     if not texts:
         raise PromptFileError(f"prompt file {path!r} holds no prompts")
+    if chats:
+        try:
+            rendered = render_messages(tokenizer, [messages for _, messages in chats])
+        except ChatPromptError as err:
+            raise PromptFileError(f"{wheres[chats[0][0]]}: {err}") from None
+        for (i, _), text in zip(chats, rendered):
+            texts[i] = text
     tokens = tokenizer(texts, add_special_tokens=False)["input_ids"]
     truncated = 0
     for i, ids in enumerate(tokens):
         if len(ids) > max_prompt_tokens:
             if over_long != "truncate":
                 raise PromptFileError(
-                    f"{path}: prompt #{i + 1} has {len(ids)} tokens, more than the {max_prompt_tokens} allowed "
+                    f"{wheres[i]}: prompt #{i + 1} has {len(ids)} tokens, more than the {max_prompt_tokens} allowed "
                     f"(rollout.max_model_len - rollout.max_tokens); shorten it, raise rollout.max_model_len, "
                     f"or set data.over_long_prompts=truncate")
             tokens[i] = ids[-max_prompt_tokens:]
             truncated += 1
-    return PromptSet(texts, labels, [list(t) for t in tokens], truncated)
+    return PromptSet(texts, labels, [list(t) for t in tokens], truncated,
+                     metadata if keys.additional else None)
+
+
+def read_prompt_file(path: str | Path, tokenizer, data_cfg, max_prompt_tokens: int) -> PromptSet:
+    """read_prompts with the settings of an infra.config.DataConfig."""
+    return read_prompts(path, tokenizer, max_prompt_tokens, data_cfg.prompt_key, data_cfg.label_key,
+                        data_cfg.over_long_prompts, data_cfg.additional_keys, data_cfg.system_prompt,
+                        data_cfg.apply_chat_template)
 
 
 @dataclass

@@ -55,7 +55,8 @@ def eval_log_dict(results: Mapping[str, list[list[Sample]]], step: int) -> dict[
 def run_eval(datasets: Mapping[str, PromptSetLike], generate_fn: GenerateFn, reward_fn: Callable, *,
              tokenizer, stop_token_ids: Sequence[int], max_new_tokens: int, max_model_len: int | None = None,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1, n_samples_per_prompt: int = 1,
-             reward_fn_path: str = "grpo.reward_function_path") -> dict[str, list[list[Sample]]]:
+             reward_fn_path: str = "grpo.reward_function_path", stop: Sequence[str] = ()
+             ) -> dict[str, list[list[Sample]]]:
     """Generate n responses per prompt of every data set (one generate_fn call for all), decode and score them.
 
     -> {key: groups}, group g = prompt g of that set, with n scored samples. temperature 0 is greedy.
@@ -74,13 +75,15 @@ def run_eval(datasets: Mapping[str, PromptSetLike], generate_fn: GenerateFn, rew
             if budget < 1:
                 raise ValueError(f"eval data set {key!r}: prompt #{g + 1} has {len(ids)} tokens, leaving no room "
                                  f"under rollout.max_model_len ({max_model_len})")
-            group = [Sample(g, i, list(ids), label=label, prompt=text) for i in range(n_samples_per_prompt)]
+            data_keys = {"data": data.metadata[g]} if getattr(data, "metadata", None) else {}  # data.additional_keys
+            group = [Sample(g, i, list(ids), label=label, prompt=text, metadata=dict(data_keys))
+                     for i in range(n_samples_per_prompt)]
             results[key].append(group)
             samples += group
             budgets += [budget] * n_samples_per_prompt
     if not samples:
         return results
-    sampling = SamplingSettings(temperature, top_p, top_k, tuple(stop_token_ids))
+    sampling = SamplingSettings(temperature, top_p, top_k, tuple(stop_token_ids), stop=tuple(stop))
     responses = generate_fn(build_requests([s.prompt_tokens for s in samples], np.array(budgets), sampling))
     if len(responses) != len(samples):
         raise RuntimeError(f"generate_fn returned {len(responses)} answers for {len(samples)} eval requests")

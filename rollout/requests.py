@@ -33,12 +33,14 @@ class SamplingSettings:
     top_k: int = -1
     stop_token_ids: Sequence[int] = ()
     seed: int | None = None  # set: every request carries a sampling_seed (see request_seeds)
+    stop: Sequence[str] = ()  # rollout.stop: stop strings (SGLang's sampling_params.stop)
 
     @classmethod
     def from_rollout(cls, rollout_cfg, stop_token_ids: Sequence[int], seed: int | None = None) -> "SamplingSettings":
         """seed (model.seed) is used only with rollout.deterministic_sampling."""
         seed = seed if getattr(rollout_cfg, "deterministic_sampling", False) else None
-        return cls(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k, tuple(stop_token_ids), seed)
+        return cls(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k, tuple(stop_token_ids), seed,
+                   tuple(getattr(rollout_cfg, "stop", ())))
 
 
 @dataclass
@@ -68,6 +70,8 @@ def build_requests(inputs: Sequence[Sequence[int]], max_new_tokens: np.ndarray, 
     """Dock inputs -> SGLang /generate payloads (one per row); seeds[k] (optional) -> sampling_seed."""
     params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
               "stop_token_ids": list(sampling.stop_token_ids)}
+    if sampling.stop:
+        params["stop"] = list(sampling.stop)
     requests = [{
         "input_ids": ids if isinstance(ids, list) else list(map(int, ids)),
         "sampling_params": {"max_new_tokens": m, **params},

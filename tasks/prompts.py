@@ -28,7 +28,8 @@ def load_prompt_groups(dock, cursor: PromptCursor, prompts: PromptSet, iteration
         return 0
     group_ids = np.arange(cursor.position, cursor.position + count, dtype=np.int64)
     indices = cursor.dataset_indices(group_ids)
-    dock.load_groups(group_ids, [prompts.tokens[i] for i in indices], [prompts.labels[i] for i in indices])
+    dock.load_groups(group_ids, [prompts.tokens[i] for i in indices], [prompts.labels[i] for i in indices],
+                     None if prompts.metadata is None else [prompts.metadata[i] for i in indices])
     cursor.position += count  # only after the dock took them: a failed load leaves the cursor as it was
     cursor.loaded_iterations = cursor.loaded_iterations[-7:] + [iteration]
     return count

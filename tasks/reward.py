@@ -9,7 +9,7 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NONE
 
-from rollout.batch import RolloutBatch, label_of_rows
+from rollout.batch import RolloutBatch, label_of_rows, metadata_of_rows
 from rollout.scoring import RewardError, batch_decode, decode_responses, score_responses, score_samples, wants_samples
 from tasks.grpo_loss import group_advantages
 from tasks.results import Rollout, Scored
@@ -28,6 +28,7 @@ class RewardSetup:
     rule_weight: float = 1.0
     exact_match: Callable | None = None       # the built-in task's exact-match check (a reported metric)
     prompt_texts: Callable | None = None      # group stream ids[G] -> prompt texts[G]
+    concurrency: int = 32                     # grpo.reward_concurrency: async reward calls at once
 
 
 def response_texts(batch: RolloutBatch, tokenizer, stop_token_ids) -> list[str]:
@@ -51,7 +52,8 @@ def score_batch(batch: RolloutBatch, texts: list[str], setup: RewardSetup) -> np
         group = int(batch.group_ids[i // n])
         return f"sample {group * n + i % n} (group {group}, prompt {prompts[i // n][:40]!r})"
 
-    return score_responses(texts, label_of_rows(batch), setup.reward_fn, setup.reward_fn_path, describe, samples)
+    return score_responses(texts, label_of_rows(batch), setup.reward_fn, setup.reward_fn_path, describe, samples,
+                           metadata_of_rows(batch), setup.concurrency)
 
 
 def _group_prompts(batch: RolloutBatch, setup: RewardSetup) -> list[str]:

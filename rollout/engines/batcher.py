@@ -38,6 +38,9 @@ class EngineRequest:
     return_logprob: bool
     max_output: int  # max_new_tokens capped by the context length
     stop_ids: frozenset[int]
+    stop_strings: tuple[str, ...] = ()  # sampling_params.stop
+    stop_tail_tokens: int = 0  # output tokens decoded to look for a stop string (SGLang: longest stop + 1)
+    decode: Callable[[list[int]], str] | None = None
     future: Future = field(default_factory=Future)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -256,5 +259,14 @@ class ContinuousBatcher:
             n = len(req.output_ids)
             if tok in req.stop_ids:  # checked first: an EOS on the last allowed position is a stop (SGLang 0.5.23)
                 self._finish(req, {"type": "stop", "matched": tok})
+            elif req.stop_strings and (matched := matched_stop_string(req)) is not None:
+                self._finish(req, {"type": "stop", "matched": matched})
             elif n >= req.max_output:
                 self._finish(req, {"type": "length", "length": n})
+
+
+def matched_stop_string(req: EngineRequest) -> str | None:
+    """The first stop string in the text of the request's last output tokens, or None (as SGLang, the text
+    of the output only: a string that starts in the prompt or an earlier partial round does not count)."""
+    tail = req.decode(req.output_ids[-req.stop_tail_tokens:])
+    return next((s for s in req.stop_strings if s in tail), None)

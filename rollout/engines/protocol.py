@@ -45,6 +45,9 @@ class SamplingParams(BaseModel):
     top_k: int = Field(-1, description="-1 (or 0) disables top-k.")
     min_p: float = Field(0.0, ge=0, le=1)
     stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = Field(
+        None, description="Stop string(s), at most 32: generation ends once the output text contains one (the "
+        "matched tokens stay in output_ids; finish_reason stop with matched = the string).")
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -58,6 +61,14 @@ class SamplingParams(BaseModel):
         if v < 0:
             raise ValueError(f"must be >= 0; got {v}")
         return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str] | None:
+        strings = [v] if isinstance(v, str) else v
+        if strings is not None and (len(strings) > 32 or any(not s for s in strings)):
+            raise ValueError(f"must be at most 32 non-empty strings (SGLang's MAX_STOP_COUNT); got {strings!r}")
+        return strings or None
 
     @field_validator("top_k")
     @classmethod

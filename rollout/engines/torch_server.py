@@ -151,8 +151,18 @@ class TorchEngineServer:
         if rid in self.live_rids:
             raise BadRequest(f"rid {rid!r} is already in use by a running request: send a unique rid")
         stop = set() if params.ignore_eos else set(params.stop_token_ids or ()) | set(self.shape.eos_token_ids)
+        strings, tail = tuple(params.stop or ()), 0
+        if strings:
+            if self.tokenizer is None:
+                raise BadRequest(f"sampling_params.stop needs a tokenizer and {self.model_path} has none: send "
+                                 "stop_token_ids instead")
+            tail = 1 + max(len(self.tokenizer.encode(s, add_special_tokens=False)) for s in strings)
         return EngineRequest(rid=rid, input_ids=list(ids), params=params, return_logprob=body.return_logprob,
-                             max_output=min(params.max_new_tokens, self.max_len - len(ids)), stop_ids=frozenset(stop))
+                             max_output=min(params.max_new_tokens, self.max_len - len(ids)), stop_ids=frozenset(stop),
+                             stop_strings=strings, stop_tail_tokens=tail, decode=self._decode_tail if strings else None)
+
+    def _decode_tail(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def decode_text(self, output_ids: list[int], skip_special_tokens: bool) -> str | None:
         if self.tokenizer is None:
