@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from infra.config_parsing import ConfigError, apply_overrides, format_validation_error
+from infra.config_learner import LearnerConfig, check_learner_batch
 
 
 class _Section(BaseModel):
@@ -300,6 +301,8 @@ class RunConfig(_Section):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Learner ranks, device, precision, "
+                                   "attention kernel and logprob chunking (infra/config_learner.py).")
 
     @model_validator(mode="after")
     def _cross_section(self) -> "RunConfig":
@@ -312,6 +315,7 @@ class RunConfig(_Section):
             raise ValueError(
                 f"grpo.micro_batch_size ({self.grpo.micro_batch_size}) must divide the samples of one step "
                 f"(rollout.global_batch_size x rollout.n_samples_per_prompt / grpo.num_steps_per_rollout = {rows})")
+        check_learner_batch(self.learner, rows)
         if self.rollout.sft and self.grpo.tis:
             raise ValueError("grpo.tis must be false in SFT mode, i.e. grpo.off_policy=none "
                              "(rollout.rollout_function_path="
