@@ -90,4 +90,4 @@ def _evaluate(args, data_source) -> dict:
                     tokenizer=data_source.tokenizer, stop_token_ids=data_source.stop_token_ids,
                     max_new_tokens=args.rollout.max_tokens, max_model_len=args.rollout.max_model_len,
                     temperature=0.0, top_p=1.0, top_k=-1,  # greedy: eval measures the policy's best guess
-                    reward_fn_path=args.grpo.reward_function_path)
+                    reward_fn_path=args.grpo.reward_function_path, stop=args.rollout.stop)
