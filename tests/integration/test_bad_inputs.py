@@ -99,9 +99,18 @@ def test_binary_file_or_non_string_prompt_exits_2_naming_the_line(content, expec
     assert checkpoints(tmp_path / "run") == []
 
 
-def test_unreachable_storage_at_start_exits_2_with_the_fix(prefect_harness, tmp_path):
+def test_unreachable_storage_at_start_exits_2_with_the_fix(prefect_harness, tmp_path, monkeypatch):
+    """The start-up storage check retries until its deadline (10 s) on a clock that only its sleeps advance:
+    the same attempts and backoffs, none of the waiting."""
+    import dataclasses
+
+    import infra.storage
     from seaweed_server import free_ports
 
+    now = [0.0]
+    real_policy = infra.storage.RetryPolicy
+    monkeypatch.setattr(infra.storage, "RetryPolicy", lambda **kw: dataclasses.replace(
+        real_policy(**kw), sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0]))
     endpoint = f"http://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
     code, err = train(tmp_path / "run", "storage.url=s3://spillover-test/run", f"storage.endpoint_url={endpoint}",
                       "storage.access_key_id=SOMEKEY", "storage.secret_access_key=never-shown-secret")
@@ -109,6 +118,7 @@ def test_unreachable_storage_at_start_exits_2_with_the_fix(prefect_harness, tmp_
     assert code == 2
     assert "s3://spillover-test/run" in line and endpoint in line and "storage.endpoint_url" in line
     assert "never-shown-secret" not in err and "SOMEKEY" not in err
+    assert now[0] >= 9.0  # it waited out (on the fake clock) the whole deadline
 
 
 def test_wrong_credentials_exit_2_without_showing_them(prefect_harness, s3_server, tmp_path):
