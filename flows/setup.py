@@ -39,8 +39,8 @@ class Run:
     controller: RolloutController
     context: RolloutContext          # rollout functions' data_source (per iteration: context.for_iteration)
     reward: RewardSetup
-    policy: Any                      # Ray actor handle (tasks.learner.LearnerActor)
-    ref: Any                         # Ray actor handle, or None (no KL)
+    policy: Any                      # tasks.learner_group.LearnerGroup (an actor handle's interface)
+    ref: Any                         # LearnerGroup, or None (no KL)
     engine: Any                      # rollout.manager.RolloutManager, or None
     baseline: float | None = None    # the built-in task's prompt-independent baseline reward
     owns_engine: bool = True         # False: handed in by the caller, who shuts it down
@@ -146,5 +146,5 @@ def shutdown_run(run: Run | None) -> None:
     if run.engine is not None and run.owns_engine:
         run.engine.shutdown()
     for actor in (run.policy, run.ref) if run.owns_learners else ():
-        if actor is not None:
-            ray.kill(actor)
+        if actor is not None:  # a LearnerGroup (tasks/learner_group.py) removes its placement group too
+            actor.shutdown() if hasattr(actor, "shutdown") else ray.kill(actor)

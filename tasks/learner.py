@@ -1,10 +1,15 @@
 """The learner: policy and reference models in Ray actors (one class; the reference is `trainable=False`).
 
 Both compute per-token logprobs of response tokens (log_softmax(logits / T), T = the sampler's
-temperature). The policy also runs the GRPO update: PPO-clipped loss against old logprobs, an off-policy
-correction against the engine's rollout logprobs (grpo.off_policy), optional KL to the reference, gradient
-accumulation over micro-batches, gradient clipping, AdamW; each update bumps `weight_version` and reports
-off-policy metrics (tasks/offpolicy_metrics.py).
+temperature), projecting only response positions to the vocabulary, in chunks (tasks/logprobs.py). The policy
+also runs the GRPO update: PPO-clipped loss against old logprobs, an off-policy correction against the engine's
+rollout logprobs (grpo.off_policy), optional KL to the reference, gradient accumulation over micro-batches,
+gradient clipping, AdamW; each update bumps `weight_version` and reports off-policy metrics
+(tasks/offpolicy_metrics.py).
+
+One actor is one rank of a learner group (tasks/learner_group.py). With learner.world_size > 1 (or on CUDA) the
+model is sharded with FSDP2 and each rank trains on a token-balanced share of every mini-batch with global loss
+denominators (tasks/learner_dist.py); results and metrics are the same on every rank.
 
 The model stays in eval mode for the update too: dropout would make the loss's logprobs differ from
 the ones computed for old/ref logprobs (and break bitwise reproducibility on resume).
@@ -12,66 +17,111 @@ the ones computed for old/ref logprobs (and break bitwise reproducibility on res
 from __future__ import annotations
 
 import json
+import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from infra.config import OFF_POLICY_NEEDS_OLD_LOGPROBS, GRPOConfig, OptimizerConfig
-from infra.models import load_causal_lm, load_tokenizer
+from infra.config_learner import LearnerConfig
+from infra.models import load_tokenizer
 from tasks.batching import MicroBatch, RolloutBatch, check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
-from tasks.grpo_loss import (aggregate, clipped_policy_loss, entropy_from_logits, kl_penalty, off_policy_correction,
-                             token_logprobs)
+from tasks.grpo_loss import aggregate, clipped_policy_loss, kl_penalty, off_policy_correction
+from tasks.kl_control import next_kl_coef
+from tasks.learner_dist import all_reduce, balanced_shards, init_distributed, shard_model
+from tasks.learner_state import full_model_state, load_state, save_state, unique_state_keys
+from tasks.logprobs import ResponseLogprobModel
 from tasks.offpolicy_metrics import OffPolicyStats
 
 __all__ = ["LearnerActor", "create_learners"]
-STATE_FORMAT = 1
+
+
+def load_learner_lm(model_path: str, dtype: str, lcfg: LearnerConfig) -> torch.nn.Module:
+    """The HF causal LM with the learner's attention kernel (learner.attn_implementation), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(model_path) / "config.json").is_file():
+        raise FileNotFoundError(f"model.path {model_path!r} has no config.json: point it at an HF checkpoint folder")
+    lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), local_files_only=True,
+                                              attn_implementation=lcfg.attn_implementation)
+    return lm.eval()
 
 
 class LearnerActor:
-    """Policy (trainable=True) or frozen reference (trainable=False) over an HF causal LM folder."""
+    """Policy (trainable=True) or frozen reference (trainable=False) over an HF causal LM folder; one rank."""
 
     def __init__(self, model_path: str, grpo_cfg: GRPOConfig, optim_cfg: OptimizerConfig, temperature: float,
                  seed: int, trainable: bool, dtype: str = "float32", num_threads: int | None = 1,
-                 device: str = "cpu", total_steps: int = 1):
-        if num_threads:
-            torch.set_num_threads(num_threads)
+                 device: str | None = None, total_steps: int = 1, learner_cfg: LearnerConfig | None = None,
+                 rank: int = 0, master: tuple[str, int] | None = None):
+        lcfg = learner_cfg or LearnerConfig(device=device or "cpu", cpu_threads=num_threads or 1)
+        torch.set_num_threads(lcfg.cpu_threads if learner_cfg is not None else (num_threads or torch.get_num_threads()))
         torch.manual_seed(seed)
         torch.use_deterministic_algorithms(True, warn_only=True)
         if temperature <= 0:
             raise ValueError(f"rollout.temperature must be > 0 for logprobs; got {temperature}")
-        self.model_path, self.grpo, self.optim_cfg = str(model_path), grpo_cfg, optim_cfg
-        self.temperature, self.trainable, self.device = float(temperature), bool(trainable), device
-        self.total_steps = int(total_steps)
-        self.model = load_causal_lm(self.model_path, dtype=dtype, device=device)
-        self.model.eval()
-        cfg = self.model.config
+        self.model_path, self.grpo, self.optim_cfg, self.lcfg = str(model_path), grpo_cfg, optim_cfg, lcfg
+        self.temperature, self.trainable = float(temperature), bool(trainable)
+        self.rank, self.world_size, self.total_steps = int(rank), lcfg.world_size, int(total_steps)
+        self.sharded = lcfg.world_size > 1 or lcfg.device == "cuda"
+        self.device = "cuda" if lcfg.device == "cuda" else "cpu"
+        if self.sharded:
+            if master is None:
+                raise ValueError("a sharded learner rank needs master=(address, port) of rank 0")
+            init_distributed(self.rank, lcfg.world_size, master[0], master[1], lcfg.backend)
+        lm = load_learner_lm(self.model_path, dtype, lcfg)
+        self.state_keys = unique_state_keys(lm)
+        self.param_names = [name for name, _ in lm.named_parameters()]
+        if not trainable:
+            lm.requires_grad_(False)
+        if self.device == "cuda":
+            lm.to("cuda")
+        self.model, self.net = lm, ResponseLogprobModel(lm, temperature, lcfg.logprob_chunk_tokens)  # net: FSDP root
+        layers = lm.get_decoder().layers
+        if self.sharded:
+            shard_model(self.net, layers, lcfg, trainable)
+        elif trainable and lcfg.gradient_checkpointing:
+            from tasks.learner_dist import _checkpoint_layer
+
+            for layer in layers:
+                _checkpoint_layer(layer)
+        cfg = lm.config
         pad = getattr(cfg, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else (getattr(cfg, "eos_token_id", None) or 0))
-        self._version = 0
+        self._version, self.kl_coef = 0, float(grpo_cfg.kl_coef)  # grpo.kl_ctrl=adaptive moves kl_coef
         self.optimizer = None
         if trainable:
             self.optimizer = torch.optim.AdamW(
-                [p for p in self.model.parameters() if p.requires_grad], lr=optim_cfg.lr,
-                betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay, foreach=False)
-        else:
-            self.model.requires_grad_(False)
+                list(self.net.parameters()), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
+                weight_decay=optim_cfg.weight_decay, foreach=False)
 
     # ----- logprobs -----
-    def _response_logits(self, mb: MicroBatch) -> torch.Tensor:
-        """Logits at the positions predicting each response token: [B, R, V]."""
-        out = self.model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
-                         use_cache=False)
-        logits = out.logits
-        index = mb.logit_positions.to(self.device).unsqueeze(-1).expand(-1, -1, logits.size(-1))
-        return torch.gather(logits, 1, index)
+    def _forward(self, mb: MicroBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs[B, R], entropy[B, R]) of the micro-batch's response tokens, float32."""
+        d = self.device
+        return self.net(mb.input_ids.to(d), mb.attention_mask.to(d), mb.logit_positions.to(d), mb.targets.to(d),
+                          mb.response_mask.to(d), with_entropy=with_entropy)
 
-    def _micro_batches(self, batch: RolloutBatch, subset: list[int] | None = None):
-        subset = list(range(len(batch))) if subset is None else subset
-        lengths = batch.seq_lengths[subset]
-        for indices in micro_batch_indices(lengths, self.grpo.micro_batch_size):
-            yield make_micro_batch(batch, [subset[i] for i in indices], self.pad_id)
+    def _micro_batches(self, batch: RolloutBatch, subset: list[int] | None = None, all_rows: bool = False):
+        """This rank's micro-batches of `subset` (all rows when None). Sharded: a token-balanced share, and the
+        same number of micro-batches on every rank (FSDP's collectives); a rank short of one gets a padding
+        micro-batch with no loss tokens and no indices. all_rows: every row, on every rank (no model calls)."""
+        subset = list(range(len(batch))) if subset is None else list(subset)
+        size = self.grpo.micro_batch_size
+        if all_rows or self.world_size == 1:
+            shares, mine = [subset], subset
+        else:
+            shares = [[subset[i] for i in share] for share in balanced_shards(batch.seq_lengths[subset], self.world_size)]
+            mine = shares[self.rank]
+        groups = micro_batch_indices(batch.seq_lengths[mine], size) if mine else []
+        for indices in groups:
+            yield make_micro_batch(batch, [mine[i] for i in indices], self.pad_id)
+        for _ in range(max(math.ceil(len(s) / size) for s in shares) - len(groups)):
+            mb = make_micro_batch(batch, [subset[0]], self.pad_id)
+            yield replace(mb, indices=[], loss_mask=torch.zeros_like(mb.loss_mask))
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch) -> np.ndarray:
@@ -79,9 +129,11 @@ class LearnerActor:
         out = np.zeros(len(batch.response_tokens), dtype=np.float32)
         starts = batch.response_offsets
         for mb in self._micro_batches(batch):
-            logp = token_logprobs(self._response_logits(mb), mb.targets.to(self.device), self.temperature).cpu()
+            logp = self._forward(mb)[0].cpu()
             for row, i in enumerate(mb.indices):
                 out[starts[i]:starts[i + 1]] = logp[row, :batch.response_lengths[i]].numpy()
+        if self.world_size > 1:  # disjoint shares, zeros elsewhere: the sum is exact
+            out = all_reduce(out).astype(np.float32)
         return out
 
     # ----- update -----
@@ -120,6 +172,12 @@ class LearnerActor:
                                         kept, stats if old_source == "rollout" and k == 0 else None)
             norms.append(norm)
             stepped.append(did_step)
+        if self.world_size > 1:  # each rank trained on its share: metric sums over ranks
+            names = [k for k in sums if k != "tis_max"]
+            total = all_reduce([sums[k] for k in names] + [stats.mismatch_sum, stats.mismatch_n])
+            sums.update(zip(names, total[:len(names)].tolist()))
+            stats.mismatch_sum, stats.mismatch_n = float(total[-2]), int(total[-1])
+            sums["tis_max"] = float(all_reduce([sums["tis_max"]], op="max")[0])
         trained_on = self._version
         self._version += 1
         tokens, trained = float(max(num_tokens, 1)), float(max(kept.sum(), 1))  # trained: what off_policy kept
@@ -133,6 +191,7 @@ class LearnerActor:
             "stepped": all(stepped), "optimizer_steps": int(sum(stepped)),
             "trained_weight_version": trained_on, "weight_version": self._version,
             "update_s": time.perf_counter() - started, "lr": self.optimizer.param_groups[0]["lr"],
+            **self._advance_kl_coef(sums["kl"] / trained, len(batch)),
             **({"nll": -float(np.dot(old, batch.loss_mask)) / tokens} if batch.sft else {}),  # before the step
         }
 
@@ -140,7 +199,7 @@ class LearnerActor:
                          measure_mismatch: bool) -> np.ndarray:
         """Per row, the loss tokens grpo.off_policy keeps (the denominators) -> float[R]; fills `stats`."""
         g, kept = self.grpo, np.zeros(len(batch))
-        for mb in self._micro_batches(batch):
+        for mb in self._micro_batches(batch, all_rows=True):  # no model calls: every rank sees every row
             old_mb = pad_per_token(old, batch, mb.indices, mb.loss_mask.size(1))
             _, keep = off_policy_correction(g.off_policy, old_mb, mb.rollout_logprobs, mb.loss_mask, g.tis_cap,
                                             g.seq_reject_low, g.seq_reject_high)
@@ -158,9 +217,8 @@ class LearnerActor:
         total_tokens, total_seqs = float(kept[subset].sum()), float((kept[subset] > 0).sum())
         self.optimizer.zero_grad(set_to_none=True)
         for mb in self._micro_batches(batch, subset):
-            logits = self._response_logits(mb)
-            targets, mask = mb.targets.to(self.device), mb.loss_mask.to(self.device)
-            logp = token_logprobs(logits, targets, self.temperature)
+            logp, entropy = self._forward(mb, with_entropy=True)
+            mask = mb.loss_mask.to(self.device)
             old_mb = pad_per_token(old, batch, mb.indices, mask.size(1)).to(self.device)
             pg, clipped = clipped_policy_loss(logp, old_mb, mb.advantages.to(self.device), g.clip_eps, g.clip_eps_high)
             weights, mask = off_policy_correction(g.off_policy, old_mb, mb.rollout_logprobs.to(self.device), mask,
@@ -173,7 +231,7 @@ class LearnerActor:
                 ref_mb = pad_per_token(ref_logprobs, batch, mb.indices, mask.size(1)).to(self.device)
                 kl = kl_penalty(logp, ref_mb, g.kl_estimator)
                 kl_loss = aggregate(kl, mask, g.loss_agg, total_tokens, total_seqs)
-                loss = loss + g.kl_coef * kl_loss
+                loss = loss + self.kl_coef * kl_loss
                 sums["kl_loss"] += float(kl_loss.detach())
                 sums["kl"] += float((kl.detach() * mask).sum())
             if total_tokens > 0:
@@ -184,12 +242,12 @@ class LearnerActor:
                 sums["clipped"] += float((clipped * mask).sum())
                 sums["tis"] += float((weights * mask).sum())
                 sums["ppo_kl"] += float(((old_mb - logp.detach()) * mask).sum())
-                sums["entropy"] += float((entropy_from_logits(logits.detach(), self.temperature) * mask).sum())
+                sums["entropy"] += float((entropy * mask).sum())
                 policy_made = (mb.weight_versions >= 0) & (mb.weight_versions < self._version)  # -1: SFT, no policy
                 sums["stale"] += float((policy_made.float() * mb.loss_mask).sum())
                 if mask.sum() > 0:
                     sums["tis_max"] = max(sums["tis_max"], float(weights[mask > 0].max()))
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for p in self.net.parameters() if p.requires_grad]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.grad_clip)) if total_tokens else 0.0
         stepped = total_tokens > 0 and bool(np.isfinite(grad_norm))
         if stepped:
@@ -204,14 +262,17 @@ class LearnerActor:
         return self._version
 
     def state_dict_ref(self) -> dict[str, torch.Tensor]:
-        """The model's tensors (no copy here; Ray serialises them once when this returns)."""
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        """The model's HF-named tensors (sharded: gathered, on rank 0 only; Ray serialises them once)."""
+        return full_model_state(self.net, self.model, self.sharded)
 
     def save_weights(self, folder: str) -> str:
-        """Write an HF folder (safetensors + config + tokenizer) for /update_weights_from_disk."""
+        """Write an HF folder (safetensors + config + tokenizer) for /update_weights_from_disk (rank 0 writes)."""
+        state = full_model_state(self.net, self.model, self.sharded)
+        if self.rank != 0:
+            return str(folder)
         out = Path(folder)
         out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out, safe_serialization=True)
+        self.model.save_pretrained(out, state_dict={k: state[k] for k in self.state_keys}, safe_serialization=True)
         try:
             load_tokenizer(self.model_path).save_pretrained(out)
         except (OSError, ValueError):  # a model folder without a tokenizer: engines keep theirs
@@ -219,83 +280,29 @@ class LearnerActor:
         (out / "spillover_weights.json").write_text(json.dumps({"weight_version": self._version}))
         return str(out)
 
-    def _unique_state_keys(self) -> list[str]:
-        """state_dict keys with tied duplicates (e.g. lm_head = embed_tokens) dropped: safetensors refuses
-        shared tensors, and loading the first key fills both."""
-        seen, keys = set(), []
-        for key, value in self.model.state_dict().items():
-            if value.data_ptr() not in seen:
-                seen.add(value.data_ptr())
-                keys.append(key)
-        return keys
+    def _advance_kl_coef(self, measured_kl: float, n_samples: int) -> dict:
+        """-> {"kl_coef": the coefficient this update used}; the next one follows grpo.kl_ctrl (tasks/kl_control.py)."""
+        used, g = self.kl_coef, self.grpo
+        if g.kl_coef > 0:
+            self.kl_coef = next_kl_coef(used, measured_kl, n_samples, g.kl_ctrl, g.kl_target, g.kl_horizon)
+        return {"kl_coef": used}
 
     def get_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Model + optimizer state as named tensors (safetensors-ready) and JSON-able meta."""
-        sd = self.model.state_dict()
-        tensors = {f"model/{k}": sd[k].detach().cpu().clone().contiguous() for k in self._unique_state_keys()}
-        meta: dict = {"format": STATE_FORMAT, "weight_version": self._version, "trainable": self.trainable,
-                      "model_keys": self._unique_state_keys()}
-        if self.optimizer is not None:
-            opt = self.optimizer.state_dict()
-            scalars: dict = {}
-            for idx, state in opt["state"].items():
-                for name, value in state.items():
-                    if torch.is_tensor(value):
-                        tensors[f"optim/{idx}/{name}"] = value.detach().cpu().clone().contiguous()
-                    else:
-                        scalars[f"{idx}/{name}"] = value
-            meta["optimizer_param_groups"] = opt["param_groups"]
-            meta["optimizer_scalars"] = scalars
-        tensors["rng/torch"] = torch.get_rng_state()
-        json.dumps(meta)  # fail here, not in the checkpoint writer, if something is not JSON-able
-        return tensors, meta
+        """Model + optimizer state as named tensors (safetensors-ready) and JSON-able meta (tasks/learner_state.py;
+        sharded: rank 0's, the others return empty dicts)."""
+        tensors, meta = save_state(self.net, self.model, self.optimizer, self.param_names, self.state_keys,
+                                   self.sharded, self._version, self.trainable)
+        return tensors, ({**meta, "kl_coef": self.kl_coef} if meta else meta)
 
     def set_state(self, tensors: dict, meta: dict) -> None:
-        """Restore what get_state returned (tensors may be numpy arrays, e.g. from safetensors.numpy)."""
-        if meta.get("format") != STATE_FORMAT:
-            raise ValueError(f"learner state format {meta.get('format')!r} is not {STATE_FORMAT}; "
-                             "the checkpoint was written by another version")
-        as_tensor = {k: torch.as_tensor(np.asarray(v)) if not torch.is_tensor(v) else v for k, v in tensors.items()}
-        model_sd = {k[len("model/"):]: v for k, v in as_tensor.items() if k.startswith("model/")}
-        expected = set(self._unique_state_keys())
-        if set(model_sd) != expected:
-            missing, extra = sorted(expected - set(model_sd))[:5], sorted(set(model_sd) - expected)[:5]
-            raise ValueError(f"learner state does not fit model {self.model_path}: missing {missing}, extra {extra}")
-        result = self.model.load_state_dict(model_sd, strict=False)
-        if result.unexpected_keys:
-            raise ValueError(f"learner state has unexpected model keys {result.unexpected_keys[:5]}")
-        if self.optimizer is not None:
-            if "optimizer_param_groups" not in meta:
-                raise ValueError("learner state has no optimizer state; it was saved from a frozen learner")
-            state: dict = {}
-            for key, value in as_tensor.items():
-                if key.startswith("optim/"):
-                    _, idx, name = key.split("/", 2)
-                    state.setdefault(int(idx), {})[name] = value.clone()
-            for key, value in meta.get("optimizer_scalars", {}).items():
-                idx, name = key.split("/", 1)
-                state.setdefault(int(idx), {})[name] = value
-            groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else dict(g)
-                      for g in meta["optimizer_param_groups"]]
-            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        if "rng/torch" in as_tensor:
-            torch.set_rng_state(as_tensor["rng/torch"].to(torch.uint8).cpu())
-        self._version = int(meta["weight_version"])
+        """Restore what get_state returned, at any world_size (tensors may be numpy arrays, e.g. safetensors.numpy)."""
+        self._version = load_state(self.net, self.model, self.optimizer, self.param_names, self.state_keys,
+                                   self.sharded, tensors, meta, self.model_path)
+        self.kl_coef = float(meta.get("kl_coef", self.grpo.kl_coef))  # checkpoints before grpo.kl_ctrl have none
 
 
-def create_learners(model_path, cfg, num_cpus: float = 0, num_threads: int = 1, num_gpus: float = 0):
-    """Start the policy actor, and the frozen reference actor when grpo.kl_coef > 0 -> (policy, ref | None).
+def create_learners(model_path, cfg):
+    """(policy, ref | None) learner groups (tasks/learner_group.py): world_size ranks each, ref when grpo.kl_coef > 0."""
+    from tasks.learner_group import create_learners as create
 
-    `cfg` is the RunConfig; actors get only the sections they use. num_cpus stays small (0) by default:
-    Ray's CPU slots are shared with the engines, and the learner waits on them most of the time.
-    """
-    import ray
-
-    device = "cuda" if num_gpus else "cpu"
-    actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(LearnerActor)
-    common = dict(grpo_cfg=cfg.grpo, optim_cfg=cfg.optimizer, temperature=cfg.rollout.temperature,
-                  total_steps=cfg.schedule.num_iterations,
-                  seed=cfg.model.seed, dtype=cfg.model.dtype, num_threads=num_threads, device=device)
-    policy = actor.remote(str(model_path), trainable=True, **common)
-    ref = actor.remote(str(model_path), trainable=False, **common) if cfg.grpo.kl_coef > 0 else None
-    return policy, ref
+    return create(model_path, cfg)

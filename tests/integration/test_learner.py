@@ -42,8 +42,8 @@ def learners(tiny_model_dir, ray_session):
                                   "rollout.n_samples_per_prompt=4", "rollout.temperature=0.7"])
     policy, ref = create_learners(tiny_model_dir, cfg)
     yield policy, ref
-    for actor in (policy, ref):
-        ray_session.kill(actor)
+    for group in (policy, ref):
+        group.shutdown()
 
 
 def test_actors_logprobs_update_and_weights(learners, tiny_model_dir, ray_session, tmp_path):

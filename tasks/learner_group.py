@@ -1,0 +1,125 @@
+"""A learner group: learner.world_size LearnerActor ranks in one Ray placement group, behind one handle.
+
+`LearnerGroup` looks like one actor handle to the tasks: `group.update.remote(batch_ref, old_ref, ref_ref)`
+calls the method on every rank (each rank resolves the ObjectRefs itself) and returns one ObjectRef with rank
+0's result. For small results that ref is a zero-CPU Ray task over all ranks' results, so an error on any rank
+reaches the caller; for the weights (`state_dict_ref`, `get_state`), whose rank-0 result is the whole model, it
+is rank 0's own ref (no second copy; the other ranks take part in the gather and return empty dicts, and their
+errors surface at the group's next call).
+
+Rank 0's node address and a free port there are the torch.distributed rendezvous; world_size 1 on CPU uses
+no process group at all (tasks/learner.py).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from infra.config_learner import LearnerConfig, check_learner_start
+from tasks.learner import LearnerActor
+
+__all__ = ["LearnerGroup", "create_learner_group", "create_learners"]
+log = logging.getLogger(__name__)
+RANK0_ONLY = ("state_dict_ref", "get_state")  # big results: rank 0's ref as is
+BUNDLE_MIN_CPU = 0.01  # a bundle needs some resource; zero-CPU ranks would leave Ray's CPU slots to the engines
+
+
+@ray.remote(num_cpus=0)
+def _rank0_result(first, *others):
+    """Runs once every rank's result exists (Ray resolves the arguments: a failed rank fails this)."""
+    return first
+
+
+@ray.remote(num_cpus=0)
+def _free_address() -> tuple[str, int]:
+    """This node's address and a port free on it (rank 0's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+
+class _GroupMethod:
+    def __init__(self, group: "LearnerGroup", name: str):
+        self.group, self.name = group, name
+
+    def remote(self, *args, **kwargs):
+        group = self.group
+        group.check_pending()
+        refs = [getattr(actor, self.name).remote(*args, **kwargs) for actor in group.actors]
+        if len(refs) == 1:
+            return refs[0]
+        if self.name in RANK0_ONLY:
+            group.pending.extend(refs[1:])
+            return refs[0]
+        return _rank0_result.remote(*refs)
+
+
+class LearnerGroup:
+    """world_size ranks of one learner (policy or reference); `.method.remote(...)` -> ObjectRef of rank 0's result."""
+
+    def __init__(self, actors: list, pg=None):
+        self.actors, self.pg, self.pending = list(actors), pg, []
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    def __getattr__(self, name: str) -> _GroupMethod:
+        if name.startswith("_") or name in ("actors", "pg", "pending"):
+            raise AttributeError(name)
+        return _GroupMethod(self, name)
+
+    def check_pending(self) -> None:
+        """Raise the error of an earlier rank-0-only call's other ranks, if any failed."""
+        done = [ref for ref in self.pending if ray.wait([ref], timeout=0)[0]]
+        self.pending = [ref for ref in self.pending if ref not in done]
+        ray.get(done)
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+        self.actors, self.pg, self.pending = [], None, []
+
+
+def create_learner_group(model_path, cfg, trainable: bool, lcfg: LearnerConfig | None = None) -> LearnerGroup:
+    """Start lcfg.world_size ranks (cfg.learner unless given) of the policy (trainable) or the frozen reference."""
+    lcfg = lcfg or cfg.learner
+    cuda = lcfg.device == "cuda"
+    bundle = {"CPU": max(lcfg.num_cpus_per_rank, BUNDLE_MIN_CPU), **({"GPU": lcfg.gpus_per_rank} if cuda else {})}
+    pg = placement_group([dict(bundle) for _ in range(lcfg.world_size)], strategy=lcfg.placement_strategy)
+    ray.get(pg.ready(), timeout=600)
+
+    def in_bundle(index: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+    sharded = lcfg.world_size > 1 or cuda
+    master = ray.get(_free_address.options(scheduling_strategy=in_bundle(0)).remote()) if sharded else None
+    actor_cls = ray.remote(LearnerActor)
+    actors = [
+        actor_cls.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=in_bundle(rank))
+        .remote(str(model_path), grpo_cfg=cfg.grpo, optim_cfg=cfg.optimizer, temperature=cfg.rollout.temperature,
+                seed=cfg.model.seed, trainable=trainable, dtype=cfg.model.dtype,
+                total_steps=cfg.schedule.num_iterations, learner_cfg=lcfg, rank=rank, master=master)
+        for rank in range(lcfg.world_size)]
+    return LearnerGroup(actors, pg)
+
+
+def create_learners(model_path, cfg) -> tuple[LearnerGroup, LearnerGroup | None]:
+    """The policy group, and the frozen reference group (sharded the same way) when grpo.kl_coef > 0.
+
+    Refuses at start what the cluster cannot run (learner.device=cuda without enough GPUs, flash attention
+    not installed): check_learner_start, before any actor starts."""
+    check_learner_start(cfg.learner, ray.cluster_resources())
+    policy = create_learner_group(model_path, cfg, trainable=True)
+    try:
+        ref = create_learner_group(model_path, cfg, trainable=False) if cfg.grpo.kl_coef > 0 else None
+    except BaseException:
+        policy.shutdown()
+        raise
+    return policy, ref

