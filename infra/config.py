@@ -160,6 +160,13 @@ class GRPOConfig(_Section):
     clip_eps_high: float | None = Field(None, description="PPO clip range (high); empty = clip_eps.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference model.")
     kl_estimator: Literal["k3", "low_var_kl", "k1"] = Field("low_var_kl", description="KL estimator.")
+    kl_ctrl: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="KL coefficient control: fixed = kl_coef throughout; adaptive = starts at kl_coef and "
+        "steers the measured KL towards kl_target (coef *= 1 + clip(kl / kl_target - 1, +-0.2) x samples / "
+        "kl_horizon after each update; tasks/kl_control.py).")
+    kl_target: float = Field(0.1, gt=0, description="Adaptive KL control: the KL per token to steer towards.")
+    kl_horizon: int = Field(10000, ge=1, description="Adaptive KL control: samples over which a 20% KL error moves "
+                            "the coefficient by 20%.")
     loss_agg: Literal["token_mean", "seq_mean"] = Field("token_mean", description="Loss aggregation.")
     off_policy: Literal["none", "tis", "masked_is", "seq_reject", "decoupled"] = Field(
         "tis", description="Correction for tokens the engine sampled from other weights than the learner's old "
@@ -320,6 +327,10 @@ class RunConfig(_Section):
             raise ValueError("grpo.tis must be false in SFT mode, i.e. grpo.off_policy=none "
                              "(rollout.rollout_function_path="
                              f"{SFT_ROLLOUT_FUNCTION}): pre-generated samples have no rollout logprobs")
+        if self.grpo.kl_ctrl == "adaptive" and (self.grpo.kl_coef <= 0 or rows * steps >= 5 * self.grpo.kl_horizon):
+            raise ValueError(f"grpo.kl_ctrl=adaptive needs grpo.kl_coef > 0 (the starting value; got {self.grpo.kl_coef}) "
+                             f"and grpo.kl_horizon above 1/5 of the samples of one update ({rows * steps}; got "
+                             f"{self.grpo.kl_horizon}), so that one update changes the coefficient by under 100%")
         if self.schedule.debug_train_only and not self.storage.load_debug_rollout_data:
             raise ValueError("schedule.debug_train_only needs storage.load_debug_rollout_data (a path template)")
         return self

@@ -12,7 +12,7 @@ from prefect.cache_policies import NONE
 
 from tasks.results import Logprobs, Scored, Updated
 
-LOGGED = ("loss", "pg_loss", "kl", "clip_fraction", "grad_norm", "tis_weight_mean", "tis_weight_max",
+LOGGED = ("loss", "pg_loss", "kl", "kl_coef", "clip_fraction", "grad_norm", "tis_weight_mean", "tis_weight_max",
           "stale_token_share", "entropy", "old_logprob_source", "weight_version", "update_s", "lr",
           "optimizer_steps", "nll", "token_staleness_max", "version_span_max", "is_weight_p50", "is_weight_p90",
           "is_weight_p99", "is_weight_max", "masked_token_share", "rejected_sequence_share", "logprob_mismatch_kl",
