@@ -37,8 +37,9 @@ from infra.config import RolloutConfig  # noqa: E402
 from rollout.dock import TransferDock  # noqa: E402
 from rollout.engines.simulated import EngineTiming, SimulatedEngine  # noqa: E402
 from rollout.engines.simulated_workload import DEFAULT_EOS, LognormalLengths, simulated_prompt  # noqa: E402
-from rollout.partial import SamplingSettings, generate_until_ready_sync  # noqa: E402
 from rollout.partial_async import generate_until_ready_async  # noqa: E402
+from rollout.partial_sync import generate_until_ready_sync  # noqa: E402
+from rollout.requests import SamplingSettings  # noqa: E402
 from tasks.prompts import groups_for_iteration  # noqa: E402
 
 log = logging.getLogger("longtail")

@@ -5,7 +5,7 @@ import pytest
 from infra.config import RolloutConfig
 from rollout.dock import TransferDock
 from rollout.partial_async import generate_until_ready_async
-from rollout.partial import generate_until_ready_sync  # TEMP until the move
+from rollout.partial_sync import generate_until_ready_sync
 from rollout.requests import SamplingSettings
 
 EOS = 1

@@ -39,7 +39,7 @@ def test_request_seeds_come_from_group_and_sample_not_from_the_round():
     import numpy as np
 
     from rollout.dock import TransferDock
-    from rollout.partial import SamplingSettings, build_requests, request_seeds
+    from rollout.requests import SamplingSettings, build_requests, request_seeds
 
     dock = TransferDock(gbs=2, n=2, max_split=2, max_tokens=8, max_model_len=16, eos_token_ids=[1])
     dock.load_groups([10, 11], [[5, 6], [7, 8]], [0, 0])

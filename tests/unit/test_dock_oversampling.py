@@ -129,7 +129,7 @@ def test_sync_rounds_dispatch_the_over_sampled_groups_from_the_first_round(max_s
     """README: the K extra groups are loaded and dispatched (APRIL) -- in sync mode too, not only once earlier
     rows finish: the first round sends (GBS + K) x n requests."""
     from rollout.engines.simulated_workload import simulated_prompt
-    from rollout.partial import generate_until_ready_sync
+    from rollout.partial_sync import generate_until_ready_sync
     from rollout.requests import SamplingSettings
 
     gbs, n, extra = 2, 2, 2

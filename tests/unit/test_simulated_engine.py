@@ -13,8 +13,9 @@ from rollout.engines.protocol import GenerateResponse
 from rollout.engines.simulated import EngineTiming, SimulatedEngine
 from rollout.engines.simulated_workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths,
                                                 TableLengths, answer, parse_simulated_input, simulated_prompt)
-from rollout.partial import SamplingSettings, generate_until_ready_sync, parse_responses
 from rollout.partial_async import generate_until_ready_async
+from rollout.partial_sync import generate_until_ready_sync
+from rollout.requests import SamplingSettings, parse_responses
 from tasks.prompts import groups_for_iteration
 
 EOS = DEFAULT_EOS

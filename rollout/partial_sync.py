@@ -1,0 +1,54 @@
+"""Sync partial rollout: rounds of max_tokens // max_split new tokens per row, until the dock is ready.
+
+With max_split = 1 a round generates whole responses: plain GRPO. The engine is any rollout.requests.Generator.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from rollout.requests import (GenerationStats, Generator, SamplingSettings, build_requests, parse_responses,
+                              request_seeds)
+
+
+def generate_until_ready_sync(dock, engine: Generator, rollout_cfg, sampling: SamplingSettings,
+                              weight_version: int, drain: bool = False,
+                              on_round: Callable[[dict], None] | None = None) -> GenerationStats:
+    """Rounds of max_tokens // max_split new tokens per row until >= GBS groups are ready (drain: all rows).
+
+    Each round takes up to (GBS + over_sampling_groups) x n rows from the dock (carried-over rows first, oldest
+    first): the over-sampled groups go out from the first round (APRIL), not only as earlier rows finish.
+    With max_split = 1 a round generates whole responses: plain GRPO.
+    """
+    round_tokens = rollout_cfg.max_tokens // rollout_cfg.max_split
+    rows_per_round = ((rollout_cfg.global_batch_size + rollout_cfg.over_sampling_groups)
+                      * rollout_cfg.n_samples_per_prompt)
+    dock.set_drain(drain)
+    stats = GenerationStats()
+    start = time.perf_counter()
+    while not dock.update_ready():
+        rows = dock.take_rows(limit=rows_per_round)
+        if len(rows) == 0:
+            raise RuntimeError(f"generation cannot finish: no row left to generate but only "
+                               f"{dock.ready_group_count()} groups are ready (need {rollout_cfg.global_batch_size})")
+        inputs, max_new = dock.generation_inputs(rows, round_tokens)
+        requests = build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling))
+        try:
+            engine_start = time.perf_counter()
+            responses = engine.generate(requests)
+            stats.engine_s += time.perf_counter() - engine_start
+            tokens, logprobs, stopped, version = parse_responses(responses, weight_version)
+        except BaseException:
+            dock.release(rows)  # the rows go back untouched: nothing half-written
+            raise
+        dock.put_generation(rows, tokens, logprobs, version, stopped)
+        stats.rounds += 1
+        stats.requests += len(rows)
+        stats.tokens_generated += sum(len(t) for t in tokens)
+        stats.ready_groups = dock.ready_group_count()
+        if on_round:
+            on_round({"round": stats.rounds, "ready_groups": stats.ready_groups,
+                      "target_groups": rollout_cfg.global_batch_size, "tokens": stats.tokens_generated,
+                      "elapsed_s": time.perf_counter() - start})
+    stats.time_s = time.perf_counter() - start
+    return stats
