@@ -1,9 +1,10 @@
 """A checkpoint's tensor and array objects: safetensors files written and read by the `safetensors` library.
 
-On file:// an object is written by `save_file` (straight from tensor memory, into a temp file renamed into
-place) and hashed from the page cache; it is loaded by `safe_open`, which maps the file copy-on-write (no copy;
-each tensor has storage of its own bytes; writing to one never reaches the file), after its sha256 matched the
-manifest. On S3 an object is `save`d to bytes and uploaded, and downloaded, hashed and `load`ed from bytes.
+On file:// an object from 1 MiB on is written by `save_file` (straight from tensor memory, into a temp file
+renamed into place) and hashed from the page cache; it is loaded by `safe_open`, which maps the file
+copy-on-write (no copy; each tensor has storage of its own bytes; writing to one never reaches the file),
+after its sha256 matched the manifest. Smaller objects, and every object on S3, are `save`d to bytes and
+written, and read, hashed and `load`ed from bytes (for a small object one open beats two).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from infra.storage import ObjectInfo, ObjectMissing, Store
+from infra.storage_io import MMAP_MIN_BYTES as MAP_MIN_BYTES
 
 TENSORS, ARRAYS = "tensors", "arrays"
 _FRAMEWORK = {TENSORS: "pt", ARRAYS: "numpy"}
@@ -86,8 +88,8 @@ def object_bytes(kind: str, values: dict) -> bytes:
 
 def put_object(store: Store, key: str, kind: str, values: dict) -> ObjectInfo:
     """Write one object; returns its size and sha256."""
-    if not store.is_local:
-        return store.put_bytes(key, object_bytes(kind, values))
+    if not store.is_local or sum(nbytes(v) for v in values.values()) < MAP_MIN_BYTES:
+        return store.put_bytes(key, object_bytes(kind, values))  # (small: one write, hashed on the way)
     lib = safetensors.torch if kind == TENSORS else safetensors.numpy
 
     def write(path: str) -> None:
@@ -107,7 +109,7 @@ def read_object(store: Store, key: str, kind: str | None, size: int,
                 verify: Callable[[ObjectInfo], None]) -> dict | memoryview:
     """The object, once `verify` accepted its size and sha256: a dict of tensors/arrays for `kind`, or the raw
     buffer when kind is None. Raises ObjectMissing, ObjectFormatError, or what `verify` raises."""
-    if kind is None or not store.is_local:
+    if kind is None or not store.is_local or size < MAP_MIN_BYTES:
         buf, info = store.get_buffer(key, size=size)
         verify(info)
         if kind is None:

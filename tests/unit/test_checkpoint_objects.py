@@ -1,5 +1,5 @@
 """infra/checkpoint_objects.py: tensors and arrays of every dtype and odd shape round trip through the safetensors
-library on file:// (save_file / safe_open, mapped) and as bytes (what S3 gets); overlapping tensors (tied
+library on file:// (save_file / safe_open, mapped, from 1 MiB on) and as bytes (small objects, and S3); overlapping tensors (tied
 weights) are stored once each; a checkpoint written by the earlier hand-written codec still loads; an object
 that is not safetensors is one clear CheckpointError."""
 from __future__ import annotations
@@ -36,7 +36,8 @@ def test_tensors_round_trip_every_dtype_and_shape(tmp_path):
                "scalar": torch.tensor(7), "empty": torch.zeros(0, 3), "bool": torch.tensor([True, False]),
                "fp8": torch.ones(3).to(torch.float8_e4m3fn), "u16": torch.tensor([1, 2]).to(torch.uint16),
                "bf16_scalar": torch.tensor(2.5, dtype=torch.bfloat16), "transposed": torch.randn(4, 2).t(),
-               "tied_a": w, "tied_b": w, "half_view": w.reshape(-1)[:4]}
+               "tied_a": w, "tied_b": w, "half_view": w.reshape(-1)[:4],
+               "big": torch.arange(1 << 18, dtype=torch.float32)}  # 1 MiB: the mapped path (save_file / safe_open)
     prepared = objects_io.tensors_for_save("policy", tensors)
     assert prepared["tied_a"] is w and prepared["tied_b"].data_ptr() != w.data_ptr()  # one copy for the overlap
     store = open_store(str(tmp_path))
@@ -48,6 +49,7 @@ def test_tensors_round_trip_every_dtype_and_shape(tmp_path):
         want = t.detach()
         for back in (mapped[name], from_bytes[name]):
             assert back.dtype == want.dtype and back.shape == want.shape and torch.equal(_raw(back), _raw(want)), name
+    assert mapped["big"].untyped_storage().nbytes() == 1 << 20  # its own bytes only (pickles small to actors)
     mapped["f32"][0, 0] = 123.0  # copy-on-write: the file keeps its bytes
     again = objects_io.read_object(store, "t.safetensors", objects_io.TENSORS, info.size, _no_check)
     assert torch.equal(again["f32"], tensors["f32"].detach())
