@@ -207,7 +207,10 @@ def test_bad_request_raises_clearly_and_manager_keeps_working(rollout_manager):
 def test_offload_then_onload(rollout_manager):
     m = rollout_manager
     m.offload()
-    m.onload()
+    try:
+        assert m.health_check() == {0: "ok", 1: "ok"}  # offloaded is healthy (SGLang: probed by /health)
+    finally:
+        m.onload()
     assert len(m.generate(batch(GREEDY, PROMPTS[:2]))) == 2
 
 
