@@ -1,4 +1,4 @@
-"""`spillover` command line: train, resume, serve, submit, report. Exit codes: 0 ok, 1 run failed,
+"""`spillover` command line: train, resume, eval, serve, submit, report. Exit codes: 0 ok, 1 run failed,
 2 bad config or input."""
 from __future__ import annotations
 
@@ -36,6 +36,15 @@ def cmd_resume(args) -> int:
     cfg = load_run_config(args.run_dir, args.overrides)
     summary = grpo_train(cfg, resume=True)
     print(json.dumps(summary, indent=2))
+    return EXIT_OK
+
+
+def cmd_eval(args) -> int:
+    from flows.eval import evaluate, format_table, resolve_target
+
+    result, path = evaluate(resolve_target(args.target, args.overrides), args.data, args.name)
+    print(format_table(result))
+    print(path)
     return EXIT_OK
 
 
@@ -84,6 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "must stay as they were)")
     resume.set_defaults(fn=cmd_resume)
 
+    evaluate = sub.add_parser(
+        "eval", help="pass@1 (greedy) and pass@k (sampled) of a run's newest verified policy or an HF model folder",
+        description="Start engines on the newest verified checkpoint of RUN_DIR (or on an HF model folder), "
+        "generate a greedy and eval.k sampled responses per prompt of --data, score them with the run's reward "
+        "function and write RUN_DIR/eval/NAME.json.")
+    evaluate.add_argument("target", metavar="RUN_DIR|MODEL_DIR", help="a run_dir of `spillover train`, or an HF folder")
+    evaluate.add_argument("--data", required=True, help="prompt file (JSON Lines or Parquet, the run's data.* keys)")
+    evaluate.add_argument("--name", default=None, help="result name (default: the data file's stem)")
+    evaluate.add_argument("overrides", nargs="*", metavar="key=value",  # also after --data: see parse_args
+                          help="config overrides, e.g. eval.k=8 eval.temperature=0.6 engines.rollout_num_gpus=1")
+    evaluate.set_defaults(fn=cmd_eval)
+
     serve = sub.add_parser("serve", help="serve the deployments of prefect.yaml from this process (needs "
                            "PREFECT_API_URL of a running `prefect server`)",
                            description="Serve the deployments declared in prefect.yaml; runs start from the UI, "
@@ -112,10 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parse_args, but `eval` takes key=value overrides after its options too (argparse alone takes positionals
+    only before `--data FILE`)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and (getattr(args, "fn", None) is not cmd_eval or any("=" not in e or e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     apply_process_defaults()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         return args.fn(args)
     except ConfigError as err:

@@ -20,7 +20,7 @@ from rollout.context import EvalSets, RolloutContext
 from rollout.controller import RolloutController
 from rollout.data_source import PromptCursor, read_prompt_file
 from rollout.dock import TransferDock
-from tasks.reward import RewardSetup
+from tasks.reward import REWARD_KEYWORDS, RewardSetup
 
 log = logging.getLogger(__name__)
 BUILTIN_TASK_REWARD = "rollout.toy_task.reward"
@@ -93,7 +93,7 @@ def build_run(cfg: RunConfig, saved=None, *, engine=None, learners=None, with_en
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     reward_fn = load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
-                              required_params=("response", "label"))
+                              required_params=("response", "label"), optional_keywords=REWARD_KEYWORDS)
     controller = RolloutController(cfg)
     model_path = resolve_model_path(cfg.model, run_dir, max_position=max(512, cfg.rollout.max_model_len))
     tokenizer = load_tokenizer(model_path)

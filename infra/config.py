@@ -297,6 +297,14 @@ class ScheduleConfig(_Section):
     debug_rollout_only: bool = Field(False, description="Generate without updates.")
 
 
+class EvalConfig(_Section):
+    k: int = Field(4, ge=1, description="`spillover eval`: sampled responses per prompt for pass@k (pass@1 is greedy).")
+    temperature: float = Field(1.0, gt=0, description="`spillover eval`: sampling temperature of the pass@k samples.")
+    top_p: float = Field(1.0, gt=0, le=1, description="`spillover eval`: nucleus mass of the pass@k samples.")
+    pass_threshold: float = Field(1.0, description="`spillover eval`: a response with reward >= this counts as "
+                                  "solved (the math reward gives 1.0 for a correct answer).")
+
+
 class RunConfig(_Section):
     run_dir: str = Field("runs/tiny", description="Run directory: metrics, summary, tiny model, checkpoints.")
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -308,6 +316,7 @@ class RunConfig(_Section):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="`spillover eval`: pass@k settings.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Learner ranks, device, precision, "
                                    "attention kernel and logprob chunking (infra/config_learner.py).")
 

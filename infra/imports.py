@@ -11,9 +11,10 @@ class ImportPathError(ValueError):
 
 
 def load_function(path: str, setting: str, required_params: Sequence[str] = (),
-                  keyword_params: Sequence[str] = ()) -> Callable:
+                  keyword_params: Sequence[str] = (), optional_keywords: Sequence[str] = ()) -> Callable:
     """Import `path` and check it is a callable that can be called as
-    `fn(<one positional per required_params>, <each of keyword_params>=...)`."""
+    `fn(<one positional per required_params>, <each of keyword_params>=...)`, plus each of optional_keywords
+    that the function names (the caller passes those only then, e.g. a reward function's `metadata`)."""
     module_name, _, attr = (path or "").rpartition(".")
     if not module_name or not attr:
         raise ImportPathError(f"{setting}={path!r} is not an import path like 'package.module.function'")
@@ -25,8 +26,17 @@ def load_function(path: str, setting: str, required_params: Sequence[str] = (),
     if fn is None or not callable(fn):
         raise ImportPathError(f"{setting}={path!r}: module {module_name!r} has no function {attr!r}")
     if required_params or keyword_params:
-        _check_signature(fn, path, setting, required_params, keyword_params)
+        named = _parameter_names(fn)
+        _check_signature(fn, path, setting, required_params, [*keyword_params,
+                                                              *(k for k in optional_keywords if k in named)])
     return fn
+
+
+def _parameter_names(fn: Callable) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def _check_signature(fn: Callable, path: str, setting: str, required: Sequence[str],

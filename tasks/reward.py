@@ -14,8 +14,10 @@ from rollout.scoring import RewardError, batch_decode, decode_responses, score_r
 from tasks.grpo_loss import group_advantages
 from tasks.results import Rollout, Scored
 
-__all__ = ["RewardError", "RewardSetup", "batch_decode", "build_advantages", "compute_reward", "decode_responses",
-           "response_texts", "reward_metrics", "score_batch", "score_samples"]
+REWARD_KEYWORDS = ("sample", "samples", "metadata")  # passed only to reward functions that name them
+
+__all__ = ["REWARD_KEYWORDS", "RewardError", "RewardSetup", "batch_decode", "build_advantages", "compute_reward",
+           "decode_responses", "response_texts", "reward_metrics", "score_batch", "score_samples"]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,166 @@
+"""`spillover eval RUN_DIR|MODEL_DIR --data FILE`: pass@1 (greedy) and pass@k (sampled) of a policy on a prompt file.
+
+The policy is the newest verified checkpoint of a training run (its weights exported once into
+`<run_dir>/eval/policy-ckpt-<iteration>/`, an HF folder next to the run's model config and tokenizer), or an HF
+model folder as it is. Engines are the run's kind (engines.*), started for the eval and shut down after it;
+generation and scoring are rollout.evaluation.run_eval's, so eval sees what training saw (chat template,
+stop strings, reward function, additional keys). The result goes to `<run_dir>/eval/<name>.json`
+(`<MODEL_DIR>/eval/<name>.json` for a model folder).
+
+pass@k is the unbiased estimator of Chen et al. (2021) with k samples per prompt: the share of prompts with at
+least one solved sample (reward >= eval.pass_threshold); pass@1 is the greedy response's.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from infra.config import ConfigError, RunConfig, build_config
+
+EXPORT_MARKER = "spillover_weights.json"
+
+
+@dataclass(frozen=True)
+class EvalTarget:
+    cfg: RunConfig
+    model_dir: Path          # the HF folder the engines load
+    out_dir: Path            # results go to out_dir/eval/<name>.json
+    source: dict             # what was evaluated: kind, path, checkpoint iteration, weight version
+
+
+def resolve_target(target: str | Path, overrides: list[str]) -> EvalTarget:
+    """A run dir (its config.json and newest verified checkpoint) or an HF model folder -> what to evaluate."""
+    path = Path(target)
+    config = path / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"{path} is neither a run dir (config.json of `spillover train`) nor an HF model folder "
+                          "(config.json + *.safetensors)")
+    try:
+        data = json.loads(config.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{config} is not valid JSON ({err.msg})") from None
+    if "model_type" in data:  # an HF model folder
+        cfg = build_config({}, [*overrides, f"model.path={path}", f"run_dir={path}"])
+        return EvalTarget(cfg, path, path, {"kind": "model_folder", "path": str(path)})
+    from flows.setup import load_run_config
+
+    cfg = load_run_config(path, overrides)
+    model_dir, source = export_newest_policy(cfg, path)
+    return EvalTarget(cfg, model_dir, path, source)
+
+
+def export_newest_policy(cfg: RunConfig, run_dir: Path) -> tuple[Path, dict]:
+    """The newest verified checkpoint's policy weights as an HF folder under <run_dir>/eval (kept for reuse)."""
+    from infra.checkpoint import load_latest_checkpoint
+    from infra.models import resolve_model_path
+    from tasks.checkpoint import open_checkpoint_store
+
+    state = load_latest_checkpoint(open_checkpoint_store(cfg))
+    if state is None:
+        raise ConfigError(f"{run_dir}: no verified checkpoint to evaluate (storage.url / <run_dir>/checkpoints); "
+                          "train first, or pass an HF model folder")
+    source = {"kind": "checkpoint", "path": str(run_dir), "checkpoint_iteration": int(state.iteration),
+              "weight_version": int(state.meta.get("weight_version", -1))}
+    out = run_dir / "eval" / f"policy-ckpt-{state.iteration:08d}"
+    if (out / EXPORT_MARKER).is_file() and json.loads((out / EXPORT_MARKER).read_text()) == source:
+        return out, source
+    base = resolve_model_path(cfg.model, run_dir, max_position=max(512, cfg.rollout.max_model_len))
+    write_policy_folder(state.tensors["policy"], Path(base), out)
+    (out / EXPORT_MARKER).write_text(json.dumps(source))
+    return out, source
+
+
+def write_policy_folder(learner_tensors: dict, base_model: Path, out: Path) -> Path:
+    """Learner state tensors ('model/<HF name>' -> tensor) + the base folder's config and tokenizer -> HF folder."""
+    import torch
+    from safetensors.torch import save_file
+
+    weights = {k[len("model/"):]: torch.as_tensor(np.asarray(v) if not torch.is_tensor(v) else v).contiguous()
+               for k, v in learner_tensors.items() if k.startswith("model/")}
+    if not weights:
+        raise ConfigError("the checkpoint's policy state holds no model weights ('model/...' tensors)")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in base_model.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".safetensors.index.json"):
+            shutil.copy(f, out / f.name)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which `correct` solved it (Chen et al. 2021)."""
+    if n - correct < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - correct + 1, n + 1)))
+
+
+def summarize(greedy: list, sampled: list, k: int, threshold: float) -> dict:
+    """Scored groups (one greedy sample, k sampled per prompt) -> the eval metrics."""
+    solved_greedy = [g[0].reward >= threshold for g in greedy]
+    solved_sampled = [sum(s.reward >= threshold for s in g) for g in sampled]
+    flat = [s for g in sampled for s in g]
+    return {
+        "prompts": len(greedy), "k": k,
+        "pass@1": float(np.mean(solved_greedy)),
+        f"pass@{k}": float(np.mean([pass_at_k(len(g), c, k) for g, c in zip(sampled, solved_sampled)])),
+        "mean@k": float(np.mean([s.reward >= threshold for s in flat])),
+        "reward_greedy": float(np.mean([g[0].reward for g in greedy])),
+        "reward_sampled": float(np.mean([s.reward for s in flat])),
+        "truncated_greedy": float(np.mean([g[0].status.value == "truncated" for g in greedy])),
+        "response_tokens_greedy": float(np.mean([g[0].response_length for g in greedy])),
+    }
+
+
+def evaluate(target: EvalTarget, data_path: str | Path, name: str | None = None) -> tuple[dict, Path]:
+    """Start engines on the target's policy, score greedy and k sampled responses per prompt of `data_path`,
+    write <out_dir>/eval/<name>.json -> (result, its path)."""
+    from infra.cluster import init_ray
+    from infra.imports import load_function
+    from infra.models import load_tokenizer
+    from rollout.data_source import read_prompt_file
+    from rollout.evaluation import run_eval
+    from rollout.manager import RolloutManager
+    from tasks.reward import REWARD_KEYWORDS
+
+    cfg, data_path = target.cfg, Path(data_path)
+    name = name or data_path.stem
+    reward_fn = load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
+                              required_params=("response", "label"), optional_keywords=REWARD_KEYWORDS)
+    tokenizer = load_tokenizer(target.model_dir)
+    max_prompt = cfg.rollout.max_model_len - cfg.rollout.max_tokens
+    prompts = read_prompt_file(data_path, tokenizer, cfg.data, max_prompt)
+    stop_ids = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
+    common = dict(tokenizer=tokenizer, stop_token_ids=stop_ids, max_new_tokens=cfg.rollout.max_tokens,
+                  max_model_len=cfg.rollout.max_model_len, reward_fn_path=cfg.grpo.reward_function_path,
+                  stop=cfg.rollout.stop)
+    start = time.perf_counter()
+    init_ray(cfg.engines.ray_address)
+    with RolloutManager(cfg.engines, str(target.model_dir)) as engines:
+        greedy = run_eval({name: prompts}, engines.eval, reward_fn, temperature=0.0, **common)[name]
+        sampled = run_eval({name: prompts}, engines.eval, reward_fn, temperature=cfg.eval.temperature,
+                           top_p=cfg.eval.top_p, n_samples_per_prompt=cfg.eval.k, **common)[name]
+    result = {"name": name, "data": str(data_path), **target.source,
+              **summarize(greedy, sampled, cfg.eval.k, cfg.eval.pass_threshold),
+              "reward_function": cfg.grpo.reward_function_path, "temperature": cfg.eval.temperature,
+              "time_s": round(time.perf_counter() - start, 3)}
+    out = target.out_dir / "eval" / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    return result, out
+
+
+def format_table(result: dict) -> str:
+    """The result as a small aligned table (what `spillover eval` prints)."""
+    k = result["k"]
+    rows = [("data", result["data"]), ("policy", result.get("checkpoint_iteration", result["path"])),
+            ("prompts", result["prompts"]), ("pass@1 (greedy)", f"{result['pass@1']:.4f}"),
+            (f"pass@{k} (T={result['temperature']:g})", f"{result[f'pass@{k}']:.4f}"),
+            ("mean@k", f"{result['mean@k']:.4f}"), ("reward greedy", f"{result['reward_greedy']:.4f}"),
+            ("reward sampled", f"{result['reward_sampled']:.4f}"), ("truncated", f"{result['truncated_greedy']:.3f}")]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

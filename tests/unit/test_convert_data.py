@@ -1,0 +1,58 @@
+"""GSM8K/MATH converters (rollout.convert_data) and the GPU recipes (configs/gpu/*.yaml) load and agree with them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infra.config import load_config
+from infra.models import build_char_tokenizer
+from rollout.convert_data import ConvertError, convert, last_boxed, main
+from rollout.data_source import read_prompts
+
+GPU_CONFIGS = sorted(Path("configs/gpu").glob("*.yaml"))
+
+
+def test_gsm8k_to_parquet_reads_as_chat_prompts(tmp_path):
+    src = tmp_path / "gsm8k.jsonl"
+    src.write_text(json.dumps({"question": "what is 2+2?", "answer": "2+2=4\n#### 4"}) + "\n"
+                   + json.dumps({"question": "and 600+600?", "answer": "so\n#### 1,200"}) + "\n")
+    assert convert("gsm8k", src, tmp_path / "out.parquet") == 2
+    prompts = read_prompts(tmp_path / "out.parquet", build_char_tokenizer(), 200, additional_keys=["id"],
+                           system_prompt="be brief.", apply_chat_template=True)
+    assert prompts.labels == ["4", "1200"] and prompts.metadata == [{"id": "gsm8k-1"}, {"id": "gsm8k-2"}]
+    assert prompts.texts[0] == "system: be brief.\nuser: what is 2+2?\nassistant: "
+
+
+def test_math_labels_are_the_last_balanced_box(tmp_path):
+    assert last_boxed(r"so \boxed{1} then \boxed{\frac{a}{b^{2}}} done") == r"\frac{a}{b^{2}}"
+    assert last_boxed("no box") is None and last_boxed(r"\boxed{unclosed") is None
+    src = tmp_path / "math.jsonl"
+    src.write_text(json.dumps({"problem": "p", "solution": r"x \boxed{\{1,2\}}", "level": "Level 2",
+                               "type": "Algebra"}) + "\n")
+    convert("math", src, tmp_path / "out.jsonl")
+    row = json.loads((tmp_path / "out.jsonl").read_text())
+    assert row == {"prompt": "p", "label": r"\{1,2\}", "id": "math-1", "level": "Level 2", "type": "Algebra"}
+
+
+@pytest.mark.parametrize("kind, line, match", [
+    ("gsm8k", {"question": "q", "answer": "4"}, r"in.jsonl:2: 'answer' has no '#### <number>'"),
+    ("gsm8k", {"question": 3, "answer": "#### 4"}, r"in.jsonl:2: 'question' must be non-empty text"),
+    ("math", {"problem": "p", "solution": "none"}, r"in.jsonl:2: 'solution' holds no \\boxed"),
+])
+def test_bad_rows_name_file_and_line(tmp_path, capsys, kind, line, match):
+    good = {"gsm8k": {"question": "q", "answer": "#### 1"}, "math": {"problem": "p", "solution": r"\boxed{1}"}}
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(good[kind]) + "\n" + json.dumps(line) + "\n")
+    with pytest.raises(ConvertError, match=match):
+        convert(kind, src, tmp_path / "out.jsonl")
+    assert main([kind, str(src), str(tmp_path / "out.jsonl")]) == 2 and "in.jsonl:2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=[p.stem for p in GPU_CONFIGS])
+def test_gpu_recipes_load(path):
+    cfg = load_config(path)
+    assert cfg.grpo.reward_function_path == "rollout.math_reward.reward" and cfg.engines.backend == "sglang"
+    assert cfg.data.apply_chat_template and cfg.learner.device == "cuda" and cfg.rollout.partial
+    assert len(GPU_CONFIGS) == 4
