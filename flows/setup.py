@@ -20,6 +20,7 @@ from rollout.context import EvalSets, RolloutContext
 from rollout.controller import RolloutController
 from rollout.data_source import PromptCursor, read_prompt_file
 from rollout.dock import TransferDock
+from rollout.reward_models import start_reward_models
 from tasks.reward import REWARD_KEYWORDS, RewardSetup
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ def build_run(cfg: RunConfig, saved=None, *, engine=None, learners=None, with_en
         dock = TransferDock.from_config(cfg.rollout, stop_ids)
         cursor = PromptCursor(len(prompts), seed=cfg.model.seed, shuffle=cfg.data.shuffle)
     init_ray(cfg.engines.ray_address)
+    reward_models = start_reward_models(cfg.grpo.reward_models, cfg.model.dtype)  # first: a bad folder fails early
     owns_learners, owns_engine = learners is None, engine is None
     if learners is None:
         from tasks.learner import create_learners
@@ -132,7 +134,7 @@ def build_run(cfg: RunConfig, saved=None, *, engine=None, learners=None, with_en
     reward = RewardSetup(tokenizer, stop_ids, reward_fn, cfg.grpo.reward_function_path, cfg.grpo.rule_reward_weight,
                          exact_match=toy_task.exact_match if builtin else None,
                          prompt_texts=lambda ids: [prompts.texts[i] for i in cursor.dataset_indices(ids).tolist()],
-                         concurrency=cfg.grpo.reward_concurrency)
+                         concurrency=cfg.grpo.reward_concurrency, reward_models=reward_models)
     return Run(cfg, run_dir, Path(model_path), dock, cursor, controller, context, reward, learners[0], learners[1],
                engine, baseline=toy_task.prompt_independent_baseline(prompts.labels)[1] if builtin else None,
                owns_engine=owns_engine, owns_learners=owns_learners)
@@ -145,6 +147,8 @@ def shutdown_run(run: Run | None) -> None:
         return
     if run.engine is not None and run.owns_engine:
         run.engine.shutdown()
+    if run.reward.reward_models:
+        run.reward.reward_models.shutdown()
     for actor in (run.policy, run.ref) if run.owns_learners else ():
         if actor is not None:  # a LearnerGroup (tasks/learner_group.py) removes its placement group too
             actor.shutdown() if hasattr(actor, "shutdown") else ray.kill(actor)

@@ -151,6 +151,16 @@ class RolloutConfig(_Section):
 OFF_POLICY_NEEDS_OLD_LOGPROBS = ("masked_is", "decoupled")
 
 
+class RewardModelConfig(_Section):
+    path: str = Field(..., description="HF sequence-classification folder (num_labels=1, a pad token): scores "
+                      "prompt text + response text with its own tokenizer.")
+    weight: float = Field(1.0, description="Weight of its score in the total reward.")
+    name: str | None = Field(None, description="Name in metrics (reward_model_<name>_mean); empty = its index.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs its Ray actor reserves (0: CPU).")
+    batch_size: int = Field(16, ge=1, description="Texts per forward pass.")
+    max_length: int = Field(4096, ge=8, description="Most tokens scored per text (longer ones keep their end).")
+
+
 class GRPOConfig(_Section):
     micro_batch_size: int = Field(32, ge=1, description="Samples per forward/backward pass.")
     num_steps_per_rollout: int = Field(
@@ -184,6 +194,9 @@ class GRPOConfig(_Section):
     reward_function_path: str = Field("rollout.toy_task.reward", description="Import path of the rule reward.")
     reward_model_path: str | None = Field(None, description="HF sequence classifier scoring prompt+response.")
     rule_reward_weight: float = Field(1.0, description="Weight of the rule reward in the total.")
+    reward_models: list[RewardModelConfig] = Field(
+        default_factory=list, description="Reward models run as Ray actors; total reward = rule_reward_weight x "
+        "rule reward + the sum of weight x score (e.g. [{path: /models/rm, weight: 0.5}]).")
     reward_concurrency: int = Field(
         32, ge=1, description="An `async def` reward function is awaited concurrently, at most this many calls "
         "at once (a remote verifier or sandbox).")

@@ -31,6 +31,7 @@ class RewardSetup:
     exact_match: Callable | None = None       # the built-in task's exact-match check (a reported metric)
     prompt_texts: Callable | None = None      # group stream ids[G] -> prompt texts[G]
     concurrency: int = 32                     # grpo.reward_concurrency: async reward calls at once
+    reward_models: Any = None                 # rollout.reward_models.RewardModels (grpo.reward_models), or None
 
 
 def response_texts(batch: RolloutBatch, tokenizer, stop_token_ids) -> list[str]:
@@ -95,8 +96,14 @@ def compute_reward(rollout: Rollout, setup: RewardSetup) -> Scored:
     batch = rollout.batch
     texts = response_texts(batch, setup.tokenizer, setup.stop_token_ids)
     rewards = np.zeros(len(batch)) if batch.sft else setup.rule_weight * score_batch(batch, texts, setup)
+    model_metrics = {}
+    if setup.reward_models and not batch.sft:  # + sum of weight x reward model score, on prompt + response text
+        prompts = _group_prompts(batch, setup)
+        scores, model_metrics = setup.reward_models.score([prompts[i // batch.n] + t for i, t in enumerate(texts)])
+        rewards = rewards + scores
     scored = batch.with_advantages(build_advantages(batch, rewards))
     versions = batch.weight_versions
     span = (int(versions.min()), int(versions.max())) if len(versions) else (0, 0)
-    return Scored(metrics=reward_metrics(batch, rewards, texts, setup.exact_match), batch_ref=ray.put(scored),
+    return Scored(metrics=reward_metrics(batch, rewards, texts, setup.exact_match) | model_metrics,
+                  batch_ref=ray.put(scored),
                   token_versions=span, sft=batch.sft)
