@@ -75,7 +75,9 @@ def shard_model(root: torch.nn.Module, layers, lcfg, trainable: bool) -> torch.n
             _checkpoint_layer(layer)
         fully_shard(layer, mp_policy=policy)
     fully_shard(root, mp_policy=policy)
-    root.set_gradient_divide_factor(1.0)
+    for module in [*layers, root]:  # per FSDP module; plain SUM (gloo has no PREMUL_SUM, which a factor would use)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
     return root
 
 

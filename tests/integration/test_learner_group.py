@@ -98,3 +98,107 @@ def test_logprob_memory_does_not_grow_with_vocab_times_sequence():
     assert peaks[256][0] > 3.5 * peaks[64][0]  # full logits: peak grows with the sequence
     print({seq: {"full_peak_mib": round(o / 2**20, 2), "chunked_peak_mib": round(n / 2**20, 2)}
            for seq, (o, n) in peaks.items()})
+
+
+def _batch(seed: int, n: int = 8, version: int = 0):
+    rng = np.random.default_rng(seed)
+    tokens, lengths = [], []
+    for _ in range(n):
+        prompt, resp = int(rng.integers(3, 7)), int(rng.integers(1, 14))
+        tokens.append(rng.integers(2, 40, prompt + resp).tolist())
+        lengths.append(resp)
+    return from_sequences(tokens, lengths, [(-3.0 + 0.1 * rng.normal(size=r)).tolist() for r in lengths],
+                          [[version] * r for r in lengths], advantages=rng.normal(size=n).tolist())
+
+
+@pytest.fixture(scope="module")
+def groups(tiny_model_dir, ray_session):
+    from tasks.learner_group import create_learners
+
+    cfg = build_config(overrides=["grpo.kl_coef=0.05", "grpo.micro_batch_size=2", "rollout.global_batch_size=2",
+                                  "rollout.n_samples_per_prompt=4", "rollout.temperature=0.7",
+                                  "learner.world_size=2"])
+    policy, ref = create_learners(tiny_model_dir, cfg)
+    yield cfg, policy, ref
+    for group in (policy, ref):
+        group.shutdown()
+
+
+def _single(tiny_model_dir, cfg):
+    from tasks.learner import LearnerActor
+
+    return LearnerActor(str(tiny_model_dir), cfg.grpo, cfg.optimizer, cfg.rollout.temperature, cfg.model.seed, True,
+                        total_steps=cfg.schedule.num_iterations, learner_cfg=cfg.learner.model_copy(update={"world_size": 1}))
+
+
+def _assert_same_weights(sharded: dict, single: torch.nn.Module) -> float:
+    """Equal within 1e-5 everywhere and within 1e-6 on all but 0.1% of the elements -> the largest difference.
+
+    AdamW's first steps move each weight by about lr * g / (|g| + eps): where a gradient is ~eps (1e-8), the
+    float32 summation order of the ranks' gradients (a few ulp of terms that cancel) shows up at ~lr * 1e-2 in
+    that one weight, so a handful of elements may differ by more than 1e-6."""
+    plain = single.state_dict()
+    assert set(sharded) == set(plain)
+    diffs = torch.cat([(sharded[k].float() - v.float()).abs().reshape(-1) for k, v in plain.items()])
+    assert float(diffs.max()) <= 1e-5 and float((diffs > 1e-6).float().mean()) < 1e-3, float(diffs.max())
+    return float(diffs.max())
+
+
+def test_world_size_2_equals_1_logprobs_update_and_resume_across_sizes(groups, tiny_model_dir, ray_session, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ray = ray_session
+    cfg, policy, ref = groups
+    assert policy.world_size == ref.world_size == 2  # the reference is sharded the same way (kl_coef > 0)
+    single = _single(tiny_model_dir, cfg)
+    batch = _batch(0)
+    old2, ref2 = ray.get([policy.compute_logprobs.remote(batch), ref.compute_logprobs.remote(batch)])
+    old1 = single.compute_logprobs(batch)
+    np.testing.assert_allclose(old2, old1, atol=1e-6)
+    np.testing.assert_allclose(ref2, old1, atol=1e-6)
+    m2, m1 = ray.get(policy.update.remote(batch, old2, ref2)), single.update(batch, old1, old1)
+    for key in ("loss", "pg_loss", "kl", "grad_norm", "entropy", "clip_fraction", "tis_weight_mean", "ppo_kl",
+                "tis_weight_max", "logprob_mismatch_kl"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
+    assert m2["weight_version"] == m1["weight_version"] == 1 == ray.get(policy.weight_version.remote())
+    assert m1["grad_norm"] > 0 and m2["num_trained_tokens"] == m1["num_trained_tokens"]
+    print("update_max_abs_diff", _assert_same_weights(ray.get(policy.state_dict_ref.remote()), single.model))
+
+    # world_size 2 -> 1: rank 0's full state (safetensors + JSON meta) into one process; both train on
+    tensors, meta = ray.get(policy.get_state.remote())
+    save_file(tensors, tmp_path / "ws2.safetensors")
+    resumed = _single(tiny_model_dir, cfg)
+    resumed.set_state(load_file(tmp_path / "ws2.safetensors"), meta)
+    again, again_meta = resumed.get_state()  # the group's weights and AdamW moments, exactly, in one process
+    assert set(again) == set(tensors) and all(torch.equal(again[k], tensors[k]) for k in tensors)
+    assert again_meta == meta
+    b2 = _batch(1, version=1)
+    lp = resumed.compute_logprobs(b2)
+    resumed.update(b2, lp, lp), single.update(b2, lp, lp)
+    _assert_same_weights(resumed.model.state_dict(), single.model)
+    # world_size 1 -> 2: the single process's state into the group; one more update on each
+    tensors, meta = single.get_state()
+    ray.get(policy.set_state.remote(tensors, meta))
+    assert ray.get(policy.weight_version.remote()) == 2
+    b3 = _batch(2, version=2)
+    lp = single.compute_logprobs(b3)
+    m2, m1 = ray.get(policy.update.remote(b3, lp, lp)), single.update(b3, lp, lp)
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-6)
+    _assert_same_weights(ray.get(policy.state_dict_ref.remote()), single.model)
+
+
+def test_bad_learner_settings_are_refused_at_start(ray_session, tiny_model_dir):
+    from infra.config import ConfigError
+    from tasks.learner_group import create_learners
+
+    with pytest.raises(ConfigError, match=r"learner.world_size \(3\) must divide the samples of one optimizer step"):
+        build_config(overrides=["learner.world_size=3"])
+    with pytest.raises(ConfigError, match="learner.param_dtype"):
+        build_config(overrides=["learner.param_dtype=bfloat16"])
+    cuda = build_config(overrides=["learner.device=cuda", "learner.world_size=2"])
+    assert ray_session.cluster_resources().get("GPU", 0) == 0
+    with pytest.raises(ValueError, match=r"learner.device=cuda needs 2 GPUs .* the Ray cluster has 0"):
+        create_learners(tiny_model_dir, cuda)  # refused before any actor starts
+    flash = LearnerConfig(device="cuda", attn_implementation="flash_attention_2")
+    with pytest.raises(ValueError, match="learner.attn_implementation=flash_attention_2 but flash_attn is not installed"):
+        check_learner_start(flash, {"GPU": 8})
