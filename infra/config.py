@@ -94,6 +94,12 @@ class RolloutConfig(_Section):
     mode: Literal["sync", "async"] = Field("sync", description="sync: chunked rounds; async: stop signal + abort.")
     async_check_steps: int = Field(20, ge=1, description="Async mode: engine steps between stop checks.")
     over_sampling_groups: int = Field(0, ge=0, description="Extra groups dispatched beyond GBS (APRIL).")
+    scheduling: Literal["fifo", "length_aware"] = Field(
+        "fifo", description="Dispatch order: fifo = the dock's (oldest first); length_aware = longest expected remaining "
+        "work first (carried-over rows, a group's finished siblings; rollout/scheduling.py), rows spread over engines.")
+    tail_factor: float = Field(0.0, ge=0, description="Tail batching (length_aware): rows expected above this x the "
+                               "median remaining work wait for the long round; 0 = off.")
+    tail_round_every: int = Field(2, ge=1, description="Tail batching: every k-th iteration is a long round.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (the learner uses the same).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(-1, description="Top-k sampling; -1 = off.")

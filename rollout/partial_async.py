@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from rollout.dispatch import DispatchPlanner
 from rollout.requests import (GenerationStats, Generator, SamplingSettings, build_requests, parse_responses,
                               request_seeds)
 
@@ -64,22 +65,31 @@ def generate_until_ready_async(dock, engine: Generator, rollout_cfg, sampling: S
     dock.set_drain(drain)
     stats = GenerationStats()
     start = time.perf_counter()
-    while not dock.update_ready():
-        rows = dock.take_rows()
-        if len(rows) == 0:
-            raise RuntimeError(f"generation cannot finish: no row left to generate but only "
-                               f"{dock.ready_group_count()} groups are ready (need {rollout_cfg.global_batch_size})")
-        inputs, max_new = dock.generation_inputs(rows, None)
-        stats.rounds += 1
-        stats.requests += len(rows)
-        round_ = _AsyncRound(dock, rows, weight_version, stats, on_round, rollout_cfg.global_batch_size, start)
-        requests = build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling))
-        engine_start = time.perf_counter()
-        try:
-            engine.generate(requests, on_result=round_.on_result)
-        finally:
-            stats.engine_s += time.perf_counter() - engine_start
-            round_.release_unwritten()  # rows whose answer never came go back untouched
+    planner = DispatchPlanner.from_config(rollout_cfg, engine, weight_version, drain)
+    try:
+        while not dock.update_ready():
+            rows = dock.take_rows()
+            if len(rows):
+                rows, engines = planner.plan(dock, rows)
+            else:  # nothing else left: the rows held for the long round go now
+                rows, engines = planner.plan_all(dock, planner.take_held())
+            if len(rows) == 0:
+                raise RuntimeError(f"generation cannot finish: no row left to generate but only "
+                                   f"{dock.ready_group_count()} groups are ready (need {rollout_cfg.global_batch_size})")
+            inputs, max_new = dock.generation_inputs(rows, None)
+            stats.rounds += 1
+            stats.requests += len(rows)
+            round_ = _AsyncRound(dock, rows, weight_version, stats, on_round, rollout_cfg.global_batch_size, start)
+            requests = planner.route(build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling)),
+                                     engines)
+            engine_start = time.perf_counter()
+            try:
+                engine.generate(requests, on_result=round_.on_result)
+            finally:
+                stats.engine_s += time.perf_counter() - engine_start
+                round_.release_unwritten()  # rows whose answer never came go back untouched
+    finally:
+        planner.release_held(dock)
     stats.ready_groups = dock.ready_group_count()
     stats.time_s = time.perf_counter() - start
     return stats

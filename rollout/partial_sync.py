@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from rollout.dispatch import DispatchPlanner
 from rollout.requests import (GenerationStats, Generator, SamplingSettings, build_requests, parse_responses,
                               request_seeds)
 
@@ -26,29 +27,43 @@ def generate_until_ready_sync(dock, engine: Generator, rollout_cfg, sampling: Sa
     dock.set_drain(drain)
     stats = GenerationStats()
     start = time.perf_counter()
-    while not dock.update_ready():
-        rows = dock.take_rows(limit=rows_per_round)
-        if len(rows) == 0:
-            raise RuntimeError(f"generation cannot finish: no row left to generate but only "
-                               f"{dock.ready_group_count()} groups are ready (need {rollout_cfg.global_batch_size})")
-        inputs, max_new = dock.generation_inputs(rows, round_tokens)
-        requests = build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling))
-        try:
-            engine_start = time.perf_counter()
-            responses = engine.generate(requests)
-            stats.engine_s += time.perf_counter() - engine_start
-            tokens, logprobs, stopped, version = parse_responses(responses, weight_version)
-        except BaseException:
-            dock.release(rows)  # the rows go back untouched: nothing half-written
-            raise
-        dock.put_generation(rows, tokens, logprobs, version, stopped)
-        stats.rounds += 1
-        stats.requests += len(rows)
-        stats.tokens_generated += sum(len(t) for t in tokens)
-        stats.ready_groups = dock.ready_group_count()
-        if on_round:
-            on_round({"round": stats.rounds, "ready_groups": stats.ready_groups,
-                      "target_groups": rollout_cfg.global_batch_size, "tokens": stats.tokens_generated,
-                      "elapsed_s": time.perf_counter() - start})
+    planner = DispatchPlanner.from_config(rollout_cfg, engine, weight_version, drain)
+    try:
+        while not dock.update_ready():
+            _sync_round(dock, engine, planner, rows_per_round, round_tokens, sampling, weight_version, stats)
+            if on_round:
+                on_round({"round": stats.rounds, "ready_groups": stats.ready_groups,
+                          "target_groups": rollout_cfg.global_batch_size, "tokens": stats.tokens_generated,
+                          "elapsed_s": time.perf_counter() - start})
+    finally:
+        planner.release_held(dock)
     stats.time_s = time.perf_counter() - start
     return stats
+
+
+def _sync_round(dock, engine: Generator, planner: DispatchPlanner, rows_per_round: int, round_tokens: int,
+                sampling: SamplingSettings, weight_version: int, stats: GenerationStats) -> None:
+    rows = dock.take_rows(limit=rows_per_round)
+    if len(rows):
+        rows, engines = planner.plan(dock, rows)
+    else:  # nothing else left: the rows held for the long round go now
+        rows, engines = planner.plan_all(dock, planner.take_held())
+    if len(rows) == 0:
+        raise RuntimeError(f"generation cannot finish: no row left to generate but only "
+                           f"{dock.ready_group_count()} groups are ready (need {dock.gbs})")
+    inputs, max_new = dock.generation_inputs(rows, round_tokens)
+    requests = planner.route(build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling)),
+                             engines)
+    try:
+        engine_start = time.perf_counter()
+        responses = engine.generate(requests)
+        stats.engine_s += time.perf_counter() - engine_start
+        tokens, logprobs, stopped, version = parse_responses(responses, weight_version)
+    except BaseException:
+        dock.release(rows)  # the rows go back untouched: nothing half-written
+        raise
+    dock.put_generation(rows, tokens, logprobs, version, stopped)
+    stats.rounds += 1
+    stats.requests += len(rows)
+    stats.tokens_generated += sum(len(t) for t in tokens)
+    stats.ready_groups = dock.ready_group_count()

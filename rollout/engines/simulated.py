@@ -56,10 +56,11 @@ class _Request:
     """One request; `produce` (tokens it will generate) and `eos` are fixed when it is admitted."""
 
     __slots__ = ("index", "rid", "input_len", "group", "j", "start", "budget", "produce", "eos", "start_step",
-                 "return_logprob", "received_ns")
+                 "return_logprob", "received_ns", "engine")
 
-    def __init__(self, index, rid, input_len, group, j, start, budget, return_logprob, received_ns):
+    def __init__(self, index, rid, input_len, group, j, start, budget, return_logprob, received_ns, engine=None):
         self.index, self.rid, self.input_len, self.group, self.j = index, rid, input_len, group, j
+        self.engine = engine
         self.start, self.budget, self.return_logprob, self.received_ns = start, budget, return_logprob, received_ns
         self.produce, self.eos, self.start_step = 0, False, 0
 
@@ -98,6 +99,10 @@ class SimulatedEngine:
         """lengths: anything with group_lengths(group_id) -> int[n] natural response lengths
         (rollout.engines.simulated_workload.LognormalLengths, TableLengths)."""
         self.timing, self.lengths, self.eos, self.weight_version = timing, lengths, int(eos_token_id), weight_version
+        self.num_engines = timing.num_engines
+        # requests without an "engine_index" wait in one queue and each goes to the first engine with a free slot:
+        # a load-aware pool, so length-aware dispatch only orders them (rollout.dispatch.engine_count)
+        self.shared_queue = True
         self._base, self._per_seq = round(timing.step_base_s * NS), round(timing.step_per_seq_s * NS)
         self._prefill = round(timing.prefill_per_token_s * NS)
         self._now = 0
@@ -164,17 +169,40 @@ class SimulatedEngine:
         ids = item["input_ids"]
         group, plen, j = parse_simulated_input(ids)
         budget = int((item.get("sampling_params") or {}).get("max_new_tokens", 128))
+        engine = item.get("engine_index")
         return _Request(index, item.get("rid") or f"sim-{index}", len(ids), group, j, len(ids) - plen, budget,
-                        bool(item.get("return_logprob", False)), self._now)
+                        bool(item.get("return_logprob", False)), self._now, None if engine is None else int(engine))
 
     def _run(self, queue: deque) -> None:
         engines, size = self._engines, self.timing.slots_per_engine
+        if any(r.engine is not None for r in queue):
+            return self._run_assigned(queue)
         for k in range(min(len(queue), len(engines) * size)):  # first fill: round robin
             self._admit(engines[k % len(engines)], queue.popleft())
+        if self._loop(lambda engine: queue):
+            self._abort_everything(queue)
+
+    def _run_assigned(self, queue: deque) -> None:
+        """Requests that name their engine ("engine_index", as RolloutManager's per-engine dispatch sends them)
+        queue there (FIFO per engine); the others go round robin."""
+        engines = self._engines
+        queues = [deque() for _ in engines]
+        for k, req in enumerate(queue):
+            queues[(req.engine if req.engine is not None else k) % len(engines)].append(req)
+        for engine, own in zip(engines, queues):
+            while own and len(engine.heap) < self.timing.slots_per_engine:
+                self._admit(engine, own.popleft())
+        index = {id(e): i for i, e in enumerate(engines)}
+        if self._loop(lambda engine: queues[index[id(engine)]]):
+            self._abort_everything(deque(req for own in queues for req in own))
+
+    def _loop(self, queue_of) -> bool:
+        """Run events until every engine is idle (-> False) or an abort is requested (-> True)."""
+        engines, size = self._engines, self.timing.slots_per_engine
         while not self._abort_requested:
             busy = [e for e in engines if e.heap]
             if not busy:
-                return
+                return False
             engine = min(busy, key=lambda e: e.next_event(self._base, self._per_seq))  # ties: lowest index
             now = engine.next_event(self._base, self._per_seq)
             engine.account(now)
@@ -185,9 +213,10 @@ class SimulatedEngine:
                 self._deliver(req, req.produce, self._finish_type(req))
             if self._abort_requested:
                 break
+            queue = queue_of(engine)
             while queue and len(engine.heap) < size:
                 self._admit(engine, queue.popleft())
-        self._abort_everything(queue)
+        return True
 
     def _admit(self, engine: _Engine, req: _Request) -> None:
         natural = self._natural.get(req.group)

@@ -1,0 +1,123 @@
+"""Length-aware dispatch (rollout.scheduling = length_aware): pure functions over what the dock has generated.
+
+The estimate reads only generated lengths and completion flags, never a token that does not exist yet:
+- a row carried over with L tokens is expected to run to at least `CARRY_GROWTH x L` (a long-tailed length
+  that already reached L is likely to reach a multiple of it);
+- a group's finished siblings predict the rest (Seer): an unfinished row is expected to reach at least the
+  longest finished sibling's length (the rows that are still running are the long ones);
+- with nothing known, the prior: the mean length of the rows completed in the dock (else max_tokens / 4).
+Capped by each row's room (max_tokens, max_model_len - prompt).
+
+    est = expected_remaining(response_len[R], complete[R], room[R], n, rows[k])   # -> float64[k]
+    order = longest_first(est)                                                     # -> permutation of k
+    engine = balance_engines(est[order], groups[order], loads[E])                  # -> int64[k] engine per row
+    keep, tail = split_tail(est, ages_of_rows, max_age, factor)                    # -> bool masks (tail batching)
+"""
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+CARRY_GROWTH = 2.0
+SCHEDULING = ("fifo", "length_aware")
+
+
+def expected_remaining(response_len: np.ndarray, complete: np.ndarray, room: np.ndarray, n: int,
+                       rows: np.ndarray, prior: float | None = None) -> np.ndarray:
+    """Expected tokens still to generate per row.
+
+    response_len[R], complete[R]: every dock row's generated length and completion flag (rows g*n .. g*n+n-1
+    form group g); room[k]: the most tokens row k may still have in all (max_tokens - L, context limit);
+    rows[k]: the rows to estimate. -> float64[k], each in [1, room] (0 where room is 0).
+    """
+    response_len = np.asarray(response_len, dtype=np.int64)
+    complete = np.asarray(complete, dtype=bool)
+    rows = np.asarray(rows, dtype=np.int64)
+    if prior is None:
+        done = response_len[complete]
+        prior = float(done.mean()) if len(done) else float(response_len.max(initial=0) + room.max(initial=1)) / 4
+    finished = np.where(complete, response_len, 0).reshape(-1, n).max(axis=1)  # longest finished sibling, 0: none
+    length = response_len[rows].astype(np.float64)
+    sibling = finished[rows // n].astype(np.float64)
+    total = np.where(sibling > 0, np.maximum(sibling, length + 1), prior)
+    total = np.maximum(total, np.where(length > 0, CARRY_GROWTH * length, 0.0))
+    remaining = np.clip(total - length, 1.0, None)
+    return np.minimum(remaining, np.asarray(room, dtype=np.float64))
+
+
+def longest_first(estimate: np.ndarray, ages: np.ndarray | None = None) -> np.ndarray:
+    """Permutation putting the longest expected remaining work first (stable: ties keep the dock's order).
+    ages[k] (optional) come first: older groups before younger ones (earliest staleness deadline first), the
+    estimate orders within an age."""
+    keys = [-np.asarray(estimate, dtype=np.float64)]
+    if ages is not None:
+        keys.append(-np.asarray(ages, dtype=np.int64))
+    return np.lexsort(keys)
+
+
+def balance_engines(estimate: np.ndarray, groups: np.ndarray, loads: np.ndarray | None = None,
+                    num_engines: int | None = None) -> np.ndarray:
+    """Rows (in dispatch order, longest first) -> engine per row: each goes to the engine with the least expected
+    remaining tokens (LPT list scheduling), a group's rows spread over engines (among engines within one row's
+    estimate of the least loaded, the one holding fewest rows of its group). loads[E]: tokens already expected
+    on each engine (default zeros). -> int64[k]."""
+    estimate = np.asarray(estimate, dtype=np.float64)
+    groups = np.asarray(groups, dtype=np.int64)
+    loads = np.zeros(num_engines or 1) if loads is None else np.asarray(loads, dtype=np.float64)
+    count = len(loads)
+    out = np.zeros(len(estimate), dtype=np.int64)
+    if count == 1:
+        return out
+    heap = [(float(load), e) for e, load in enumerate(loads)]
+    heapq.heapify(heap)
+    per_group: dict[tuple[int, int], int] = {}
+    for k, (work, group) in enumerate(zip(estimate.tolist(), groups.tolist())):
+        candidates = [heapq.heappop(heap)]
+        while heap and heap[0][0] <= candidates[0][0] + work:
+            candidates.append(heapq.heappop(heap))
+        best = min(range(len(candidates)), key=lambda c: (per_group.get((group, candidates[c][1]), 0), c))
+        load, engine = candidates.pop(best)
+        for item in candidates:
+            heapq.heappush(heap, item)
+        heapq.heappush(heap, (load + work, engine))
+        per_group[(group, engine)] = per_group.get((group, engine), 0) + 1
+        out[k] = engine
+    return out
+
+
+def split_tail(estimate: np.ndarray, ages: np.ndarray, max_age: int, factor: float) -> np.ndarray:
+    """Tail batching (RollPacker): bool[k], True for rows set aside for the periodic long round: expected
+    remaining work above `factor` x the median of the rows', and young enough to wait (group age + 2 < max_age:
+    the long round that takes it still leaves its group a full iteration to finish within the staleness bound).
+    factor <= 0: nothing is set aside."""
+    estimate = np.asarray(estimate, dtype=np.float64)
+    if factor <= 0 or len(estimate) == 0:
+        return np.zeros(len(estimate), dtype=bool)
+    return (estimate > factor * float(np.median(estimate))) & (np.asarray(ages) + 2 < max_age)
+
+
+def plan_dispatch(dock, rows: np.ndarray, scheduling: str, num_engines: int | None = None,
+                  tail_factor: float = 0.0, long_round: bool = True) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """The dock's rows about to be dispatched -> (rows in dispatch order, engine per row or None, rows set aside).
+
+    fifo: the dock's order, no engine choice, nothing set aside. length_aware: longest expected remaining work
+    first (expected_remaining over the dock's generated lengths), rows balanced over num_engines engines (when
+    more than one), and outside a long round (long_round False) the tail rows (split_tail) set aside.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    if scheduling not in SCHEDULING:
+        raise ValueError(f"rollout.scheduling must be one of {', '.join(SCHEDULING)}; got {scheduling!r}")
+    none = np.zeros(0, dtype=np.int64)
+    if scheduling == "fifo" or len(rows) == 0:
+        return rows, None, none
+    estimate = expected_remaining(dock.responses.length, dock.complete, dock.max_new_tokens(rows, None), dock.n, rows)
+    if not long_round:
+        tail = split_tail(estimate, dock.age[rows], dock.max_age, tail_factor)
+        rows, estimate, aside = rows[~tail], estimate[~tail], rows[tail]
+    else:
+        aside = none
+    order = longest_first(estimate, dock.age[rows])
+    rows, estimate = rows[order], estimate[order]
+    engines = balance_engines(estimate, rows // dock.n, num_engines=num_engines) if (num_engines or 1) > 1 else None
+    return rows, engines, aside
