@@ -1,5 +1,6 @@
-"""Child processes for e2e tests: started in their own process group on 127.0.0.1, output to a log file,
-stopped with SIGTERM to the whole group and SIGKILL after a timeout, even when the test fails."""
+"""Child processes for e2e tests: started in their own session (and process group) on 127.0.0.1, output to a
+log file, stopped with SIGTERM to the whole group and SIGKILL after a timeout, then SIGKILL to whatever of
+the session is left, even when the test fails."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+from run_processes import reap
 
 
 def free_port() -> int:
@@ -35,6 +37,7 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
     except ProcessLookupError:
         pass
     proc.wait(5)
+    reap([proc.pid])  # and whatever left the process group (Ray's workers make their own) but not the session
 
 
 @contextmanager

@@ -3,17 +3,18 @@ themselves at a chosen point of iteration 1 (SPILLOVER_KILL_AT through the kill_
 end is the uninterrupted run's: every prompt group trained exactly once and the final checkpoint's policy
 tensors (weights, AdamW state, torch RNG) bit-identical.
 
-One chain covers the whole matrix. Each task kill point (the start of each of the iteration's tasks) leaves
-the same durable state, checkpoint 0, so the chain is: `train` killed at load_prompts of iteration 1, then
-`resume` killed at generate_until_ready of iteration 1, ... at save_checkpoint, then `resume` killed in
-iteration 1's checkpoint write after every object and before the manifest (a half-written checkpoint that must never
-be loaded), then a `resume` that finishes. Each resume starts from what the previous kill left, so a kill
-that damaged durable state shows in the final comparison, and the state is checked after every kill too.
-One process start per kill point instead of two, plus the reference run.
-
-The chain runs on the real S3 server; keys go as config values to `train` and from the environment to
-every `resume` (config.json never holds them), and at the end neither key appears in the run directory,
-the processes' output, the checkpoint objects or the Prefect database (parameters, logs, artifacts).
+Chains cover the whole matrix. Each task kill point (the start of each of the iteration's tasks) leaves
+the same durable state, checkpoint 0, so a chain is: `train` killed at one task start of iteration 1, then
+`resume` killed at the next one, and so on, then a `resume` that finishes. Each resume starts from what the
+previous kill left, so a kill that damaged durable state shows in the final comparison, and the state is
+checked after every kill too. One process start per kill point instead of two. The kill points are split
+between two chains that run side by side with the uninterrupted reference run:
+- on the real S3 server, ending with a kill in iteration 1's checkpoint write after every object and before
+  the manifest (a half-written checkpoint that must never be loaded). Keys go as config values to `train`
+  and from the environment to every `resume` (config.json never holds them), and at the end neither key
+  appears in the run directory, the processes' output, the checkpoint objects or the Prefect database
+  (parameters, logs, artifacts);
+- on local files.
 
 Determinism needs three settings (DETERMINISTIC below): rollout.deterministic_sampling (every request
 carries a sampling_seed, so tokens do not depend on batching, timing or the engine; tested in
@@ -26,22 +27,26 @@ stays in that session (tests/run_processes.py): Ray's GCS, raylet, agents and wo
 actors, the sglang-router (which overwrites its environment with its process title, so an environment tag
 misses it) and Prefect's ephemeral server. While a run is alive its session is sampled, and the test
 requires the router to have been seen in every run and the ephemeral Prefect server in the one run that
-uses it (the second link; the others share the session's Prefect server). After a run ends, every process
-of its session must be gone within LEFTOVER_GRACE_S -- except Ray's dashboard and runtime-env agents after
-a SIGKILL: they notice the raylet's death at once, then block for Ray's hard-coded 60 s trying to report
-it to the (dead) GCS, and exit; they must be gone within AGENT_GRACE_S of the kill. Leftovers are checked
-while the next link already runs (the deadlines count from each run's end), and whatever is still there
-at the end is SIGKILLed and fails the test.
+uses it (the S3 chain's second link; the others share the session's Prefect server). After a run ends,
+every process of its session must be gone within LEFTOVER_GRACE_S -- except Ray's dashboard and
+runtime-env agents after a SIGKILL: they notice the raylet's death at once, then block for Ray's hard-coded
+60 s trying to report it to the (dead) GCS, and exit; they must be gone within AGENT_GRACE_S of the kill.
+Leftovers are checked while the next link already runs, the agents in the background while the suite goes
+on (the deadlines count from each run's end), and whatever is still there at a deadline is SIGKILLed and
+fails the suite.
 """
 from __future__ import annotations
 
 import json
 import os
+import itertools
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,7 +97,7 @@ class Spillover:
     processes by that session."""
 
     def __init__(self, prefect_api_url: str, tmp_path: Path):
-        self.api_url, self.tmp_path, self.runs = prefect_api_url, tmp_path, []
+        self.api_url, self.tmp_path, self.runs, self.count = prefect_api_url, tmp_path, [], itertools.count(1)
 
     def env(self, ephemeral_prefect: bool = False, **extra) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_ADDRESS", "AWS_",
@@ -106,7 +111,7 @@ class Spillover:
         return env
 
     def run(self, args: list[str], timeout_s: float = 600, ephemeral_prefect: bool = False, **env_extra) -> Run:
-        run = Run(args, self.tmp_path / f"spillover-{len(self.runs) + 1}-{args[0]}.log")
+        run = Run(args, self.tmp_path / f"spillover-{next(self.count)}-{args[0]}.log")
         self.runs.append(run)
         with open(run.log, "wb") as out:
             proc = subprocess.Popen([str(BIN / "spillover"), *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
@@ -118,6 +123,7 @@ class Spillover:
             if time.monotonic() > deadline:
                 proc.kill()
                 proc.wait()
+                run.ended = time.monotonic()
                 raise TimeoutError(f"{args} ran over {timeout_s} s:\n{self.output(run)}")
             time.sleep(0.5)
         run.returncode, run.ended = proc.returncode, time.monotonic()
@@ -137,14 +143,35 @@ class Spillover:
         return reap([run.session for run in self.runs])
 
 
+@pytest.fixture(scope="session")
+def watch_until_gone():
+    """watch(run): wait in the background until AGENT_GRACE_S after the run's end for every process of its
+    session to be gone, then SIGKILL what is left; the session's end reports it. Ray's agents of a killed run
+    take ~60 s to exit: the suite goes on meanwhile instead of waiting for them."""
+    threads, leftovers = [], []
+
+    def check(run: Run) -> None:
+        left = wait_until_gone([run.session], max(0.0, run.ended + AGENT_GRACE_S - time.monotonic()))
+        if left:
+            leftovers.append((run.args[0], left))
+            reap([run.session])
+
+    def watch(run: Run) -> None:
+        threads.append(threading.Thread(target=check, args=(run,), daemon=True))
+        threads[-1].start()
+
+    yield watch
+    for thread in threads:
+        thread.join()
+    assert leftovers == [], f"processes still alive {AGENT_GRACE_S:.0f} s after their run ended: {leftovers}"
+
+
 @pytest.fixture
-def spillover(prefect_harness, tmp_path):
+def spillover(prefect_harness, watch_until_gone, tmp_path):
     runner = Spillover(prefect_harness.api_url, tmp_path)
     yield runner
-    agents_deadline = max((run.ended for run in runner.runs), default=0.0) + AGENT_GRACE_S
-    left = wait_until_gone([run.session for run in runner.runs], max(0.0, agents_deadline - time.monotonic()))
-    runner.reap()
-    assert left == [], f"processes of the runs still alive {AGENT_GRACE_S:.0f} s after they ended: {left}"
+    for run in runner.runs:
+        watch_until_gone(run)
 
 
 def train_args(run_dir: Path, *extra: str) -> list[str]:
@@ -188,43 +215,59 @@ def assert_same_as_reference(run_dir: Path, state, ref_dir: Path, ref_state) -> 
     assert state.meta["cursor"] == ref_state.meta["cursor"]
 
 
+def kill_chain(spillover: Spillover, run_dir: Path, url: str, storage_cfg, first_args: list[str],
+               kills: list[tuple[str, list[tuple[int, bool]]]], ephemeral_link: int | None = None, **env) -> None:
+    """`train` (first_args) killed at kills[0], then `resume` killed at each further point, then a `resume` that
+    finishes; after each kill, the checkpoints at url are the given (iteration, complete) list."""
+    previous = None
+    for link, (kill_at, left_behind) in enumerate(kills):
+        args = first_args if link == 0 else ["resume", str(run_dir)]
+        run = spillover.run(args, ephemeral_prefect=link == ephemeral_link, SPILLOVER_KILL_AT=kill_at, **env)
+        assert run.returncode == -signal.SIGKILL, f"{kill_at}: {spillover.output(run)}"
+        assert run.saw(ROUTER), (kill_at, run.seen)
+        if link == ephemeral_link:
+            assert run.saw(PREFECT_SERVER), (kill_at, run.seen)
+        assert_checkpoints(url, left_behind, storage_cfg, after=f"kill at {kill_at}")
+        if previous is not None:  # checked now: its processes had the whole of this run to exit
+            spillover.check_gone(previous, ignore=RAY_AGENTS)
+        previous = run
+    last = spillover.run(["resume", str(run_dir)], **env)
+    assert last.returncode == 0, spillover.output(last)
+    spillover.check_gone(previous, ignore=RAY_AGENTS)
+    spillover.check_gone(last)
+    assert_checkpoints(url, [(1, True), (2, True)], storage_cfg)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_kill_9_at_every_point_then_resume_matches_uninterrupted_and_leaks_nothing(
         s3_server, spillover, prefect_harness, tmp_path):
-    run_dir = tmp_path / "run"
+    """Two chains side by side (the kill points split between them, one on S3 and one on local files) and the
+    uninterrupted reference run alongside: up to three runs at once keep both cores busy."""
+    s3_dir, file_dir, ref_dir = tmp_path / "s3-run", tmp_path / "file-run", tmp_path / "reference"
     url = s3_server.url(f"kill-resume-{uuid.uuid4().hex[:8]}")
     s3_cfg = s3_server.storage_config()
     location = [f"storage.url={url}", f"storage.endpoint_url={s3_server.endpoint_url}", "storage.region=us-east-1"]
     keys = [f"storage.access_key_id={s3_server.access_key}", f"storage.secret_access_key={s3_server.secret_key}"]
     aws = {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
-    kills = [(f"{task}:1", [(0, True)]) for task in TASK_KILLS] + [("checkpoint_manifest:1", [(0, True), (1, False)])]
-
-    previous = None
-    for link, (kill_at, left_behind) in enumerate(kills):
-        args = train_args(run_dir, *location, *keys) if link == 0 else ["resume", str(run_dir)]
-        run = spillover.run(args, ephemeral_prefect=link == EPHEMERAL_LINK, SPILLOVER_KILL_AT=kill_at, **aws)
-        assert run.returncode == -signal.SIGKILL, f"{kill_at}: {spillover.output(run)}"
-        assert run.saw(ROUTER), (kill_at, run.seen)
-        if link == EPHEMERAL_LINK:
-            assert run.saw(PREFECT_SERVER), (kill_at, run.seen)
-        assert_checkpoints(url, left_behind, s3_cfg, after=f"kill at {kill_at}")
-        if previous is not None:  # checked now: its processes had the whole of this run to exit
-            spillover.check_gone(previous, ignore=RAY_AGENTS)
-        previous = run
-    last = spillover.run(["resume", str(run_dir)], **aws)
-    assert last.returncode == 0, spillover.output(last)
-    spillover.check_gone(previous, ignore=RAY_AGENTS)
-    spillover.check_gone(last)
-    assert_checkpoints(url, [(1, True), (2, True)], s3_cfg)
-
-    # The uninterrupted run last: Ray's agents of the last killed run exit meanwhile (see above).
-    ref_dir = tmp_path / "reference"
-    reference = spillover.run(train_args(ref_dir))
-    assert reference.returncode == 0, spillover.output(reference)
-    spillover.check_gone(reference)
-    assert_same_as_reference(run_dir, final_state(url, s3_cfg), ref_dir, final_state(str(ref_dir / "checkpoints")))
-    assert_no_credentials(run_dir, spillover, url, s3_server, prefect_harness.database)
+    task_kills = [(f"{task}:1", [(0, True)]) for task in TASK_KILLS]
+    half = len(task_kills) // 2
+    with ThreadPoolExecutor(3) as pool:
+        reference = pool.submit(spillover.run, train_args(ref_dir))
+        s3_chain = pool.submit(kill_chain, spillover, s3_dir, url, s3_cfg, train_args(s3_dir, *location, *keys),
+                               task_kills[:half] + [("checkpoint_manifest:1", [(0, True), (1, False)])],
+                               ephemeral_link=EPHEMERAL_LINK, **aws)
+        file_chain = pool.submit(kill_chain, spillover, file_dir, str(file_dir / "checkpoints"), None,
+                                 train_args(file_dir), task_kills[half:])
+        ref_run = reference.result()
+        assert ref_run.returncode == 0, spillover.output(ref_run)
+        spillover.check_gone(ref_run)
+        s3_chain.result()
+        file_chain.result()
+    ref_state = final_state(str(ref_dir / "checkpoints"))
+    assert_same_as_reference(s3_dir, final_state(url, s3_cfg), ref_dir, ref_state)
+    assert_same_as_reference(file_dir, final_state(str(file_dir / "checkpoints")), ref_dir, ref_state)
+    assert_no_credentials(s3_dir, spillover, url, s3_server, prefect_harness.database)
 
 
 def assert_no_credentials(run_dir: Path, spillover: Spillover, url: str, s3_server, db: Path | None) -> None:
