@@ -56,6 +56,10 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> Path:
     """The prompt file of the run: data.prompts_path, or the built-in task generated into the run dir."""
     if cfg.data.prompts_path:
         return Path(cfg.data.prompts_path)
+    if cfg.data.builtin_task == "arithmetic":
+        from rollout import arith_task
+
+        return arith_task.generate_dataset(run_dir / "data" / "train.parquet", cfg.data.num_prompts, cfg.model.seed)
     return toy_task.generate_dataset(run_dir / "data" / "train.jsonl", cfg.data.num_prompts, cfg.model.seed)
 
 

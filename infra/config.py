@@ -26,6 +26,9 @@ class TinyModelConfig(_Section):
     num_heads: int = Field(4, ge=1, description="Attention heads (hidden_size must divide by it).")
     num_kv_heads: int = Field(2, ge=1, description="Key/value heads (num_heads must divide by it).")
     intermediate_size: int = Field(128, ge=8, description="MLP width of the tiny model.")
+    tokenizer: Literal["char", "bpe"] = Field(
+        "char", description="char: one token per character (lower case, digits, a few signs); bpe: byte-level BPE "
+        "with special tokens and a Qwen-style chat template, trained here on arithmetic text (infra/tiny_bpe.py).")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "TinyModelConfig":
@@ -62,6 +65,9 @@ class DataConfig(_Section):
     system_prompt: str | None = Field(
         None, description="System message put first in every chat-rendered prompt that has none of its own.")
     num_prompts: int = Field(4096, ge=1, description="Prompts generated for the built-in task.")
+    builtin_task: Literal["repeat", "arithmetic"] = Field(
+        "repeat", description="The task generated when data.prompts_path is empty: repeat (the 'a*n=' task, JSONL) "
+        "or arithmetic (chat prompts 'What is a + b?' with the value as label, Parquet; rollout/arith_task.py).")
     eval_paths: dict[str, str] = Field(default_factory=dict, description="Eval data sets: key -> JSONL or Parquet path.")
     sft_path: str | None = Field(
         None, description="SFT mode (rollout.rollout_function_path=rollout.sft.generate_sft_rollout): JSONL of "

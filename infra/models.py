@@ -40,7 +40,8 @@ def build_char_tokenizer(alphabet: str = TINY_ALPHABET) -> PreTrainedTokenizerFa
 
 def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None, seed: int = 0,
                      max_position: int = 512) -> Path:
-    """Write a randomly initialised tiny Qwen2 causal LM and its char tokenizer to `out_dir` (HF format).
+    """Write a randomly initialised tiny Qwen2 causal LM and its tokenizer (char, or BPE: model.tiny.tokenizer) to
+    `out_dir` (HF format).
 
     Idempotent: an existing tiny model with the same shape and seed is kept.
     """
@@ -49,7 +50,12 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None, se
     marker = {"tiny": cfg.model_dump(), "seed": seed, "max_position": max_position, "chat_template": 1}
     if (out / TINY_MARKER).is_file() and json.loads((out / TINY_MARKER).read_text()) == marker:
         return out
-    tokenizer = build_char_tokenizer()
+    if cfg.tokenizer == "bpe":
+        from infra.tiny_bpe import build_bpe_tokenizer
+
+        tokenizer = build_bpe_tokenizer(seed=seed)
+    else:
+        tokenizer = build_char_tokenizer()
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
