@@ -6,7 +6,7 @@ A path template holds `{rollout_id}` and is a local path, file:// URL or s3:// U
   group (position of its group in the rollout), group_index, index: int64
   prompt_tokens, response_tokens, weight_versions: list<int64>; loss_mask: list<int64> or null
   rollout_logprobs: list<float64>; reward: float64 or null (NaN stays NaN)
-  prompt, response, status: string; label, metadata: JSON text
+  prompt, response, status: string; label, metadata: JSON text (metadata["data"]: the group's data.additional_keys)
 
 Every value round-trips exactly, so a replay gives the same `convert_samples_to_train_data` output.
 """
