@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -55,4 +56,6 @@ def read_segments(directory: Path, count: int, timeout_s: float = 20.0) -> list[
     deadline = time.monotonic() + timeout_s
     while len(offline_segments(directory)) < count and time.monotonic() < deadline:
         time.sleep(0.1)  # the segment files appear at wandb.init
-    return [read_run(p, idle_timeout_s=int(timeout_s)) for p in offline_segments(directory)]
+    paths = offline_segments(directory)
+    with ThreadPoolExecutor(max_workers=max(1, len(paths))) as pool:  # one wandb reader process per segment
+        return list(pool.map(lambda p: read_run(p, idle_timeout_s=int(timeout_s)), paths))
