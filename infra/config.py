@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from infra.config_parsing import ConfigError, apply_overrides, format_validation_error
 from infra.config_learner import LearnerConfig, check_learner_batch
+from infra.config_tasks import EvalConfig, RewardModelConfig
 
 
 class _Section(BaseModel):
@@ -163,16 +164,6 @@ class RolloutConfig(_Section):
 OFF_POLICY_NEEDS_OLD_LOGPROBS = ("masked_is", "decoupled")
 
 
-class RewardModelConfig(_Section):
-    path: str = Field(..., description="HF sequence-classification folder (num_labels=1, a pad token): scores "
-                      "prompt text + response text with its own tokenizer.")
-    weight: float = Field(1.0, description="Weight of its score in the total reward.")
-    name: str | None = Field(None, description="Name in metrics (reward_model_<name>_mean); empty = its index.")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs its Ray actor reserves (0: CPU).")
-    batch_size: int = Field(16, ge=1, description="Texts per forward pass.")
-    max_length: int = Field(4096, ge=8, description="Most tokens scored per text (longer ones keep their end).")
-
-
 class GRPOConfig(_Section):
     micro_batch_size: int = Field(32, ge=1, description="Samples per forward/backward pass.")
     num_steps_per_rollout: int = Field(
@@ -320,14 +311,6 @@ class ScheduleConfig(_Section):
     cron: str | None = Field(None, description="Cron schedule of the deployment (e.g. '0 3 * * *').")
     debug_train_only: bool = Field(False, description="No engines: train on debug rollout data.")
     debug_rollout_only: bool = Field(False, description="Generate without updates.")
-
-
-class EvalConfig(_Section):
-    k: int = Field(4, ge=1, description="`spillover eval`: sampled responses per prompt for pass@k (pass@1 is greedy).")
-    temperature: float = Field(1.0, gt=0, description="`spillover eval`: sampling temperature of the pass@k samples.")
-    top_p: float = Field(1.0, gt=0, le=1, description="`spillover eval`: nucleus mass of the pass@k samples.")
-    pass_threshold: float = Field(1.0, description="`spillover eval`: a response with reward >= this counts as "
-                                  "solved (the math reward gives 1.0 for a correct answer).")
 
 
 class RunConfig(_Section):
