@@ -31,6 +31,7 @@ from rollout.engines import sglang_backend as sgl
 from rollout.engines.client import EngineClient
 from rollout.engines.router import Router
 from rollout.generation import BatchGenerator
+from rollout.pinned_router import PinnedRouter
 from rollout.requests import OnResult
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,9 @@ class RolloutManager:
             self.router = await asyncio.to_thread(Router.launch, "127.0.0.1")
         for handle in self.pool.engines:
             await asyncio.to_thread(self.router.add_worker, handle.url)
-        self._gen = BatchGenerator(EngineClient(self.router.url), lambda: self.urls, self._client, self._recover,
+        router = PinnedRouter(EngineClient(self.router.url), lambda i: self.engines[i % len(self.engines)].url,
+                              self._client)
+        self._gen = BatchGenerator(router, lambda: self.urls, self._client, self._recover,
                                    max_attempts, max_in_flight or self.cfg.num_engines * self.cfg.max_running_requests)
 
     # ---- views --------------------------------------------------------------------------------------
@@ -120,8 +123,13 @@ class RolloutManager:
         """SGLang /generate answers for `batch` (dicts of input_ids, sampling_params, rid?, return_logprob?),
         in input order, through the router. on_result(index, answer) runs on the manager's loop as each one
         finishes; returning True stops the round: every engine aborts (running requests come back with their
-        tokens so far, unsent ones with none) and generate returns once the engines are idle."""
-        return self._call(self._gen.generate_batch, batch, on_result)
+        tokens so far, unsent ones with none) and generate returns once the engines are idle. An item with an
+        "engine_index" goes to that engine, not through the router (rollout/pinned_router.py)."""
+        return self._call(self._gen.router.run, self._gen.generate_batch, batch, on_result)
+
+    @property
+    def num_engines(self) -> int:  # what length-aware dispatch pins rows to (rollout.dispatch)
+        return len(self.engines)
 
     def eval(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
         """Evaluation generation: the same path as rollouts (abort_all stops it too)."""

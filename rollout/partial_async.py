@@ -75,7 +75,7 @@ def generate_until_ready_async(dock, engine: Generator, rollout_cfg, sampling: S
                 rows, engines = planner.plan_all(dock, planner.take_held())
             if len(rows) == 0:
                 raise RuntimeError(f"generation cannot finish: no row left to generate but only "
-                                   f"{dock.ready_group_count()} groups are ready (need {rollout_cfg.global_batch_size})")
+                                   f"{dock.ready_group_count()} groups are ready (need {dock.gbs})")
             inputs, max_new = dock.generation_inputs(rows, None)
             stats.rounds += 1
             stats.requests += len(rows)

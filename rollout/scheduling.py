@@ -97,8 +97,8 @@ def split_tail(estimate: np.ndarray, ages: np.ndarray, max_age: int, factor: flo
     return (estimate > factor * float(np.median(estimate))) & (np.asarray(ages) + 2 < max_age)
 
 
-def plan_dispatch(dock, rows: np.ndarray, scheduling: str, num_engines: int | None = None,
-                  tail_factor: float = 0.0, long_round: bool = True) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+def plan_dispatch(dock, rows: np.ndarray, scheduling: str, num_engines: int | None = None, tail_factor: float = 0.0,
+                  long_round: bool = True) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """The dock's rows about to be dispatched -> (rows in dispatch order, engine per row or None, rows set aside).
 
     fifo: the dock's order, no engine choice, nothing set aside. length_aware: longest expected remaining work

@@ -14,7 +14,8 @@ from rollout import dispatch
 from rollout.dock import TransferDock
 from rollout.dock_staleness import token_staleness_max
 from rollout.engines.simulated import EngineTiming, SimulatedEngine
-from rollout.engines.simulated_workload import DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths, simulated_prompt
+from rollout.engines.simulated_workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths,
+                                                 simulated_prompt)
 from rollout.partial import generate_batch
 from tasks.prompts import groups_for_iteration
 
@@ -75,7 +76,8 @@ def test_every_group_trained_once_with_its_whole_response(name, seed, monkeypatc
                 body = [FILL_TOKEN] * (len(tokens) - 1 - stops) + [DEFAULT_EOS] * stops
                 if len(tokens) > 1 or not stops:  # a 1-token sample is only its EOS (it overwrites the key)
                     j = tokens[0] - SAMPLE_KEY_BASE  # the engine's sample index: the first response token
-                    assert tokens == [SAMPLE_KEY_BASE + j] + body and len(tokens) == min(int(natural[j]), cfg.max_tokens)
+                    assert tokens == [SAMPLE_KEY_BASE + j] + body
+                    assert len(tokens) == min(int(natural[j]), cfg.max_tokens)
                 else:
                     assert tokens == [DEFAULT_EOS]
                 got.append(len(tokens))
