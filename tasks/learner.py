@@ -31,26 +31,17 @@ from infra.models import load_tokenizer
 from tasks.batching import MicroBatch, RolloutBatch, check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
 from tasks.grpo_loss import aggregate, clipped_policy_loss, kl_penalty, off_policy_correction
 from tasks.kl_control import next_kl_coef
-from tasks.learner_dist import all_reduce, balanced_shards, init_distributed, shard_model
+from tasks.learner_dist import (all_reduce, balanced_shards, checkpoint_layers, init_distributed, load_learner_lm,
+                                shard_model)
 from tasks.learner_state import full_model_state, load_state, save_state, unique_state_keys
 from tasks.logprobs import ResponseLogprobModel
 from tasks.offpolicy_metrics import OffPolicyStats
+from tasks.weight_sync import WeightSenderMixin
 
 __all__ = ["LearnerActor", "create_learners"]
 
 
-def load_learner_lm(model_path: str, dtype: str, lcfg: LearnerConfig) -> torch.nn.Module:
-    """The HF causal LM with the learner's attention kernel (learner.attn_implementation), in eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    if not (Path(model_path) / "config.json").is_file():
-        raise FileNotFoundError(f"model.path {model_path!r} has no config.json: point it at an HF checkpoint folder")
-    lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), local_files_only=True,
-                                              attn_implementation=lcfg.attn_implementation)
-    return lm.eval()
-
-
-class LearnerActor:
+class LearnerActor(WeightSenderMixin):
     """Policy (trainable=True) or frozen reference (trainable=False) over an HF causal LM folder; one rank."""
 
     def __init__(self, model_path: str, grpo_cfg: GRPOConfig, optim_cfg: OptimizerConfig, temperature: float,
@@ -84,10 +75,7 @@ class LearnerActor:
         if self.sharded:
             shard_model(self.net, layers, lcfg, trainable)
         elif trainable and lcfg.gradient_checkpointing:
-            from tasks.learner_dist import _checkpoint_layer
-
-            for layer in layers:
-                _checkpoint_layer(layer)
+            checkpoint_layers(layers)
         cfg = lm.config
         pad = getattr(cfg, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else (getattr(cfg, "eos_token_id", None) or 0))
@@ -114,7 +102,8 @@ class LearnerActor:
         if all_rows or self.world_size == 1:
             shares, mine = [subset], subset
         else:
-            shares = [[subset[i] for i in share] for share in balanced_shards(batch.seq_lengths[subset], self.world_size)]
+            shares = [[subset[i] for i in share]
+                      for share in balanced_shards(batch.seq_lengths[subset], self.world_size)]
             mine = shares[self.rank]
         groups = micro_batch_indices(batch.seq_lengths[mine], size) if mine else []
         for indices in groups:
@@ -302,7 +291,7 @@ class LearnerActor:
 
 
 def create_learners(model_path, cfg):
-    """(policy, ref | None) learner groups (tasks/learner_group.py): world_size ranks each, ref when grpo.kl_coef > 0."""
+    """(policy, ref | None) learner groups (tasks/learner_group.py) of learner.world_size ranks; ref: grpo.kl_coef > 0."""
     from tasks.learner_group import create_learners as create
 
     return create(model_path, cfg)

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import datetime
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce", "balanced_shards", "init_distributed", "shard_model"]
+from infra.config_learner import LearnerConfig
+
+__all__ = ["all_reduce", "balanced_shards", "checkpoint_layers", "init_distributed", "load_learner_lm", "shard_model"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -53,14 +56,26 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _checkpoint_layer(layer: torch.nn.Module) -> None:
-    """Recompute the layer's activations in backward. Wraps its forward in place (no wrapper module), so the
+def checkpoint_layers(layers) -> None:
+    """Recompute each layer's activations in backward. Wraps forward in place (no wrapper module), so the
     state_dict keys stay the HF names; works in eval mode (HF's own switch acts only in train mode)."""
     from functools import partial
 
     from torch.utils.checkpoint import checkpoint
 
-    layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
+    for layer in layers:
+        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
+
+
+def load_learner_lm(model_path: str, dtype: str, lcfg: LearnerConfig) -> torch.nn.Module:
+    """The HF causal LM with the learner's attention kernel (learner.attn_implementation), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(model_path) / "config.json").is_file():
+        raise FileNotFoundError(f"model.path {model_path!r} has no config.json: point it at an HF checkpoint folder")
+    lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), local_files_only=True,
+                                              attn_implementation=lcfg.attn_implementation)
+    return lm.eval()
 
 
 def shard_model(root: torch.nn.Module, layers, lcfg, trainable: bool) -> torch.nn.Module:
@@ -70,9 +85,9 @@ def shard_model(root: torch.nn.Module, layers, lcfg, trainable: bool) -> torch.n
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[lcfg.param_dtype], reduce_dtype=DTYPES[lcfg.reduce_dtype])
+    if trainable and lcfg.gradient_checkpointing:
+        checkpoint_layers(layers)
     for layer in layers:
-        if trainable and lcfg.gradient_checkpointing:
-            _checkpoint_layer(layer)
         fully_shard(layer, mp_policy=policy)
     fully_shard(root, mp_policy=policy)
     for module in [*layers, root]:  # per FSDP module; plain SUM (gloo has no PREMUL_SUM, which a factor would use)

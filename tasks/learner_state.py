@@ -12,7 +12,7 @@ import json
 import numpy as np
 import torch
 
-__all__ = ["STATE_FORMAT", "full_model_state", "load_state", "save_state", "unique_state_keys"]
+__all__ = ["STATE_FORMAT", "full_model_state", "load_state", "local_state_bytes", "save_state", "unique_state_keys"]
 STATE_FORMAT = 1
 
 
@@ -54,8 +54,8 @@ def save_state(root, lm, optimizer, param_names: list[str], state_keys: list[str
 
             full = get_optimizer_state_dict(root, optimizer, options=_options(cpu_offload=True))
             index = {f"lm.{name}": i for i, name in enumerate(param_names)}
-            opt = {"state": {index[fqn]: s for fqn, s in full.get("state", {}).items()},
-                   "param_groups": [dict(g, params=[index[p] for p in g["params"]]) for g in full.get("param_groups", [])]}
+            groups = [dict(g, params=[index[p] for p in g["params"]]) for g in full.get("param_groups", [])]
+            opt = {"state": {index[fqn]: s for fqn, s in full.get("state", {}).items()}, "param_groups": groups}
         else:
             opt = optimizer.state_dict()
     if sharded and torch.distributed.get_rank() != 0:
@@ -121,3 +121,17 @@ def load_state(root, lm, optimizer, param_names: list[str], state_keys: list[str
     if "rng/torch" in as_tensor:
         torch.set_rng_state(as_tensor["rng/torch"].to(torch.uint8).cpu())
     return int(meta["weight_version"])
+
+
+def local_state_bytes(net: torch.nn.Module, optimizer) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients (as large as the trainable parameters during a step) and
+    optimizer state; sharded tensors count only their local shard."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = [local(p) for p in net.parameters()]
+    trainable = [local(p) for p in net.parameters() if p.requires_grad]
+    optim = [local(v) for s in (optimizer.state.values() if optimizer is not None else ()) for v in s.values()
+             if torch.is_tensor(v) and v.dim() > 0]
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    return {"params": size(params), "grads": size(trainable), "optimizer": size(optim)}

@@ -128,7 +128,8 @@ def _single(tiny_model_dir, cfg):
     from tasks.learner import LearnerActor
 
     return LearnerActor(str(tiny_model_dir), cfg.grpo, cfg.optimizer, cfg.rollout.temperature, cfg.model.seed, True,
-                        total_steps=cfg.schedule.num_iterations, learner_cfg=cfg.learner.model_copy(update={"world_size": 1}))
+                        total_steps=cfg.schedule.num_iterations,
+                        learner_cfg=cfg.learner.model_copy(update={"world_size": 1}))
 
 
 def _assert_same_weights(sharded: dict, single: torch.nn.Module) -> float:
@@ -200,5 +201,25 @@ def test_bad_learner_settings_are_refused_at_start(ray_session, tiny_model_dir):
     with pytest.raises(ValueError, match=r"learner.device=cuda needs 2 GPUs .* the Ray cluster has 0"):
         create_learners(tiny_model_dir, cuda)  # refused before any actor starts
     flash = LearnerConfig(device="cuda", attn_implementation="flash_attention_2")
-    with pytest.raises(ValueError, match="learner.attn_implementation=flash_attention_2 but flash_attn is not installed"):
+    with pytest.raises(ValueError, match="attn_implementation=flash_attention_2 but flash_attn is not installed"):
         check_learner_start(flash, {"GPU": 8})
+
+
+def test_gradient_checkpointing_and_eager_attention_do_not_change_the_update(tiny_model_dir):
+    """learner.gradient_checkpointing recomputes decoder layers in backward (same weights after a step, same
+    state_dict keys); learner.attn_implementation=eager gives the same logprobs as sdpa."""
+    from tasks.learner import LearnerActor
+
+    from infra.config import GRPOConfig, OptimizerConfig
+
+    batch, learners = _batch(5), {}
+    for name, lcfg in {"plain": LearnerConfig(), "ckpt": LearnerConfig(gradient_checkpointing=True),
+                       "eager": LearnerConfig(attn_implementation="eager")}.items():
+        learners[name] = LearnerActor(str(tiny_model_dir), GRPOConfig(micro_batch_size=3), OptimizerConfig(), 1.0, 0,
+                                      True, learner_cfg=lcfg)
+    old = learners["plain"].compute_logprobs(batch)
+    np.testing.assert_allclose(learners["eager"].compute_logprobs(batch), old, atol=1e-5)
+    for name in ("plain", "ckpt"):
+        learners[name].update(batch, old)
+    a, b = learners["plain"].model.state_dict(), learners["ckpt"].model.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
