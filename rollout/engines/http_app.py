@@ -226,4 +226,7 @@ def build_app(server: "TorchEngineServer") -> FastAPI:
         return {"success": True, "message": f"Weight version updated to {body['new_version']}",
                 "new_version": body["new_version"]}
 
+    from rollout.engines.weight_routes import add_weight_routes
+
+    add_weight_routes(app, server, parse, read_json)
     return app

@@ -238,3 +238,64 @@ class ModelInfo(BaseModel):
     @classmethod
     def _version(cls, v: Any) -> Any:
         return _normalise_version(v)
+
+
+# ---- the weight-update group (SGLang's InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput, ...)
+DEFAULT_GROUP_NAME = "weight_update_group"
+
+
+class InitWeightsUpdateGroupRequest(BaseModel):
+    """POST /init_weights_update_group: join the trainer's broadcast group as rank rank_offset (+ TP rank)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    master_address: str
+    master_port: int
+    rank_offset: int = Field(..., ge=1, description="Rank 0 is the trainer.")
+    world_size: int = Field(..., ge=2)
+    group_name: str = DEFAULT_GROUP_NAME
+    backend: str = "nccl"
+
+
+class DestroyWeightsUpdateGroupRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    group_name: str = DEFAULT_GROUP_NAME
+
+
+class UpdateWeightsFromDistributedRequest(BaseModel):
+    """POST /update_weights_from_distributed: receive names/dtypes/shapes by broadcast(src=0), in order, and load."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_GROUP_NAME
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: int | str | None = None
+    load_format: str | None = None
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _version(cls, v: Any) -> Any:
+        return _normalise_version(v)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "UpdateWeightsFromDistributedRequest":
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(f"names ({len(self.names)}), dtypes ({len(self.dtypes)}) and shapes ({len(self.shapes)}) "
+                             "must have one entry per tensor")
+        if self.load_format not in (None, "direct"):
+            raise ValueError(f"load_format {self.load_format!r} is not supported by this engine: send null")
+        return self
+
+
+class GetWeightsByNameRequest(BaseModel):
+    """GET|POST /get_weights_by_name -> the parameter's first truncate_size rows as a (nested) list of floats."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    truncate_size: int = Field(100, ge=1)

@@ -23,7 +23,9 @@ import uvicorn
 
 from rollout.engines.batcher import ContinuousBatcher, EngineRequest
 from rollout.engines.lean_forward import LeanDecoder, read_safetensors, read_shape
-from rollout.engines.protocol import BadRequest, GenerateRequest, new_rid
+from rollout.engines.protocol import (BadRequest, GenerateRequest, InitWeightsUpdateGroupRequest,
+                                      UpdateWeightsFromDistributedRequest, new_rid)
+from rollout.engines.update_group import destroy_group, init_group, receive_bucket
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -72,6 +74,9 @@ class TorchEngineServer:
         self.live_rids: set[str] = set()  # touched only on the HTTP event loop
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
+        self.update_groups: dict[str, tuple[torch.distributed.ProcessGroup, str]] = {}  # name -> (group, backend)
+        self.weight_session_open = False  # between /begin_weight_update and /end_weight_update
+        self.update_group_timeout_s = 600.0
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def start(self, timeout_s: float = 60.0) -> str:
@@ -187,7 +192,41 @@ class TorchEngineServer:
             if weight_version is not None:
                 batcher.weight_version = weight_version
 
-        return batcher.call(apply, when_idle=True)
+        return batcher.call(apply, when_idle=not batcher.paused)  # SGLang: a paused engine takes updates at once
+
+    # ---- the weight-update group (SGLang's distributed update protocol; gloo on CPU) ------------------------
+    def join_update_group(self, body: InitWeightsUpdateGroupRequest) -> None:
+        """Blocks until every rank of the group has joined (the trainer joins as rank 0 meanwhile)."""
+        if body.group_name in self.update_groups:
+            raise ValueError(f"group_name {body.group_name!r} is already joined: destroy it first or use another name")
+        if body.backend == "nccl" and self.device.type != "cuda":
+            raise ValueError(f"backend 'nccl' needs a CUDA engine and this one runs on {self.device}: send backend 'gloo'")
+        group = init_group(body.master_address, body.master_port, body.rank_offset, body.world_size, body.group_name,
+                           body.backend, self.update_group_timeout_s)
+        self.update_groups[body.group_name] = (group, body.backend)
+
+    def leave_update_group(self, group_name: str) -> None:
+        if group_name not in self.update_groups:
+            raise ValueError(f"group_name {group_name!r} is not a joined weight-update group "
+                             f"(joined: {sorted(self.update_groups)})")
+        destroy_group(self.update_groups.pop(group_name)[0])
+
+    def receive_weights(self, body: UpdateWeightsFromDistributedRequest) -> dict[str, torch.Tensor]:
+        """The bucket's tensors by broadcast from rank 0 (blocking; run off the event loop)."""
+        if body.group_name not in self.update_groups:
+            raise ValueError(f"group_name {body.group_name!r} is not joined: POST /init_weights_update_group first")
+        group, backend = self.update_groups[body.group_name]
+        device = self.device if backend == "nccl" else torch.device("cpu")
+        return receive_bucket(group, body.names, body.dtypes, body.shapes, device)
+
+    def weights_by_name(self, name: str, truncate_size: int) -> list:
+        """SGLang's get_weights_by_name: the first truncate_size rows of the named tensor, as float32 lists."""
+        weights = self.batcher.decoder.weights
+        if name == "lm_head.weight" and self.shape.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
+        if name not in weights:
+            raise ValueError(f"name {name!r} is not a weight of this model (e.g. 'model.norm.weight')")
+        return weights[name][:truncate_size].float().cpu().tolist()
 
     def read_weights_from_disk(self, model_path: str) -> dict[str, torch.Tensor]:
         return read_safetensors(model_path)

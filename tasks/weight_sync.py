@@ -1,0 +1,118 @@
+"""The learner's half of SGLang's distributed weight sync: rank 0 joins the engines' weight-update group as its
+rank 0 and broadcasts the model's tensors bucket by bucket (rollout/weight_sync_client.py drives the engines'
+half: /init_weights_update_group once, /update_weights_from_distributed per bucket).
+
+`WeightSenderMixin` is a base of `LearnerActor`, so these are actor methods of every rank. With FSDP every rank
+takes part in gathering each bucket's full tensors (an all-gather per tensor, just before sending), so no rank
+holds more than one bucket beyond its shards; rank 0 alone sends. Unsharded, the parameters are sent from their
+own storage (no copy at all).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+
+import torch
+
+from infra.tensor_memory import TensorMemoryProbe
+from rollout.engines.update_group import TensorSpec, destroy_group, dtype_name, init_group, send_bucket
+
+__all__ = ["WeightSenderMixin", "peak_rss_bytes", "reset_peak_rss"]
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak resident set (Linux clear_refs 5); returns the current RSS in bytes."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status_bytes("VmRSS")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set since the last reset_peak_rss (VmHWM), in bytes."""
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP shard (a collective: every rank calls it, in the same order)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+class WeightSenderMixin:
+    """Actor methods for the weight-update group. Needs self.model (the HF LM), self.state_keys, self.rank."""
+
+    def _named_weights(self) -> dict[str, torch.Tensor]:
+        state = self.model.state_dict()  # references (DTensor shards when sharded), no copies
+        return {k: state[k].detach() for k in self.state_keys}
+
+    def weight_specs(self) -> list[TensorSpec]:
+        """(HF name, dtype name, full shape) of every tensor the engines load, in sending order."""
+        return [(name, dtype_name(t.dtype), list(t.shape)) for name, t in self._named_weights().items()]
+
+    def weight_sync_address(self) -> tuple[str, int]:
+        """This rank's node address and a port free there: the group's rendezvous (rank 0's is used)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            return host, sock.getsockname()[1]
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str, timeout_s: float = 600.0) -> bool:
+        """Rank 0: host the group as its rank 0 (blocks until every engine has joined). Other ranks: no-op."""
+        if self.rank != 0:
+            return False
+        groups = self.__dict__.setdefault("_weight_groups", {})
+        if group_name in groups:
+            raise ValueError(f"weight-update group {group_name!r} is already joined")
+        groups[group_name] = init_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
+        return True
+
+    def leave_weight_group(self, group_name: str) -> bool:
+        group = self.__dict__.get("_weight_groups", {}).pop(group_name, None)
+        if group is not None:
+            destroy_group(group)
+        return group is not None
+
+    def broadcast_weights(self, group_name: str, buckets: list[list[str]], measure: bool = False) -> dict:
+        """Every rank: gather each bucket's full tensors; rank 0 broadcasts them on the group, in order.
+        -> {"bytes": sent, "buckets": count, "send_s", "peak_extra_bytes": with measure, the most tensor bytes
+        allocated at once (TensorMemoryProbe), else None}."""
+        group = self.__dict__.get("_weight_groups", {}).get(group_name)
+        if self.rank == 0 and group is None:
+            raise ValueError(f"weight-update group {group_name!r} is not joined: join_weight_group first")
+        named = self._named_weights()
+        unknown = sorted({n for bucket in buckets for n in bucket} - set(named))
+        if unknown:
+            raise ValueError(f"broadcast_weights: unknown tensor names {unknown[:5]}")
+        device = "cuda" if getattr(self, "device", "cpu") == "cuda" else "cpu"
+        sent, tic = 0, time.perf_counter()
+        probe = TensorMemoryProbe() if measure else contextlib.nullcontext()
+        with torch.no_grad(), probe:
+            for bucket in buckets:
+                tensors = [_full(named[name]).to(device) for name in bucket]
+                if self.rank == 0:
+                    send_bucket(group, tensors)
+                    sent += sum(t.numel() * t.element_size() for t in tensors)
+                del tensors
+        return {"bytes": sent, "buckets": len(buckets), "peak_extra_bytes": probe.peak_bytes if measure else None,
+                "send_s": time.perf_counter() - tic, "pid": os.getpid()}
+
+    def reset_peak_rss(self) -> int:
+        return reset_peak_rss()
+
+    def peak_rss(self) -> int:
+        return peak_rss_bytes()

@@ -1,0 +1,127 @@
+"""The torch engine speaks SGLang's distributed weight protocol over real HTTP and a real gloo group: a stand-in
+trainer process (tests/weight_sender.py) broadcasts another model's tensors in buckets and the engine's weights
+then equal them bit for bit (/get_weights_by_name). Payloads are SGLang's (sglang_backend's builders), checked
+against SGLang 0.5.23's recorded request fields (tests/sglang_contract.py), not against copies of themselves."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollout.engines import sglang_backend as sgl
+from rollout.engines.update_group import dtype_name, plan_buckets
+from sglang_contract import check_payload, field_default, route
+
+SENDER = Path(__file__).resolve().parents[1] / "weight_sender.py"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    from rollout.engines.torch_server import TorchEngineServer
+
+    server = TorchEngineServer(str(tiny_model_dir), port=0, max_running_requests=4)
+    server.update_group_timeout_s = 60.0
+    server.start()
+    yield server
+    server.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def post(engine, path: str, payload: dict, timeout: float = 60.0) -> httpx.Response:
+    check_payload(path, payload)
+    return httpx.post(engine.url + path, json=payload, timeout=timeout)
+
+
+def weights_by_name(engine, name: str, rows: int) -> torch.Tensor:
+    payload = {"name": name, "truncate_size": rows}
+    check_payload("/get_weights_by_name", payload)
+    response = httpx.post(engine.url + "/get_weights_by_name", json=payload, timeout=30)
+    assert response.status_code == 200, response.text
+    return torch.tensor(response.json(), dtype=torch.float32)
+
+
+def test_payload_builders_match_sglangs_request_fields():
+    """Every key our builders send is a field of SGLang's request type; defaults we rely on are SGLang's."""
+    check_payload("/init_weights_update_group", sgl.init_update_group_payload("127.0.0.1", 1, 1, 2, "g", "gloo"))
+    check_payload("/update_weights_from_distributed",
+                  sgl.update_from_distributed_payload(["w"], ["bfloat16"], [[2]], 3, group_name="g"))
+    check_payload("/destroy_weights_update_group", {"group_name": "g"})
+    check_payload("/begin_weight_update", {"selector": "all"})
+    check_payload("/end_weight_update", {})
+    assert field_default("/init_weights_update_group", "group_name") == "weight_update_group"
+    assert field_default("/update_weights_from_distributed", "flush_cache") is True
+    assert route("/update_weights_from_distributed")["needs_weight_update_session"] is True
+
+
+def test_distributed_update_in_buckets_is_bit_identical(engine, varied_model_dir):
+    """Bucket smaller than the largest tensor (it goes alone); the version set; the group destroyed after."""
+    file = next(Path(varied_model_dir).glob("*.safetensors"))
+    target = load_file(str(file))
+    names = [n for n in engine.batcher.decoder.expected_names()]
+    specs = [(n, dtype_name(target[n].dtype), list(target[n].shape)) for n in names]
+    largest = max(target[n].numel() * target[n].element_size() for n in names)
+    buckets = plan_buckets(specs, largest // 2)
+    assert len(buckets) > 2 and any(len(b) == 1 for b in buckets)
+    before = weights_by_name(engine, "model.layers.0.mlp.up_proj.weight", 10**6)
+    for version, group in ((5, "g-a"),):
+        port = free_port()
+        sender = subprocess.Popen([sys.executable, str(SENDER), "127.0.0.1", str(port), "2", group, str(file),
+                                   json.dumps([[n for n, _, _ in b] for b in buckets])],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            r = post(engine, "/init_weights_update_group",
+                     sgl.init_update_group_payload("127.0.0.1", port, 1, 2, group, "gloo"))
+            assert r.status_code == 200 and r.json()["success"], r.text
+            assert post(engine, "/begin_weight_update", {"selector": "all"}).json()["success"]
+            for bucket in buckets:
+                n, d, s = zip(*bucket)
+                r = post(engine, "/update_weights_from_distributed",
+                         sgl.update_from_distributed_payload(list(n), list(d), list(s), version, group_name=group))
+                assert r.status_code == 200 and r.json()["success"], r.text
+            assert post(engine, "/end_weight_update", {}).json()["success"]
+            assert sender.wait(timeout=60) == 0, sender.stderr.read()
+        finally:
+            sender.kill()
+        assert post(engine, "/destroy_weights_update_group", {"group_name": group}).json()["success"]
+        assert httpx.get(engine.url + "/model_info").json()["weight_version"] in (version, str(version))
+    for name in names:
+        got = weights_by_name(engine, name, 10**6)
+        assert torch.equal(got, target[name].float()), name
+    assert not torch.equal(before, target["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_refusals_name_the_fix(engine):
+    """No session, an unknown group, NCCL on a CPU engine, a doubled session, an unknown weight name."""
+    payload = sgl.update_from_distributed_payload(["model.norm.weight"], ["float32"], [[64]], 9, group_name="nope")
+    r = post(engine, "/update_weights_from_distributed", payload)
+    assert r.status_code == 400 and not r.json()["success"] and "begin_weight_update" in r.json()["message"]
+    assert post(engine, "/begin_weight_update", {"selector": "all"}).json()["success"]
+    r = post(engine, "/begin_weight_update", {"selector": "all"})
+    assert r.status_code == 400 and "already open" in r.json()["message"]
+    r = post(engine, "/update_weights_from_distributed", payload)
+    assert r.status_code == 400 and "init_weights_update_group" in r.json()["message"]
+    assert post(engine, "/end_weight_update", {}).json()["success"]
+    assert post(engine, "/end_weight_update", {}).status_code == 400
+    r = post(engine, "/init_weights_update_group", sgl.init_update_group_payload("127.0.0.1", 1, 1, 2, "x", "nccl"))
+    assert r.status_code == 400 and "gloo" in r.json()["message"]
+    r = httpx.post(engine.url + "/get_weights_by_name", json={"name": "model.nope"}, timeout=30)
+    assert r.status_code == 400 and "model.nope" in r.json()["error"]["message"]
+    assert httpx.get(engine.url + "/model_info").json()["weight_version"] != 9
+
+
+def test_get_weights_by_name_truncates_rows_like_sglang(engine):
+    full = weights_by_name(engine, "model.embed_tokens.weight", 10**6)
+    assert weights_by_name(engine, "model.embed_tokens.weight", 3).shape == (3, full.shape[1])
+    assert torch.equal(weights_by_name(engine, "lm_head.weight", 10**6), full) == engine.shape.tie_word_embeddings
