@@ -33,6 +33,7 @@ class NaturalLengths:
 
     def __init__(self, manager, lengths: LognormalLengths):
         self.manager, self.lengths = manager, lengths
+        self.num_engines = manager.num_engines  # length-aware dispatch pins rows to the manager's engines
         self.prompts: dict[tuple[int, ...], int] = {}
         self.continuations: dict[tuple[int, ...], tuple[int, int, int]] = {}  # full ids -> (group, j, plen)
         self.natural: dict[int, list[int]] = {}
@@ -152,7 +153,8 @@ class RealRun:
         """One mode's ModeRun on the shared engines; the engines are set to the mode's version first."""
         from bench.longtail import ModeRun
 
-        lengths = LognormalLengths(n=work.n, median=self.args.median, sigma=self.args.sigma, seed=self.args.seed)
+        lengths = LognormalLengths(n=work.n, median=self.args.median, sigma=self.args.sigma, seed=self.args.seed,
+                                   group_share=self.args.group_share)
         engine = NaturalLengths(self.manager, lengths)
         engine.slots = self.slots
 

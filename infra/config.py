@@ -107,6 +107,8 @@ class RolloutConfig(_Section):
     tail_factor: float = Field(0.0, ge=0, description="Tail batching (length_aware): rows expected above this x the "
                                "median remaining work wait for the long round; 0 = off.")
     tail_round_every: int = Field(2, ge=1, description="Tail batching: every k-th iteration is a long round.")
+    tail_engines: int = Field(0, ge=0, description="length_aware with tail_factor: engines reserved for the tail rows, "
+                              "every round (they run few requests, so fast steps); 0 = tail rows wait for the long round.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (the learner uses the same).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(-1, description="Top-k sampling; -1 = off.")

@@ -27,8 +27,8 @@ def engine_count(engine) -> int:
 
 class DispatchPlanner:
     def __init__(self, scheduling: str = "fifo", num_engines: int = 1, tail_factor: float = 0.0,
-                 long_round: bool = True):
-        self.scheduling, self.num_engines = scheduling, num_engines
+                 long_round: bool = True, tail_engines: int = 0):
+        self.scheduling, self.num_engines, self.tail_engines = scheduling, num_engines, tail_engines
         self.tail_factor, self.long_round = tail_factor, long_round
         self.held = np.zeros(0, dtype=np.int64)
 
@@ -37,19 +37,22 @@ class DispatchPlanner:
         scheduling = getattr(rollout_cfg, "scheduling", "fifo")
         every = int(getattr(rollout_cfg, "tail_round_every", 1))
         long_round = drain or (int(weight_version) + 1) % every == 0
-        return cls(scheduling, engine_count(engine), float(getattr(rollout_cfg, "tail_factor", 0.0)), long_round)
+        return cls(scheduling, engine_count(engine), float(getattr(rollout_cfg, "tail_factor", 0.0)), long_round,
+                   int(getattr(rollout_cfg, "tail_engines", 0)))
 
     def plan(self, dock, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """In-flight rows from take_rows -> (rows to send now, in order; engine per row or None)."""
         rows, engines, aside = plan_dispatch(dock, rows, self.scheduling, self.num_engines, self.tail_factor,
-                                             self.long_round or len(self.held) > 0)
+                                             self.long_round or len(self.held) > 0 or self.tail_engines > 0,
+                                             self.tail_engines)
         if len(aside) and len(rows) == 0:  # nothing else to do: the tail goes now
             return self.plan_all(dock, aside)
         self.held = np.concatenate([self.held, aside])
         return rows, engines
 
     def plan_all(self, dock, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        rows, engines, _ = plan_dispatch(dock, rows, self.scheduling, self.num_engines, 0.0, True)
+        rows, engines, _ = plan_dispatch(dock, rows, self.scheduling, self.num_engines, self.tail_factor, True,
+                                         self.tail_engines)
         return rows, engines
 
     def take_held(self) -> np.ndarray:

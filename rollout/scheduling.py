@@ -98,7 +98,7 @@ def split_tail(estimate: np.ndarray, ages: np.ndarray, max_age: int, factor: flo
 
 
 def plan_dispatch(dock, rows: np.ndarray, scheduling: str, num_engines: int | None = None, tail_factor: float = 0.0,
-                  long_round: bool = True) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+                  long_round: bool = True, tail_engines: int = 0) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """The dock's rows about to be dispatched -> (rows in dispatch order, engine per row or None, rows set aside).
 
     fifo: the dock's order, no engine choice, nothing set aside. length_aware: longest expected remaining work
@@ -119,5 +119,20 @@ def plan_dispatch(dock, rows: np.ndarray, scheduling: str, num_engines: int | No
         aside = none
     order = longest_first(estimate, dock.age[rows])
     rows, estimate = rows[order], estimate[order]
-    engines = balance_engines(estimate, rows // dock.n, num_engines=num_engines) if (num_engines or 1) > 1 else None
-    return rows, engines, aside
+    if (num_engines or 1) <= 1:
+        return rows, None, aside
+    if 0 < tail_engines < num_engines and tail_factor > 0:
+        return rows, reserve_tail_engines(estimate, rows // dock.n, num_engines, tail_engines, tail_factor), aside
+    return rows, balance_engines(estimate, rows // dock.n, num_engines=num_engines), aside
+
+
+def reserve_tail_engines(estimate: np.ndarray, groups: np.ndarray, num_engines: int, tail_engines: int,
+                         factor: float) -> np.ndarray:
+    """Rows expected above factor x the median run on the last `tail_engines` engines, the rest on the others
+    (each side balanced by balance_engines): few requests per step there, so the longest rows decode at the
+    engine's fastest step rate instead of at a full batch's. -> int64[k] engine per row."""
+    tail = estimate > factor * float(np.median(estimate))
+    engines = np.empty(len(estimate), dtype=np.int64)
+    engines[~tail] = balance_engines(estimate[~tail], groups[~tail], num_engines=num_engines - tail_engines)
+    engines[tail] = num_engines - tail_engines + balance_engines(estimate[tail], groups[tail], num_engines=tail_engines)
+    return engines

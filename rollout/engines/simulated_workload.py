@@ -47,16 +47,26 @@ def parse_simulated_input(input_ids: Sequence[int]) -> tuple[int, int, int | Non
 class LognormalLengths:
     """Natural response lengths: ceil(lognormal(log(median), sigma)), at least 1, drawn per group from a
     generator seeded by (seed, group id), so every run with the same seed sees the same lengths. Lengths
-    above a request's budget end by the length limit (no EOS): that is the cap at max_tokens."""
+    above a request's budget end by the length limit (no EOS): that is the cap at max_tokens.
+
+    group_share in [0, 1): the share of the log-length variance that belongs to the prompt (a hard prompt's
+    responses are all long): log length = log(median) + sigma (sqrt(share) z_group + sqrt(1 - share) z_sample),
+    so the marginal lengths stay lognormal(median, sigma). 0 (the default): the samples of a group are
+    independent, and a group's finished responses say nothing about the rest."""
 
     n: int
     median: float = 2000.0
     sigma: float = 1.0
     seed: int = 0
+    group_share: float = 0.0
 
     def group_lengths(self, group_id: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, int(group_id)])
-        raw = np.ceil(rng.lognormal(np.log(self.median), self.sigma, self.n))
+        if self.group_share:
+            z = np.sqrt(self.group_share) * rng.normal() + np.sqrt(1 - self.group_share) * rng.normal(size=self.n)
+            raw = np.ceil(self.median * np.exp(self.sigma * z))
+        else:
+            raw = np.ceil(rng.lognormal(np.log(self.median), self.sigma, self.n))
         return np.maximum(raw, 1).astype(np.int64)
 
 

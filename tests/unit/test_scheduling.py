@@ -11,7 +11,8 @@ from rollout.dock import TransferDock
 from rollout.engines.simulated import EngineTiming, SimulatedEngine
 from rollout.engines.simulated_workload import DEFAULT_EOS, TableLengths, simulated_prompt
 from rollout.requests import SamplingSettings, build_requests, parse_responses
-from rollout.scheduling import balance_engines, expected_remaining, longest_first, plan_dispatch, split_tail
+from rollout.scheduling import (balance_engines, expected_remaining, longest_first, plan_dispatch,
+                                reserve_tail_engines, split_tail)
 
 # one engine, two slots, one second per step, nothing else costs: a request of L tokens takes L seconds
 UNIT = EngineTiming(num_engines=1, slots_per_engine=2, step_base_s=1.0, step_per_seq_s=0.0, prefill_per_token_s=0.0)
@@ -119,3 +120,22 @@ def test_unknown_scheduling_is_refused():
     dock, _ = _dock_with_a_carried_row({0: [1, 7], 1: [1, 1]})
     with pytest.raises(ValueError, match="rollout.scheduling"):
         plan_dispatch(dock, dock.take_rows(), "shortest_first")
+
+
+def test_tail_rows_get_the_reserved_engines():
+    est = np.array([100.0, 90, 10, 10, 10, 10, 10, 10])
+    groups = np.arange(8)
+    engines = reserve_tail_engines(est, groups, num_engines=4, tail_engines=1, factor=4.0)
+    assert engines[:2].tolist() == [3, 3] and set(engines[2:].tolist()) == {0, 1, 2}
+    assert np.bincount(engines[2:], minlength=3).tolist() == [2, 2, 2]
+
+
+def test_correlated_lengths_keep_the_marginal_and_tie_a_group_together():
+    from rollout.engines.simulated_workload import LognormalLengths
+
+    groups = [LognormalLengths(16, 100.0, 1.0, seed=3, group_share=0.8).group_lengths(g) for g in range(400)]
+    logs = np.log(np.stack(groups).astype(float))
+    assert abs(np.median(np.exp(logs)) - 100) < 15 and abs(logs.std() - 1.0) < 0.1
+    assert logs.mean(axis=1).std() > 0.8  # group means spread: most of the variance is the prompt's
+    independent = np.log(np.stack([LognormalLengths(16, 100.0, 1.0, seed=3).group_lengths(g) for g in range(400)]))
+    assert independent.mean(axis=1).std() < 0.4
