@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from infra.config_parsing import ConfigError, apply_overrides, format_validation_error
+from infra.config_engines import EngineSyncFields
 from infra.config_learner import LearnerConfig, check_learner_batch
 from infra.config_tasks import EvalConfig, RewardModelConfig
 
@@ -263,7 +264,7 @@ class OptimizerConfig(_Section):
         return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * factor)
 
 
-class EnginesConfig(_Section):
+class EnginesConfig(EngineSyncFields):  # weight sync and SGLang fields: infra/config_engines.py
     backend: Literal["torch", "sglang"] = Field("torch", description="torch: CPU/GPU engine of ours; sglang: GPU.")
     rollout_num_gpus: int = Field(2, ge=1, description="Accelerators (or CPU slots) for rollout in all.")
     gpus_per_engine: int = Field(1, ge=1, description="Accelerators per engine (tensor parallel size).")

@@ -28,11 +28,12 @@ from anyio.from_thread import start_blocking_portal
 from infra.config import EnginesConfig
 from rollout.engine_pool import EngineHandle, EnginePool, default_torch_threads
 from rollout.engines import sglang_backend as sgl
-from rollout.engines.client import EngineClient
+from rollout.engines.client import EngineClient, EngineError
 from rollout.engines.router import Router
 from rollout.generation import BatchGenerator
 from rollout.pinned_router import PinnedRouter
 from rollout.requests import OnResult
+from rollout.weight_sync_client import DistributedWeightSync, disk_folder, weight_sync_settings
 
 log = logging.getLogger(__name__)
 Weights = dict | ray.ObjectRef | str | Path
@@ -94,6 +95,7 @@ class RolloutManager:
             self.router = await asyncio.to_thread(Router.launch, "127.0.0.1")
         for handle in self.pool.engines:
             await asyncio.to_thread(self.router.add_worker, handle.url)
+        self._weight_sync = DistributedWeightSync(**weight_sync_settings(self.cfg, self.pool.use_gpu))
         router = PinnedRouter(EngineClient(self.router.url), lambda i: self.engines[i % len(self.engines)].url,
                               self._client)
         self._gen = BatchGenerator(router, lambda: self.urls, self._client, self._recover,
@@ -182,10 +184,40 @@ class RolloutManager:
                 raise refused[0]
         return dict(self.weight_versions)
 
-    async def _apply_latest(self, handle: EngineHandle) -> None:
+    def sync_weights(self, policy: Any, weight_version: int | str) -> dict[int, Any]:
+        """The policy learner's current weights to every engine by engines.weight_sync: distributed (SGLang's
+        broadcast group, bucket by bucket), tensor (Ray's object store) or disk (an HF folder the policy writes)."""
+        mode = getattr(self.cfg, "weight_sync", "tensor")
+        if mode == "distributed":
+            return self._call(self._sync_distributed, policy, weight_version)
+        return self.update_weights(policy.state_dict_ref.remote() if mode == "tensor" else ray.get(
+            policy.save_weights.remote(disk_folder(self.cfg, self.model_path, weight_version))), weight_version)
+
+    def sync_weights_distributed(self, policy: Any, weight_version: int | str) -> dict[int, Any]:
+        return self._call(self._sync_distributed, policy, weight_version)
+
+    async def _sync_distributed(self, policy: Any, weight_version: int | str) -> dict[int, Any]:
+        async with self._engine_lock:
+            self._latest_weights = ("distributed", policy, weight_version)  # a restarted engine rejoins for it
+            try:
+                await self._apply_latest(None)
+            except (*ENGINE_GONE, EngineError):
+                alive = await asyncio.gather(*(self._client(h.url).health() for h in self.engines))
+                if all(alive):
+                    raise
+                for handle in [h for h, ok in zip(self.engines, alive) if not ok]:
+                    await self._restart(handle.index)  # forms a new group, sends the weights to every engine
+        return dict(self.weight_versions)
+
+    async def _apply_latest(self, handle: EngineHandle | None) -> None:
         if self._latest_weights is None:
             return
         kind, source, version = self._latest_weights
+        if kind == "distributed":  # every engine at once: a group's membership is fixed
+            await self._weight_sync.sync(source, self.urls, self._client, version)
+            for h in self.engines:
+                h.weight_version = self.weight_versions[h.index] = await self._client(h.url).weight_version()
+            return
         if kind == "disk":
             client = self._client(handle.url)
             await client.update_weights_from_disk(source, version)

@@ -28,6 +28,6 @@ def update(policy, engine, scored: Scored, old: Logprobs, ref: Logprobs) -> Upda
     out["old_logprob_source"] = old.source  # "computed" by the learner, or "rollout" logprobs
     if engine is not None:
         start = time.perf_counter()
-        engine.update_weights(policy.state_dict_ref.remote(), version)
+        engine.sync_weights(policy, version)  # by engines.weight_sync: distributed, tensor or disk
         out["weight_sync_s"] = time.perf_counter() - start
     return Updated(metrics=out, weight_version=version)
