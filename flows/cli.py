@@ -42,7 +42,7 @@ def cmd_resume(args) -> int:
 def cmd_eval(args) -> int:
     from flows.eval import evaluate, format_table, resolve_target
 
-    result, path = evaluate(resolve_target(args.target, args.overrides), args.data, args.name)
+    result, path = evaluate(resolve_target(args.target, args.overrides, args.config), args.data, args.name)
     print(format_table(result))
     print(path)
     return EXIT_OK
@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("target", metavar="RUN_DIR|MODEL_DIR", help="a run_dir of `spillover train`, or an HF folder")
     evaluate.add_argument("--data", required=True, help="prompt file (JSON Lines or Parquet, the run's data.* keys)")
     evaluate.add_argument("--name", default=None, help="result name (default: the data file's stem)")
+    evaluate.add_argument("--config", default=None, help="YAML run config for an HF model folder (e.g. a recipe of "
+                          "configs/gpu/); a run dir uses its own")
     evaluate.add_argument("overrides", nargs="*", metavar="key=value",  # also after --data: see parse_args
                           help="config overrides, e.g. eval.k=8 eval.temperature=0.6 engines.rollout_num_gpus=1")
     evaluate.set_defaults(fn=cmd_eval)

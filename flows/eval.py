@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from infra.config import ConfigError, RunConfig, build_config
+from infra.config import ConfigError, RunConfig
 
 EXPORT_MARKER = "spillover_weights.json"
 
@@ -33,22 +33,28 @@ class EvalTarget:
     source: dict             # what was evaluated: kind, path, checkpoint iteration, weight version
 
 
-def resolve_target(target: str | Path, overrides: list[str]) -> EvalTarget:
-    """A run dir (its config.json and newest verified checkpoint) or an HF model folder -> what to evaluate."""
+def resolve_target(target: str | Path, overrides: list[str], config: str | None = None) -> EvalTarget:
+    """A run dir (its config.json and newest verified checkpoint) or an HF model folder (settings from `config`,
+    a YAML run config, else the defaults; e.g. a recipe of configs/gpu/) -> what to evaluate."""
     path = Path(target)
-    config = path / "config.json"
-    if not config.is_file():
+    folder_config = path / "config.json"
+    if not folder_config.is_file():
         raise ConfigError(f"{path} is neither a run dir (config.json of `spillover train`) nor an HF model folder "
                           "(config.json + *.safetensors)")
     try:
-        data = json.loads(config.read_text())
+        data = json.loads(folder_config.read_text())
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{config} is not valid JSON ({err.msg})") from None
+        raise ConfigError(f"{folder_config} is not valid JSON ({err.msg})") from None
     if "model_type" in data:  # an HF model folder
-        cfg = build_config({}, [*overrides, f"model.path={path}", f"run_dir={path}"])
+        from infra.config import load_config
+
+        cfg = load_config(config, [*overrides, f"model.path={path}", f"run_dir={path}"])
         return EvalTarget(cfg, path, path, {"kind": "model_folder", "path": str(path)})
     from flows.setup import load_run_config
 
+    if config is not None:
+        raise ConfigError(f"--config is for HF model folders; {path} is a run dir, which evaluates with its own "
+                          "config.json (give key=value overrides instead)")
     cfg = load_run_config(path, overrides)
     model_dir, source = export_newest_policy(cfg, path)
     return EvalTarget(cfg, model_dir, path, source)

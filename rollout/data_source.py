@@ -90,7 +90,11 @@ def prompt_rows(path: str, keys: list[str]) -> Iterator[tuple[str, dict]]:
     except (pa.ArrowException, OSError) as err:
         raise PromptFileError(f"{path}: not a readable Parquet file ({err}); re-write it, or give JSON Lines") from None
     present = parquet.schema_arrow.names
-    columns = [k for k in dict.fromkeys(keys) if k in present]
+    missing = [k for k in dict.fromkeys(keys) if k not in present]
+    if missing:
+        raise PromptFileError(f"{path}: no column {missing[0]!r} (set data.prompt_key, data.label_key or "
+                              f"data.additional_keys to the file's names; columns: {present})")
+    columns = list(dict.fromkeys(keys))
     row = 0
     for batch in parquet.iter_batches(batch_size=4096, columns=columns):
         for values in batch.to_pylist():

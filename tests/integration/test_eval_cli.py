@@ -94,10 +94,12 @@ def test_eval_writes_pass_at_1_and_pass_at_k(trained, tmp_path):
     assert len(SEEN) == 24 * 3  # greedy + 2 samples per prompt, each with its metadata
     policy = run_dir / "eval" / "policy-ckpt-00000001"
     assert (policy / "model.safetensors").is_file() and (policy / "chat_template.jinja").is_file()
-    code, _, err = spillover("eval", str(policy), "--data", str(data), "eval.k=1", "engines.rollout_num_gpus=1",
-                             "grpo.reward_function_path=test_eval_cli.metadata_reward", "rollout.max_tokens=16",
-                             "data.additional_keys=[id,level]", "data.system_prompt=answer.",
-                             "data.prompt_key=messages", "data.label_key=answer")
+    config = tmp_path / "eval.yaml"  # an HF folder takes its settings from --config (e.g. a configs/gpu recipe)
+    config.write_text("data: {prompt_key: messages, label_key: answer, additional_keys: [id, level], "
+                      "system_prompt: answer.}\nrollout: {max_tokens: 16}\n"
+                      "grpo: {reward_function_path: test_eval_cli.metadata_reward}\n")
+    code, _, err = spillover("eval", str(policy), "--config", str(config), "--data", str(data), "eval.k=1",
+                             "engines.rollout_num_gpus=1")
     assert code == 0, err[-3000:]
     assert json.loads((policy / "eval" / "train.json").read_text())["kind"] == "model_folder"
 
@@ -124,6 +126,8 @@ def test_eval_refuses_what_it_cannot_evaluate(trained, tmp_path):
     run_dir, data, _, _ = trained
     code, _, err = spillover("eval", str(tmp_path), "--data", str(data))
     assert code == 2 and "neither a run dir" in error_line(err)
+    code, _, err = spillover("eval", str(run_dir), "--config", "configs/tiny.yaml", "--data", str(data))
+    assert code == 2 and "--config is for HF model folders" in error_line(err)
     code, _, err = spillover("eval", str(run_dir), "--data", str(tmp_path / "missing.jsonl"))
     assert code == 2 and "missing.jsonl" in error_line(err) and "does not exist" in error_line(err)
     empty_run = tmp_path / "fresh"

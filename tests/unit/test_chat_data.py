@@ -123,7 +123,8 @@ def test_bad_parquet_files(tmp_path, tok):
         read_prompts(odd, tok, 64, additional_keys=["when"])
     missing = tmp_path / "missing.parquet"
     pq.write_table(pa.table({"text": ["a"], "label": [1]}), missing)
-    with pytest.raises(PromptFileError, match=r"missing.parquet row 1: missing key 'prompt' \(set data.prompt_key"):
+    with pytest.raises(PromptFileError, match=r"missing.parquet: no column 'prompt' \(set data.prompt_key.*"
+                                              r"columns: \['text', 'label'\]"):
         read_prompts(missing, tok, 64)
     bad_prompt = tmp_path / "num.parquet"
     pq.write_table(pa.table({"prompt": [1.5], "label": [1]}), bad_prompt)
