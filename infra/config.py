@@ -198,7 +198,6 @@ class GRPOConfig(_Section):
         True, description="Take old logprobs from rollout logprobs when all tokens came from current weights "
         "(off for masked_is and decoupled: they compare the learner's own old logprobs with the rollout's).")
     reward_function_path: str = Field("rollout.toy_task.reward", description="Import path of the rule reward.")
-    reward_model_path: str | None = Field(None, description="HF sequence classifier scoring prompt+response.")
     rule_reward_weight: float = Field(1.0, description="Weight of the rule reward in the total.")
     reward_models: list[RewardModelConfig] = Field(
         default_factory=list, description="Reward models run as Ray actors; total reward = rule_reward_weight x "
@@ -206,7 +205,6 @@ class GRPOConfig(_Section):
     reward_concurrency: int = Field(
         32, ge=1, description="An `async def` reward function is awaited concurrently, at most this many calls "
         "at once (a remote verifier or sandbox).")
-    reward_model_weight: float = Field(0.0, description="Weight of the reward model score in the total.")
 
     @model_validator(mode="before")
     @classmethod
