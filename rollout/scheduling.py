@@ -8,10 +8,15 @@ The estimate reads only generated lengths and completion flags, never a token th
 - with nothing known, the prior: the mean length of the rows completed in the dock (else max_tokens / 4).
 Capped by each row's room (max_tokens, max_model_len - prompt).
 
-    est = expected_remaining(response_len[R], complete[R], room[R], n, rows[k])   # -> float64[k]
-    order = longest_first(est)                                                     # -> permutation of k
+    est = expected_remaining(response_len[R], complete[R], room[k], n, rows[k])   # -> float64[k]
+    order = longest_first(est, ages[k])                    # -> permutation: oldest group first, then longest work
     engine = balance_engines(est[order], groups[order], loads[E])                  # -> int64[k] engine per row
-    keep, tail = split_tail(est, ages_of_rows, max_age, factor)                    # -> bool masks (tail batching)
+    tail = split_tail(est, ages[k], max_age, factor)       # -> bool[k]: wait for the long round (tail batching)
+    engine = reserve_tail_engines(est, groups, E, t, factor)  # -> int64[k]: the tail on the last t engines
+    rows, engine, aside = plan_dispatch(dock, rows, scheduling, E, tail_factor, long_round, tail_engines)
+
+Oldest group first: the staleness bound makes a batch wait for the groups at max age, so their rows go before
+any younger row however long (earliest deadline first); the estimate orders rows within an age.
 """
 from __future__ import annotations
 
