@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from infra.config import EnginesConfig
 from rollout.engines.actor import EngineActor
+from rollout.engines.sglang_args import sglang_launch_options
 
 MIN_BUNDLE_CPU = 0.01  # Ray bundles must hold something; CPU engines reserve almost nothing (see MACHINE-NOTES)
 GPU_ACTOR_FRACTION = 0.2  # the actor only supervises; the SGLang process uses the bundle's whole GPU
@@ -92,7 +93,7 @@ class EnginePool:
                  strategy: str = "PACK", use_gpu: bool | None = None, seed: int = 0,
                  weight_version: int | str = 0, torch_threads: int | None = None,
                  max_model_len: int | None = None, sglang_options: dict[str, Any] | None = None,
-                 start_timeout_s: float = 600.0):
+                 start_timeout_s: float = 600.0, deterministic_inference: bool = False):
         self.cfg, self.model_path = cfg, str(model_path)
         self.use_gpu = (cfg.backend == "sglang" or _cluster_has_gpus(cfg.rollout_num_gpus)) if use_gpu is None \
             else use_gpu
@@ -100,6 +101,8 @@ class EnginePool:
             raise ValueError("engines.backend 'sglang' needs GPUs in the Ray cluster; use engines.backend=torch on CPU")
         self.slots_per_node = slots_per_node or (_max_gpus_per_node() if self.use_gpu else cfg.gpus_per_engine)
         self.seed, self.weight_version = seed, weight_version
+        if cfg.backend == "sglang":  # engines.sglang_args (+ --enable-deterministic-inference) as server flags
+            sglang_options = sglang_launch_options(cfg, sglang_options, deterministic_inference)
         self.actor_kwargs = dict(max_running_requests=cfg.max_running_requests, torch_threads=torch_threads,
                                  max_model_len=max_model_len, sglang_options=sglang_options)
         self.start_timeout_s = start_timeout_s
@@ -248,7 +251,8 @@ def create_rollout_engines(cfg: EnginesConfig, model_path: str, **pool_options: 
     """Reserve the bundles and start every engine; returns once all of them answer /health.
 
     pool_options: slots_per_node, strategy ("PACK" | "SPREAD" | "STRICT_PACK" | "STRICT_SPREAD"), use_gpu,
-    seed, weight_version, torch_threads, max_model_len, sglang_options, start_timeout_s.
+    seed, weight_version, torch_threads, max_model_len, sglang_options, start_timeout_s, deterministic_inference
+    (rollout.deterministic_sampling: the sglang backend gets --enable-deterministic-inference).
     """
     import asyncio
 

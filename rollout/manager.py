@@ -92,7 +92,8 @@ class RolloutManager:
         if self.cfg.router_address:
             self.router = await asyncio.to_thread(Router.connect, self.cfg.router_address)
         else:
-            self.router = await asyncio.to_thread(Router.launch, "127.0.0.1")
+            self.router = await asyncio.to_thread(Router.launch, "127.0.0.1", None,
+                                                  self.cfg.resolved_router_policy(self.cfg.backend))
         for handle in self.pool.engines:
             await asyncio.to_thread(self.router.add_worker, handle.url)
         self._weight_sync = DistributedWeightSync(**weight_sync_settings(self.cfg, self.pool.use_gpu))

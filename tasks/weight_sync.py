@@ -16,33 +16,12 @@ import time
 
 import torch
 
+from infra.process_memory import peak_rss_bytes, reset_peak_rss
 from infra.tensor_memory import TensorMemoryProbe
-from rollout.engines.update_group import TensorSpec, destroy_group, dtype_name, init_group, send_bucket
+from rollout.engines.update_group import (TensorSpec, destroy_group, dtype_name, init_group, send_bucket,
+                                          tensor_digest)
 
-__all__ = ["WeightSenderMixin", "peak_rss_bytes", "reset_peak_rss"]
-
-
-def reset_peak_rss() -> int:
-    """Reset this process's peak resident set (Linux clear_refs 5); returns the current RSS in bytes."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return _status_bytes("VmRSS")
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set since the last reset_peak_rss (VmHWM), in bytes."""
-    return _status_bytes("VmHWM")
-
-
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+__all__ = ["WeightSenderMixin"]
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -110,6 +89,10 @@ class WeightSenderMixin:
                 del tensors
         return {"bytes": sent, "buckets": len(buckets), "peak_extra_bytes": probe.peak_bytes if measure else None,
                 "send_s": time.perf_counter() - tic, "pid": os.getpid()}
+
+    def weight_digests(self) -> dict[str, str]:
+        """sha256 of every tensor the engines load (sharded: gathered; rank 0's are the ones to compare)."""
+        return {name: tensor_digest(_full(t)) for name, t in self._named_weights().items()}
 
     def reset_peak_rss(self) -> int:
         return reset_peak_rss()

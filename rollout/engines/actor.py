@@ -127,6 +127,22 @@ class EngineActor:
         self._post(sgl.ENDPOINTS["update_from_tensor"], payload)
         return self.reported_weight_version()
 
+    def weight_digests(self) -> dict[str, str]:
+        """sha256 of every loaded tensor's bytes (torch backend; benchmarks compare them with the learner's)."""
+        from rollout.engines.update_group import tensor_digest
+
+        return {name: tensor_digest(t) for name, t in self._server.batcher.decoder.weights.items()}
+
+    def reset_peak_rss(self) -> int:
+        from infra.process_memory import reset_peak_rss
+
+        return reset_peak_rss()
+
+    def peak_rss(self) -> int:
+        from infra.process_memory import peak_rss_bytes
+
+        return peak_rss_bytes()
+
     def reported_weight_version(self) -> int | str | None:
         if self.url is None:
             return None

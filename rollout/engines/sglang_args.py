@@ -13,7 +13,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MANAGED", "check_sglang_args", "server_flags", "server_fields"]
+__all__ = ["MANAGED", "check_sglang_args", "server_flags", "server_fields", "sglang_launch_options"]
 
 # Set by the launcher from the engines section and the pool (sglang_backend.launch_command): refused in sglang_args.
 MANAGED = {"model_path": "model.path", "host": "(the engine's node)", "port": "(a free port)",
@@ -86,3 +86,11 @@ def server_flags(args: dict[str, Any], deterministic: bool = False) -> list[str]
     if deterministic:
         argv.append(fields["enable_deterministic_inference"]["cli_flags"][0])
     return argv
+
+
+def sglang_launch_options(cfg: Any, options: dict[str, Any] | None, deterministic: bool) -> dict[str, Any]:
+    """SGLangLaunch keyword arguments: `options` with engines.sglang_args appended to its extra_args as flags."""
+    options = dict(options or {})
+    flags = server_flags(getattr(cfg, "sglang_args", {}) or {}, deterministic=deterministic)
+    options["extra_args"] = (*tuple(options.get("extra_args", ())), *flags)
+    return options

@@ -73,3 +73,15 @@ def test_launch_command_carries_the_extra_flags():
                             extra_args=tuple(server_flags({"mem_fraction_static": 0.5}, deterministic=True)))
     cmd = sgl.launch_command(spec)
     assert cmd[-3:] == ["--mem-fraction-static", "0.5", "--enable-deterministic-inference"]
+
+
+def test_pool_launch_options_put_the_run_flags_after_the_callers():
+    from rollout.engines.sglang_args import sglang_launch_options
+
+    cfg = EnginesConfig(backend="sglang", sglang_args={"context_length": 4096})
+    options = sglang_launch_options(cfg, {"mem_fraction_static": 0.8, "extra_args": ("--trust-remote-code",)}, True)
+    assert options["mem_fraction_static"] == 0.8
+    spec = sgl.SGLangLaunch(model_path="/m", host="h", port=1, nccl_port=2, **options)
+    assert sgl.launch_command(spec)[-4:] == ["--trust-remote-code", "--context-length", "4096",
+                                             "--enable-deterministic-inference"]
+    assert sglang_launch_options(EnginesConfig(), None, False) == {"extra_args": ()}
