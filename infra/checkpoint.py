@@ -170,10 +170,15 @@ def _manifest_json(manifest: dict) -> bytes:
 
 
 def save_checkpoint(store: Store, state: CheckpointState, keep: int | None = None, *,
-                    max_object_bytes: int = MAX_OBJECT_BYTES, workers: int | None = None) -> str:
+                    max_object_bytes: int = MAX_OBJECT_BYTES, workers: int | None = None,
+                    written: list[dict] | None = None) -> str:
     """Write `state` as ckpt-<iteration>/ (objects first, manifest last), then prune to `keep` complete
     checkpoints when given. Returns the checkpoint's URL. Raises StorageError when storage stays down past
-    the retry deadline; the partial prefix is then not a checkpoint."""
+    the retry deadline; the partial prefix is then not a checkpoint.
+
+    written: objects others already wrote under checkpoint_name(iteration)/ (e.g. each learner rank its own
+    shards), [{"objects": {key: {size, sha256}}, "groups": {kind: {group: [keys]}}}]: the manifest lists them
+    too, and loading verifies and decodes them like the rest."""
     bad = _first_non_json(state.meta)
     if bad:
         raise CheckpointError(f"checkpoint meta must be JSON-able; {bad} is not (convert it, e.g. tensors to lists)")
@@ -195,8 +200,13 @@ def save_checkpoint(store: Store, state: CheckpointState, keep: int | None = Non
     except ObjectFormatError as err:
         raise CheckpointError(f"checkpoint {store.key_url(name)}: {err}") from None
     hook_point("checkpoint_manifest", state.iteration)  # crash tests: every object written, no manifest yet
+    listed = {k: {"size": i.size, "sha256": i.sha256} for k, i in infos.items()}
+    for part in written or ():
+        listed.update(part["objects"])
+        for kind, named in part["groups"].items():
+            groups.setdefault(kind, {}).update(named)
     manifest = {"format": FORMAT, "iteration": state.iteration, "created_unix": time.time(), "groups": groups,
-                "meta": META, "objects": {k: {"size": i.size, "sha256": i.sha256} for k, i in infos.items()}}
+                "meta": META, "objects": listed}
     store.put_bytes(f"{name}/{MANIFEST}", _manifest_json(manifest))
     log.info("checkpoint %s written: %d objects, %.1f MB in %.2f s", store.key_url(name), len(infos), total / 1e6,
              time.perf_counter() - start)

@@ -50,14 +50,33 @@ def check_resume_compatible(saved: dict, cfg: RunConfig) -> None:
                           "the run's own config, or start a new run_dir")
 
 
+def write_learner_shards(store: Store, policy, cfg: RunConfig, iteration: int) -> list[dict] | None:
+    """A learner group of world_size > 1: every rank writes its own slices of the learner state under the
+    checkpoint's prefix, concurrently (tasks/learner_shards.py) -> what each wrote; None: one process, whose
+    full state goes with the rest."""
+    if getattr(policy, "world_size", 1) <= 1:
+        return None
+    from infra.checkpoint import checkpoint_name
+
+    return ray.get(policy.each("write_state_shards", checkpoint_url(cfg), cfg.storage, checkpoint_name(iteration)))
+
+
 def capture(policy, dock, cursor, cfg: RunConfig, iteration: int, weight_version: int, metrics: dict,
-            wandb_run_id: str | None) -> CheckpointState:
-    tensors, learner_meta = ray.get(policy.get_state.remote())
+            wandb_run_id: str | None, learner_shards: list[dict] | None = None) -> CheckpointState:
+    """learner_shards: write_learner_shards' result (the learner state is then in those objects, its layout
+    and meta in meta["learner_shards"]), else None (the full state from rank 0 goes in tensors["policy"])."""
+    if learner_shards is None:
+        tensors, learner_meta = ray.get(policy.get_state.remote())
+        groups, shard_infos = {"policy": tensors}, None
+    else:
+        shard_infos = [part["info"] for part in learner_shards]
+        groups, learner_meta = {}, next(info["meta"] for info in shard_infos if info["rank"] == 0)
     dock_arrays, dock_meta = dock.snapshot()
     meta = {"next_iteration": iteration + 1, "weight_version": weight_version, "learner": learner_meta,
             "dock": dock_meta, "cursor": cursor.state_dict(), "wandb_run_id": wandb_run_id,
-            "config": cfg.model_dump(mode="json"), "metrics": metrics}
-    return CheckpointState(iteration=iteration, tensors={"policy": tensors}, arrays={"dock": dock_arrays}, meta=meta)
+            "config": cfg.model_dump(mode="json"), "metrics": metrics,
+            **({"learner_shards": shard_infos} if shard_infos else {})}
+    return CheckpointState(iteration=iteration, tensors=groups, arrays={"dock": dock_arrays}, meta=meta)
 
 
 def should_checkpoint(cfg: RunConfig, iteration: int) -> bool:
@@ -73,8 +92,9 @@ def save_run_checkpoint(store: Store | None, policy, dock, cursor, cfg: RunConfi
     if store is None or not should_checkpoint(cfg, iteration):
         return Checkpointed()
     start = time.perf_counter()
-    state = capture(policy, dock, cursor, cfg, iteration, weight_version, metrics, wandb_run_id)
-    prefix = save_checkpoint(store, state, keep=cfg.storage.keep_checkpoints)
+    shards = write_learner_shards(store, policy, cfg, iteration)
+    state = capture(policy, dock, cursor, cfg, iteration, weight_version, metrics, wandb_run_id, shards)
+    prefix = save_checkpoint(store, state, keep=cfg.storage.keep_checkpoints, written=shards)
     return Checkpointed(metrics={"checkpoint_s": time.perf_counter() - start}, prefix=prefix)
 
 
@@ -94,7 +114,14 @@ def restore_dock_and_cursor(state: CheckpointState) -> tuple[TransferDock, Promp
 def restore_weights(policy, engine, state: CheckpointState) -> int:
     """Learner state into the policy actor, its weights to the engines -> the weight version."""
     meta = state.meta
-    ray.get(policy.set_state.remote(state.tensors["policy"], meta["learner"]))
+    if "learner_shards" in meta:  # written rank by rank: put the slices together, each rank keeps its own
+        from tasks.learner_shards import assemble
+
+        parts = [(state.tensors[f"policy-rank{info['rank']:03d}"], info) for info in meta["learner_shards"]]
+        tensors, learner_meta = assemble(parts)
+        ray.get(policy.set_state.remote(tensors, learner_meta))
+    else:
+        ray.get(policy.set_state.remote(state.tensors["policy"], meta["learner"]))
     version = int(meta["weight_version"])
     if engine is not None:
         engine.update_weights(policy.state_dict_ref.remote(), version)

@@ -16,24 +16,22 @@ the ones computed for old/ref logprobs (and break bitwise reproducibility on res
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from infra.config import OFF_POLICY_NEEDS_OLD_LOGPROBS, GRPOConfig, OptimizerConfig
 from infra.config_learner import LearnerConfig
-from infra.models import load_tokenizer
 from tasks.batching import MicroBatch, RolloutBatch, check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
 from tasks.grpo_loss import aggregate, clipped_policy_loss, kl_penalty, off_policy_correction
 from tasks.kl_control import next_kl_coef
 from tasks.learner_dist import (all_reduce, balanced_shards, checkpoint_layers, init_distributed, load_learner_lm,
                                 shard_model)
-from tasks.learner_state import full_model_state, load_state, save_state, unique_state_keys
+from tasks.learner_state import (STATE_FORMAT, full_model_state, load_state, save_hf_folder, save_state,
+                                 unique_state_keys)
 from tasks.logprobs import ResponseLogprobModel
 from tasks.offpolicy_metrics import OffPolicyStats
 from tasks.weight_sync import WeightSenderMixin
@@ -257,17 +255,22 @@ class LearnerActor(WeightSenderMixin):
     def save_weights(self, folder: str) -> str:
         """Write an HF folder (safetensors + config + tokenizer) for /update_weights_from_disk (rank 0 writes)."""
         state = full_model_state(self.net, self.model, self.sharded)
-        if self.rank != 0:
-            return str(folder)
-        out = Path(folder)
-        out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out, state_dict={k: state[k] for k in self.state_keys}, safe_serialization=True)
-        try:
-            load_tokenizer(self.model_path).save_pretrained(out)
-        except (OSError, ValueError):  # a model folder without a tokenizer: engines keep theirs
-            pass
-        (out / "spillover_weights.json").write_text(json.dumps({"weight_version": self._version}))
-        return str(out)
+        if self.rank == 0:
+            save_hf_folder(self.model, {k: state[k] for k in self.state_keys}, self.model_path, folder, self._version)
+        return str(folder)
+
+    def write_state_shards(self, store_url: str, storage_cfg, prefix: str, group: str = "policy") -> dict:
+        """This rank's slices of the learner state, written by this rank under `prefix` of the checkpoint store
+        (tasks/learner_shards.py) -> what the manifest lists of them."""
+        from infra.checkpoint import MAX_OBJECT_BYTES
+        from infra.storage import open_store
+        from tasks.learner_shards import local_state, write_local_state
+
+        meta = {"format": STATE_FORMAT, "weight_version": self._version, "trainable": self.trainable,
+                "model_keys": self.state_keys, "kl_coef": self.kl_coef}
+        tensors, info = local_state(self.net, self.optimizer, self.param_names, self.state_keys, self.rank,
+                                    self.world_size, meta)
+        return write_local_state(open_store(store_url, storage_cfg), prefix, group, tensors, info, MAX_OBJECT_BYTES)
 
     def _advance_kl_coef(self, measured_kl: float, n_samples: int) -> dict:
         """-> {"kl_coef": the coefficient this update used}; the next one follows grpo.kl_ctrl (tasks/kl_control.py)."""

@@ -73,6 +73,11 @@ class LearnerGroup:
             raise AttributeError(name)
         return _GroupMethod(self, name)
 
+    def each(self, name: str, *args, **kwargs) -> list:
+        """Call a method on every rank -> [ObjectRef of each rank's result] (e.g. write_state_shards)."""
+        self.check_pending()
+        return [getattr(actor, name).remote(*args, **kwargs) for actor in self.actors]
+
     def check_pending(self) -> None:
         """Raise the error of an earlier rank-0-only call's other ranks, if any failed."""
         done = [ref for ref in self.pending if ray.wait([ref], timeout=0)[0]]

@@ -12,7 +12,8 @@ import json
 import numpy as np
 import torch
 
-__all__ = ["STATE_FORMAT", "full_model_state", "load_state", "local_state_bytes", "save_state", "unique_state_keys"]
+__all__ = ["STATE_FORMAT", "full_model_state", "load_state", "local_state_bytes", "save_hf_folder", "save_state",
+           "unique_state_keys"]
 STATE_FORMAT = 1
 
 
@@ -135,3 +136,20 @@ def local_state_bytes(net: torch.nn.Module, optimizer) -> dict[str, int]:
              if torch.is_tensor(v) and v.dim() > 0]
     size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     return {"params": size(params), "grads": size(trainable), "optimizer": size(optim)}
+
+
+def save_hf_folder(lm, state: dict[str, torch.Tensor], model_path: str, folder: str, version: int) -> str:
+    """An HF folder (safetensors + config + the model's tokenizer) of `state`, for /update_weights_from_disk."""
+    from pathlib import Path
+
+    from infra.models import load_tokenizer
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    lm.save_pretrained(out, state_dict=state, safe_serialization=True)
+    try:
+        load_tokenizer(model_path).save_pretrained(out)
+    except (OSError, ValueError):  # a model folder without a tokenizer: engines keep theirs
+        pass
+    (out / "spillover_weights.json").write_text(json.dumps({"weight_version": version}))
+    return str(out)
