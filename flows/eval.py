@@ -76,9 +76,20 @@ def export_newest_policy(cfg: RunConfig, run_dir: Path) -> tuple[Path, dict]:
     if (out / EXPORT_MARKER).is_file() and json.loads((out / EXPORT_MARKER).read_text()) == source:
         return out, source
     base = resolve_model_path(cfg.model, run_dir, max_position=max(512, cfg.rollout.max_model_len))
-    write_policy_folder(state.tensors["policy"], Path(base), out)
+    write_policy_folder(policy_state(state), Path(base), out)
     (out / EXPORT_MARKER).write_text(json.dumps(source))
     return out, source
+
+
+def policy_state(state) -> dict:
+    """The checkpoint's full learner state: rank 0's, or every rank's slices put together (learner.world_size > 1,
+    as tasks.checkpoint.restore_weights does)."""
+    if "learner_shards" in state.meta:
+        from tasks.learner_shards import assemble
+
+        return assemble([(state.tensors[f"policy-rank{info['rank']:03d}"], info)
+                         for info in state.meta["learner_shards"]])[0]
+    return state.tensors["policy"]
 
 
 def write_policy_folder(learner_tensors: dict, base_model: Path, out: Path) -> Path:
