@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from flows.report import PLOTS
 from processes import free_port, running, wait_http
 from small_run import SMALL_RUN
 
@@ -174,21 +175,21 @@ def check_in_browser(url: str, auth: str, run_name: str, run_id: str, iteration_
             page.goto(f"{url}/runs/flow-run/{iteration_id}")
             page.get_by_text("Task Runs", exact=True).first.click()
             for task in ("load_prompts", "generate_until_ready", "compute_reward", "compute_ref_logprob",
-                         "compute_old_logprob", "update-", "clear_and_age_sort"):
+                         "compute_old_logprob", "update-", "clear_and_age_sort", "save_checkpoint"):
                 page.get_by_text(task).first.wait_for()
             page.get_by_text("Artifacts", exact=True).first.click()
             for key in ("spillover-e2e-run-metrics", "spillover-e2e-run-summary", "spillover-e2e-run-progress"):
                 page.get_by_text(key).first.wait_for()
             page.wait_for_timeout(1000)
             page.screenshot(path=str(OUT / "ui-iteration.png"))
-            checked.append("iteration page: its seven task runs, metrics/summary/progress artifacts")
+            checked.append("iteration page: its eight task runs, metrics/summary/progress artifacts")
 
             page.goto(f"{url}/artifacts/artifact/{report_id}")
             images = page.locator("img[src^='data:image/png']")
             images.first.wait_for()
             page.wait_for_function("() => [...document.querySelectorAll(\"img[src^='data:image/png']\")]"
                                    ".every(i => i.complete && i.naturalWidth > 0)")
-            assert images.count() == 4
+            assert images.count() == len(PLOTS)  # every plot of the report
             page.screenshot(path=str(OUT / "ui-report.png"), full_page=True)
             checked.append("report artifact: 4 plots rendered")
         finally:
