@@ -244,7 +244,7 @@ def test_flow_with_two_learner_ranks_then_resume_on_one(prefect_harness, ray_ses
     grpo_train(cfg, resume=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1] and rows[1]["weight_version"] == 2
-    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+    assert all(np.isfinite(r["loss"]) and r["optimizer_steps"] == 1 for r in rows)  # (all-zero rewards: grad 0)
     assert sorted(g for r in rows for g in r["trained_stream_ids"]) == list(range(8))  # nothing trained twice
 
 
