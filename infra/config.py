@@ -100,7 +100,6 @@ class RolloutConfig(_Section):
         "than max_age - 1 weight versions old; with over-sampling, extra groups start only when they can be trained "
         "in time. false: off (rows may be carried up to max_split iterations and longer with over-sampling).")
     mode: Literal["sync", "async"] = Field("sync", description="sync: chunked rounds; async: stop signal + abort.")
-    async_check_steps: int = Field(20, ge=1, description="Async mode: engine steps between stop checks.")
     over_sampling_groups: int = Field(0, ge=0, description="Extra groups dispatched beyond GBS (APRIL).")
     scheduling: Literal["fifo", "length_aware"] = Field(
         "fifo", description="Dispatch order: fifo = the dock's (oldest first); length_aware = longest expected remaining "
