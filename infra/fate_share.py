@@ -13,7 +13,8 @@ ephemeral server from whichever thread first needs the API; a thread pool shutti
 mid-run. The wrapper forks CMD from its own only thread, and watches its parent as a process (a pidfd is
 readable once the whole process has exited).
 
-Where pidfds do not exist (not Linux), `fate_shared` returns the command unchanged.
+On a kernel without pidfds (before 5.3) the wrapper polls its parent's pid every POLL_S instead; where
+neither exists (not Linux), `fate_shared` returns the command unchanged.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import subprocess
 import sys
 
 GRACE_S = 5.0
+POLL_S = 0.5  # without pidfds (kernels before 5.3)
 PR_SET_PDEATHSIG = 1
 
 
@@ -52,6 +54,21 @@ def _exit_like(returncode: int) -> None:
     sys.exit(returncode if returncode >= 0 else 128 - returncode)
 
 
+def _wait_for_either(parent_fd: int | None, parent_pid: int, child: subprocess.Popen) -> str:
+    """Block until the parent process or the child exits -> "parent" or "child"."""
+    if parent_fd is not None:
+        child_fd = os.pidfd_open(child.pid)
+        ready, _, _ = select.select([parent_fd, child_fd], [], [])
+        return "child" if child_fd in ready else "parent"
+    while True:
+        try:
+            child.wait(POLL_S)
+            return "child"
+        except subprocess.TimeoutExpired:
+            if os.getppid() != parent_pid:  # reparented: the parent process has exited
+                return "parent"
+
+
 def main(argv: list[str]) -> None:
     if len(argv) < 3 or argv[1] != "--":
         sys.exit("usage: fate_share.py PARENT_PID -- CMD [ARG...]")
@@ -60,6 +77,8 @@ def main(argv: list[str]) -> None:
         parent_fd = os.pidfd_open(parent_pid)
     except ProcessLookupError:
         sys.exit(125)
+    except (AttributeError, OSError):  # no pidfds (a kernel before 5.3): poll the parent's pid instead
+        parent_fd = None
     if os.getppid() != parent_pid:  # that pid is no longer our parent: it died before we looked
         sys.exit(125)
     wrapper_pid = os.getpid()
@@ -68,9 +87,7 @@ def main(argv: list[str]) -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches CMD itself (same process group)
-    child_fd = os.pidfd_open(child.pid)
-    ready, _, _ = select.select([parent_fd, child_fd], [], [])
-    if child_fd not in ready:  # the parent is gone
+    if _wait_for_either(parent_fd, parent_pid, child) == "parent":
         child.terminate()
         try:
             child.wait(GRACE_S)

@@ -57,6 +57,19 @@ def test_fate_shared_command_dies_with_a_sigkilled_parent():
     kill_9_and_check_nothing_left(proc, "sleep 600", grace_s=10)
 
 
+def test_without_pidfds_the_wrapper_polls_and_the_command_still_dies():
+    proc = start_in_own_session(textwrap.dedent("""
+        import os, subprocess
+        import infra.fate_share as fate_share
+        code = ("import os, runpy, sys; del os.pidfd_open; "  # as on a kernel before 5.3
+                f"sys.argv = [sys.argv[0], '{os.getpid()}', '--', 'sleep', '600']; "
+                f"runpy.run_path({fate_share.__file__!r}, run_name='__main__')")
+        def start():
+            return subprocess.Popen([sys.executable, "-c", code])
+    """))
+    kill_9_and_check_nothing_left(proc, "sleep 600", grace_s=10)
+
+
 def test_router_dies_with_a_sigkilled_driver():
     proc = start_in_own_session(textwrap.dedent("""
         from rollout.engines.router import Router
