@@ -30,11 +30,14 @@ POLL_S = 0.5  # without pidfds (kernels before 5.3)
 PR_SET_PDEATHSIG = 1
 
 
-def fate_shared(cmd: list[str]) -> list[str]:
-    """cmd, run so that it dies with this process (see the module docstring)."""
+def fate_shared(cmd: list[str], whole_group: bool = False) -> list[str]:
+    """cmd, run so that it dies with this process (see the module docstring). whole_group=True: for a command
+    that starts processes of its own (SGLang's server and its schedulers), started with start_new_session=True
+    so that the wrapper leads a process group of its own: the parent's death signals that whole group."""
     if not hasattr(os, "pidfd_open") or not sys.platform.startswith("linux"):
         return list(cmd)
-    return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), "--", *cmd]
+    return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()),
+            *(["--group"] if whole_group else []), "--", *cmd]
 
 
 def _kill_me_when_wrapper_dies(wrapper_pid: int) -> None:
@@ -69,9 +72,29 @@ def _wait_for_either(parent_fd: int | None, parent_pid: int, child: subprocess.P
                 return "parent"
 
 
+def _stop(child: subprocess.Popen, whole_group: bool) -> None:
+    """SIGTERM, SIGKILL after GRACE_S: to the child, or to the wrapper's whole process group (itself last)."""
+    if whole_group:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.killpg(0, signal.SIGTERM)
+    else:
+        child.terminate()
+    try:
+        child.wait(GRACE_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+    if whole_group:
+        os.killpg(0, signal.SIGKILL)
+
+
 def main(argv: list[str]) -> None:
+    whole_group = len(argv) > 1 and argv[1] == "--group"
+    if whole_group:
+        argv = argv[:1] + argv[2:]
     if len(argv) < 3 or argv[1] != "--":
-        sys.exit("usage: fate_share.py PARENT_PID -- CMD [ARG...]")
+        sys.exit("usage: fate_share.py PARENT_PID [--group] -- CMD [ARG...]")
+    if whole_group and os.getpgrp() != os.getpid():  # killpg(0) would hit the caller's own group
+        sys.exit("fate_share.py --group must lead its process group: start it with start_new_session=True")
     parent_pid, cmd = int(argv[0]), argv[2:]
     try:
         parent_fd = os.pidfd_open(parent_pid)
@@ -88,11 +111,7 @@ def main(argv: list[str]) -> None:
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches CMD itself (same process group)
     if _wait_for_either(parent_fd, parent_pid, child) == "parent":
-        child.terminate()
-        try:
-            child.wait(GRACE_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        _stop(child, whole_group)
     _exit_like(child.wait())
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -68,6 +69,42 @@ def test_without_pidfds_the_wrapper_polls_and_the_command_still_dies():
             return subprocess.Popen([sys.executable, "-c", code])
     """))
     kill_9_and_check_nothing_left(proc, "sleep 600", grace_s=10)
+
+
+def test_whole_group_mode_takes_the_commands_own_children_too():
+    """As SGLang's server would run (its own session, scheduler children): every process of the wrapper's
+    session goes when the parent is SIGKILLed."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import subprocess, time
+        from infra.fate_share import fate_shared
+        wrapper = subprocess.Popen(fate_shared(["sh", "-c", "sleep 600 & exec sleep 601"], whole_group=True),
+                                   start_new_session=True)
+        print(wrapper.pid, flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, start_new_session=True)
+    wrapper = int(proc.stdout.readline())
+
+    def sleeps() -> list[str]:
+        return [cmd for _, cmd in session_processes(wrapper) if cmd.startswith("sleep 60")]
+    try:
+        for _ in range(50):  # the command and its own child
+            if len(sleeps()) == 2:
+                break
+            time.sleep(0.1)
+        assert len(sleeps()) == 2, session_processes(wrapper)
+        proc.kill()
+        proc.wait(10)
+        assert wait_until_gone([wrapper], 15) == []
+    finally:
+        proc.kill()
+        reap([proc.pid, wrapper])
+
+
+def test_group_mode_refuses_to_run_outside_its_own_group():
+    from infra.fate_share import fate_shared
+
+    out = subprocess.run(fate_shared(["true"], whole_group=True), capture_output=True, text=True)
+    assert out.returncode == 1 and "must lead its process group" in out.stderr
 
 
 def test_router_dies_with_a_sigkilled_driver():
