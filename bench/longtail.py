@@ -16,7 +16,8 @@ Issue 18 (rollout.scheduling = length_aware, rollout/scheduling.py): *_la the sa
 request to the first free slot), *_pinned with every row pinned to an engine as RolloutManager does it (LPT on
 expected tokens, a group's rows spread), tail_batching (over-sampled, rows expected > 4x the median wait for
 the long round every 2nd iteration), *_tail_engine_pinned (those rows on one reserved engine every round),
-async_age2* (max_age 2: no trained token more than one version old). --group-share gives a group's samples
+async_age2* (max_age 2: no trained token more than one version old); with --real, *_router orders rows
+length-aware but sends them all through the router (no pinning). --group-share gives a group's samples
 correlated lengths (hard prompts); at 0, the default, they are independent and siblings predict nothing.
 
 Keys (one JSON line per mode on stdout; logs on stderr):
@@ -70,6 +71,7 @@ MODE_SPECS = {
     "async_age2_la": (2, "async", 2, 0, "length_aware", 0.0),
     "over_sampling_age2_la": (1, "async", 2, "os", "length_aware", 0.0),
     "async_la_pinned": (2, "async", "async", 0, "length_aware", 0.0),
+    "async_la_router": (2, "async", "async", 0, "length_aware", 0.0),
     "async_age2_la_pinned": (2, "async", 2, 0, "length_aware", 0.0),
     "no_partial_la_pinned": (1, "sync", None, 0, "length_aware", 0.0),
     "async_age2_tail_engine_pinned": (2, "async", 2, 0, "length_aware", 4.0, 1),

@@ -157,6 +157,8 @@ class RealRun:
                                    group_share=self.args.group_share)
         engine = NaturalLengths(self.manager, lengths)
         engine.slots = self.slots
+        if mode.endswith("_router"):
+            engine.num_engines = 1  # length-aware order only: every row through the router, none pinned
 
         def prompt_for(group: int) -> list[int]:
             ids = self.tokenizer(f"q{group}:", add_special_tokens=False)["input_ids"]
