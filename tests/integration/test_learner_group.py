@@ -239,6 +239,8 @@ def test_flow_with_two_learner_ranks_then_resume_on_one(prefect_harness, ray_ses
 
     run_dir = tmp_path / "run"
     grpo_train(small_config(run_dir, iterations=1, **{"learner.world_size": 2, "grpo.kl_coef": 0.05}))
+    written = sorted(p.name for p in (run_dir / "checkpoints" / "ckpt-00000000" / "tensors").iterdir())
+    assert written == ["policy-rank000-00000.safetensors", "policy-rank001-00000.safetensors"]  # each rank its own
     cfg = load_run_config(run_dir, ["schedule.num_iterations=2", "learner.world_size=1"])
     assert cfg.learner.world_size == 1 and cfg.grpo.kl_coef == 0.05
     grpo_train(cfg, resume=True)
