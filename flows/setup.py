@@ -124,7 +124,7 @@ def build_run(cfg: RunConfig, saved=None, *, engine=None, learners=None, with_en
     reward_models = start_reward_models(cfg.grpo.reward_models, cfg.model.dtype)  # first: a bad folder fails early
     owns_learners, owns_engine = learners is None, engine is None
     if learners is None:
-        from tasks.learner import create_learners
+        from tasks.learner_group import create_learners
 
         learners = create_learners(model_path, cfg)
     if engine is None and with_engines and needs_engines(cfg):

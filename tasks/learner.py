@@ -36,7 +36,7 @@ from tasks.logprobs import ResponseLogprobModel
 from tasks.offpolicy_metrics import OffPolicyStats
 from tasks.weight_sync import WeightSenderMixin
 
-__all__ = ["LearnerActor", "create_learners"]
+__all__ = ["LearnerActor"]
 
 
 class LearnerActor(WeightSenderMixin):
@@ -291,10 +291,3 @@ class LearnerActor(WeightSenderMixin):
         self._version = load_state(self.net, self.model, self.optimizer, self.param_names, self.state_keys,
                                    self.sharded, tensors, meta, self.model_path)
         self.kl_coef = float(meta.get("kl_coef", self.grpo.kl_coef))  # checkpoints before grpo.kl_ctrl have none
-
-
-def create_learners(model_path, cfg):
-    """(policy, ref | None) learner groups (tasks/learner_group.py) of learner.world_size ranks; ref: grpo.kl_coef > 0."""
-    from tasks.learner_group import create_learners as create
-
-    return create(model_path, cfg)

@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 from infra.config import GRPOConfig, OptimizerConfig, build_config
 from infra.models import load_causal_lm
 from rollout.batch import RolloutBatch, from_sequences, select_groups, split
-from tasks.learner import LearnerActor, create_learners
+from tasks.learner import LearnerActor
+from tasks.learner_group import create_learners
 from tasks.logprob import needs_old_logprob_pass
 from tasks.offpolicy_metrics import SCALAR_KEYS
 from tasks.update import LOGGED
