@@ -38,7 +38,6 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -52,58 +51,10 @@ from rollout.partial_async import generate_until_ready_async  # noqa: E402
 from rollout.partial_sync import generate_until_ready_sync  # noqa: E402
 from rollout.requests import SamplingSettings  # noqa: E402
 from tasks.prompts import groups_for_iteration  # noqa: E402
+from bench.longtail_modes import MODES, Workload  # noqa: E402
 
 log = logging.getLogger("longtail")
-# mode -> (max_split, driver, max_age ("async": --async-max-age), over-sampled groups ("os": --over-sampling-groups),
-#          scheduling, tail_factor (tail batching; 0 off))
-MODE_SPECS = {
-    "no_partial": (1, "sync", None, 0, "fifo", 0.0),
-    "sync_split2": (2, "sync", None, 0, "fifo", 0.0),
-    "sync_split4": (4, "sync", None, 0, "fifo", 0.0),
-    "sync_split8": (8, "sync", None, 0, "fifo", 0.0),
-    "async": (2, "async", "async", 0, "fifo", 0.0),
-    "over_sampling": (1, "async", "async", "os", "fifo", 0.0),
-    "sync_split4_la": (4, "sync", None, 0, "length_aware", 0.0),
-    "async_la": (2, "async", "async", 0, "length_aware", 0.0),
-    "over_sampling_la": (1, "async", "async", "os", "length_aware", 0.0),
-    "tail_batching": (1, "async", "async", "os", "length_aware", 4.0),
-    "async_age2": (2, "async", 2, 0, "fifo", 0.0),
-    "async_age2_la": (2, "async", 2, 0, "length_aware", 0.0),
-    "over_sampling_age2_la": (1, "async", 2, "os", "length_aware", 0.0),
-    "async_la_pinned": (2, "async", "async", 0, "length_aware", 0.0),
-    "async_la_router": (2, "async", "async", 0, "length_aware", 0.0),
-    "async_age2_la_pinned": (2, "async", 2, 0, "length_aware", 0.0),
-    "no_partial_la_pinned": (1, "sync", None, 0, "length_aware", 0.0),
-    "async_age2_tail_engine_pinned": (2, "async", 2, 0, "length_aware", 4.0, 1),
-    "async_tail_engine_pinned": (2, "async", "async", 0, "length_aware", 4.0, 1),
-    "no_partial_tail_engine_pinned": (1, "sync", None, 0, "length_aware", 4.0, 1),
-}
-MODES = tuple(MODE_SPECS)
 ENDLESS = 10**9  # iterations of the run as groups_for_iteration sees it: never the last, never draining
-
-
-@dataclass
-class Workload:
-    gbs: int
-    n: int
-    max_tokens: int
-    prompt_tokens: int
-    async_max_age: int
-    over_sampling_groups: int
-    update_s: float
-    token_scale: int = 1  # tokens the dock and engine see = real tokens / token_scale
-
-    def rollout_config(self, mode: str) -> RolloutConfig:
-        if mode not in MODE_SPECS:
-            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-        split, driver, age, extra, scheduling, tail, *tail_engines = MODE_SPECS[mode]
-        age = self.async_max_age if age == "async" else age
-        extra = self.over_sampling_groups if extra == "os" else extra
-        max_tokens, prompt = self.max_tokens // self.token_scale, self.prompt_tokens // self.token_scale
-        return RolloutConfig(global_batch_size=self.gbs, n_samples_per_prompt=self.n, max_tokens=max_tokens,
-                             max_model_len=max_tokens + prompt, max_split=split, mode=driver,
-                             max_age=age, over_sampling_groups=extra, scheduling=scheduling, tail_factor=tail,
-                             tail_engines=tail_engines[0] if tail_engines else 0)
 
 
 def build_dock(cfg: RolloutConfig, eos_ids: list[int]) -> TransferDock:
