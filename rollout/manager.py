@@ -207,16 +207,18 @@ class RolloutManager:
                 if all(alive):
                     raise
                 for handle in [h for h, ok in zip(self.engines, alive) if not ok]:
-                    await self._restart(handle.index)  # forms a new group, sends the weights to every engine
+                    await self._restart(handle.index)  # joins a new group and gets the current weights
+                await self._apply_latest(None)  # the survivors that missed this version
         return dict(self.weight_versions)
 
     async def _apply_latest(self, handle: EngineHandle | None) -> None:
         if self._latest_weights is None:
             return
         kind, source, version = self._latest_weights
-        if kind == "distributed":  # every engine at once: a group's membership is fixed
-            await self._weight_sync.sync(source, self.urls, self._client, version)
-            for h in self.engines:
+        if kind == "distributed":  # all engines, or a restarted one alone (in a group of its own, so the others go on)
+            targets = self.engines if handle is None else [handle]
+            await self._weight_sync.sync(source, [h.url for h in targets], self._client, version)
+            for h in targets:
                 h.weight_version = self.weight_versions[h.index] = await self._client(h.url).weight_version()
             return
         if kind == "disk":

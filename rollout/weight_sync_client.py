@@ -18,6 +18,8 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
+import httpx
+
 from rollout.engines import sglang_backend as sgl
 from rollout.engines.update_group import plan_buckets
 
@@ -34,7 +36,7 @@ class DistributedWeightSync:
         self.backend, self.timeout_s = backend, float(timeout_s)
         self.group_name: str | None = None
         self._members: tuple[Any, tuple[str, ...]] | None = None  # (learner, engine urls) of the joined group
-        self._usable = False  # False after a failed broadcast: the group is left and formed anew
+        self._usable = False  # False after a failed rendezvous: the group is left and formed anew
         self._prefix = f"spillover-{secrets.token_hex(4)}"
         self.epoch = 0
         self.last: dict[str, Any] = {}  # the last sync's numbers (buckets, bytes, sender's report)
@@ -57,7 +59,7 @@ class DistributedWeightSync:
                                                       timeout=self.timeout_s) for u in urls))
             report = await sending
         except BaseException:
-            self._usable = False  # a broken broadcast leaves the group unusable: form a new one next time
+            await self.leave(client, wait_learner=False)  # engines drop their ends: a blocked broadcast fails fast
             raise
         finally:
             await asyncio.gather(*(client(u).post("/end_weight_update", json={}) for u in urls),
@@ -67,6 +69,10 @@ class DistributedWeightSync:
     async def form(self, policy: Any, urls: list[str], client: Callable[[str], Any]) -> None:
         """Leave the old group (best effort), then host a new one on the learner with every engine joined."""
         await self.leave(client)
+        healthy = await asyncio.gather(*(client(u).health() for u in urls))
+        if not all(healthy):  # a dead member would keep the rendezvous waiting: let the caller restart it first
+            dead = [u for u, ok in zip(urls, healthy) if not ok]
+            raise httpx.ConnectError(f"engines {dead} do not answer /health: not forming a weight-update group")
         self.epoch += 1
         name = f"{self._prefix}-{self.epoch}"
         address, port = await policy.weight_sync_address.remote()
@@ -84,17 +90,18 @@ class DistributedWeightSync:
         log.info("weight-update group %s: learner + %d engines (world %d, %s)", name, len(urls), world_size,
                  self.backend)
 
-    async def leave(self, client: Callable[[str], Any]) -> None:
-        """Destroy the current group on the learner and on the engines still in it (errors ignored: some are gone)."""
+    async def leave(self, client: Callable[[str], Any], wait_learner: bool = True) -> None:
+        """Destroy the current group on the engines still in it and on the learner (errors ignored: some are gone).
+        wait_learner=False: after a failed sync the learner may still be blocked in the broadcast (it fails once the
+        engines' ends close); its leave is queued behind it, not awaited."""
         if self.group_name is None:
             return
         (policy, urls), name = self._members, self.group_name
         self.group_name, self._members, self._usable = None, None, False
         calls = [client(u).post(sgl.ENDPOINTS["destroy_update_group"], json={"group_name": name}, timeout=30.0)
                  for u in urls]
-        if policy is not None:
-            calls.append(policy.leave_weight_group.remote(name))
-        await asyncio.gather(*calls, return_exceptions=True)
+        learner_leave = policy.leave_weight_group.remote(name)
+        await asyncio.gather(*calls, *([learner_leave] if wait_learner else []), return_exceptions=True)
 
 
 def weight_sync_settings(cfg: Any, use_gpu: bool) -> dict[str, Any]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -51,28 +53,47 @@ class WeightSenderMixin:
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str, timeout_s: float = 600.0) -> bool:
-        """Rank 0: host the group as its rank 0 (blocks until every engine has joined). Other ranks: no-op."""
+        """Rank 0: start hosting the group as its rank 0 and return at once; the rendezvous completes in a thread
+        when every engine has joined (broadcast_weights waits for it), so an engine that never joins blocks nothing
+        but that thread (it gives up after timeout_s). Other ranks: no-op."""
         if self.rank != 0:
             return False
         groups = self.__dict__.setdefault("_weight_groups", {})
         if group_name in groups:
             raise ValueError(f"weight-update group {group_name!r} is already joined")
-        groups[group_name] = init_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
+        joined: Future = Future()
+
+        def rendezvous() -> None:
+            try:
+                joined.set_result(init_group(master_address, master_port, 0, world_size, group_name, backend,
+                                             timeout_s))
+            except BaseException as err:  # noqa: BLE001 - reported through the future
+                joined.set_exception(err)
+
+        threading.Thread(target=rendezvous, name=f"weight-group-{group_name}", daemon=True).start()
+        groups[group_name] = (joined, timeout_s)
         return True
 
+    def _weight_group(self, group_name: str):
+        entry = self.__dict__.get("_weight_groups", {}).get(group_name)
+        if entry is None:
+            raise ValueError(f"weight-update group {group_name!r} is not joined: join_weight_group first")
+        joined, timeout_s = entry
+        return joined.result(timeout=timeout_s)
+
     def leave_weight_group(self, group_name: str) -> bool:
-        group = self.__dict__.get("_weight_groups", {}).pop(group_name, None)
-        if group is not None:
-            destroy_group(group)
-        return group is not None
+        """Destroy the group (one still forming is destroyed if it ever forms)."""
+        entry = self.__dict__.get("_weight_groups", {}).pop(group_name, None)
+        if entry is None:
+            return False
+        entry[0].add_done_callback(lambda f: f.exception() is None and destroy_group(f.result()))
+        return True
 
     def broadcast_weights(self, group_name: str, buckets: list[list[str]], measure: bool = False) -> dict:
         """Every rank: gather each bucket's full tensors; rank 0 broadcasts them on the group, in order.
         -> {"bytes": sent, "buckets": count, "send_s", "peak_extra_bytes": with measure, the most tensor bytes
         allocated at once (TensorMemoryProbe), else None}."""
-        group = self.__dict__.get("_weight_groups", {}).get(group_name)
-        if self.rank == 0 and group is None:
-            raise ValueError(f"weight-update group {group_name!r} is not joined: join_weight_group first")
+        group = self._weight_group(group_name) if self.rank == 0 else None
         named = self._named_weights()
         unknown = sorted({n for bucket in buckets for n in bucket} - set(named))
         if unknown:

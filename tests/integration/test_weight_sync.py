@@ -2,7 +2,8 @@
 bucket from the shards and broadcasts it), the session's two torch engines as Ray actors behind the real router,
 SGLang's HTTP protocol between them. A bucket smaller than the largest tensor, three real GRPO updates each followed
 by a sync: every engine's weights equal the learner's bit for bit (/get_weights_by_name) and report the version;
-an engine SIGKILLed between updates is restarted by the manager, rejoins a new group and serves the current weights.
+an engine SIGKILLed between updates is restarted by the manager, rejoins a new group and serves the current weights
+(found by the health check, or by the next sync itself).
 """
 from __future__ import annotations
 
@@ -83,6 +84,11 @@ def test_three_bucketed_syncs_then_a_killed_engine_rejoins(rollout_manager, poli
         assert_engines_hold(m, state, 3)  # the new engine rejoined a new group and got version 3's weights
         out = m.generate([{"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}])
         assert out[0]["meta_info"]["weight_version"] in (3, "3")
+        victim = m.engines[0]  # dead when the next sync starts: the sync restarts it and still reaches everyone
+        os.kill(victim.pids[0], signal.SIGKILL)
+        ray.get(policy.update.remote(ray.put(_batch(4)), None, None))
+        assert m.sync_weights_distributed(policy, 4) == {0: 4, 1: 4} and m.engines[0].url != victim.url
+        assert_engines_hold(m, ray.get(policy.state_dict_ref.remote()), 4)
     finally:
         m._call(m._weight_sync.leave, m._client)
         m._latest_weights = None
