@@ -56,6 +56,9 @@ class WeightSenderMixin:
         """Rank 0: start hosting the group as its rank 0 and return at once; the rendezvous completes in a thread
         when every engine has joined (broadcast_weights waits for it), so an engine that never joins blocks nothing
         but that thread (it gives up after timeout_s). Other ranks: no-op."""
+        if backend == "nccl" and getattr(self, "device", "cpu") != "cuda":
+            raise ValueError("engines.weight_sync=distributed with GPU engines broadcasts over NCCL, which needs "
+                             "learner.device=cuda; use engines.weight_sync=tensor or disk for a CPU learner")
         if self.rank != 0:
             return False
         groups = self.__dict__.setdefault("_weight_groups", {})
