@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -124,7 +125,8 @@ def main() -> None:
         "distributed": {"sync_s": round(new_s, 3), "peak_extra_bytes": new_peak},
         "object_store": {"sync_s": round(old_s, 3), "peak_extra_bytes": old_peak},
         "peak_ratio": round(new_peak / bucket_bytes, 3), "speed_ratio": round(old_s / new_s, 3),
-        "bit_identical": identical, "versions_reported": sorted(reported, key=str) == [version]}))
+        "bit_identical": identical, "versions_reported": sorted(reported, key=str) == [version],
+        "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 1)}))
 
 
 if __name__ == "__main__":

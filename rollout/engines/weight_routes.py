@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-import orjson
 
 from rollout.engines.protocol import (DestroyWeightsUpdateGroupRequest, GetWeightsByNameRequest,
                                       InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest)
