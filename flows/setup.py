@@ -130,7 +130,8 @@ def build_run(cfg: RunConfig, saved=None, *, engine=None, learners=None, with_en
     if engine is None and with_engines and needs_engines(cfg):
         from rollout.manager import RolloutManager
 
-        engine = RolloutManager(cfg.engines, str(model_path))
+        engine = RolloutManager(cfg.engines, str(model_path),
+                                deterministic_inference=cfg.rollout.deterministic_sampling)
     builtin = cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD
     context = RolloutContext(dock=dock, engine=engine, tokenizer=tokenizer, prompts=prompts, cursor=cursor,
                              stop_token_ids=stop_ids, reward_fn=reward_fn,

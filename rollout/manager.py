@@ -21,27 +21,25 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 import ray
 from anyio.from_thread import start_blocking_portal
 
 from infra.config import EnginesConfig
 from rollout.engine_pool import EngineHandle, EnginePool, default_torch_threads
 from rollout.engines import sglang_backend as sgl
-from rollout.engines.client import EngineClient, EngineError
+from rollout.engines.client import EngineClient
 from rollout.engines.router import Router
 from rollout.generation import BatchGenerator
 from rollout.pinned_router import PinnedRouter
 from rollout.requests import OnResult
-from rollout.weight_sync_client import DistributedWeightSync, disk_folder, weight_sync_settings
+from rollout.manager_weights import EngineWeights
+from rollout.weight_sync_client import DistributedWeightSync, weight_sync_settings
 
 log = logging.getLogger(__name__)
-Weights = dict | ray.ObjectRef | str | Path
-ENGINE_GONE = (ray.exceptions.RayActorError, httpx.TransportError)
 T = TypeVar("T")
 
 
-class RolloutManager:
+class RolloutManager(EngineWeights):
     def __init__(self, engines_cfg: EnginesConfig, model_path: str | Path, *, max_attempts: int = 5,
                  max_in_flight: int | None = None, **pool_options: Any):
         """Start the engines (pool_options: see `EnginePool`), the router (or join engines_cfg.router_address),
@@ -157,78 +155,6 @@ class RolloutManager:
         async with self._engine_lock:
             await asyncio.gather(*(self._client(url).post(path, json=payload) for url in self.urls))
             self._offloaded = release
-
-    def update_weights(self, weights: Weights, weight_version: int | str) -> dict[int, Any]:
-        """Load new weights on every engine: a state dict (put in Ray's object store once, shared), its
-        ObjectRef, or an HF folder (update_weights_from_disk). Returns engine index -> reported version."""
-        return self._call(self._update_weights, weights, weight_version)
-
-    async def _update_weights(self, weights: Weights, weight_version: int | str) -> dict[int, Any]:
-        if isinstance(weights, (str, Path)):
-            latest = ("disk", str(weights), weight_version)
-        elif isinstance(weights, ray.ObjectRef):
-            latest = ("tensor", weights, weight_version)
-        elif isinstance(weights, dict):
-            latest = ("tensor", await asyncio.to_thread(ray.put, weights), weight_version)
-        else:
-            raise TypeError(f"update_weights takes a state dict, its ObjectRef or a checkpoint folder; "
-                            f"got {type(weights).__name__}")
-        async with self._engine_lock:
-            self._latest_weights = latest  # what a restarted engine loads too
-            outcomes = await asyncio.gather(*(self._apply_latest(h) for h in self.engines), return_exceptions=True)
-            for handle, outcome in zip(self.engines, outcomes):
-                if isinstance(outcome, ENGINE_GONE):  # a restarted engine loads the latest weights itself
-                    log.warning("engine %d died during the weight update (%r): restarting it", handle.index, outcome)
-                    await self._restart(handle.index)
-            refused = [o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, ENGINE_GONE)]
-            if refused:
-                raise refused[0]
-        return dict(self.weight_versions)
-
-    def sync_weights(self, policy: Any, weight_version: int | str) -> dict[int, Any]:
-        """The policy learner's current weights to every engine by engines.weight_sync: distributed (SGLang's
-        broadcast group, bucket by bucket), tensor (Ray's object store) or disk (an HF folder the policy writes)."""
-        mode = getattr(self.cfg, "weight_sync", "tensor")
-        if mode == "distributed":
-            return self._call(self._sync_distributed, policy, weight_version)
-        return self.update_weights(policy.state_dict_ref.remote() if mode == "tensor" else ray.get(
-            policy.save_weights.remote(disk_folder(self.cfg, self.model_path, weight_version))), weight_version)
-
-    def sync_weights_distributed(self, policy: Any, weight_version: int | str) -> dict[int, Any]:
-        return self._call(self._sync_distributed, policy, weight_version)
-
-    async def _sync_distributed(self, policy: Any, weight_version: int | str) -> dict[int, Any]:
-        async with self._engine_lock:
-            self._latest_weights = ("distributed", policy, weight_version)  # a restarted engine rejoins for it
-            try:
-                await self._apply_latest(None)
-            except (*ENGINE_GONE, EngineError):
-                alive = await asyncio.gather(*(self._client(h.url).health() for h in self.engines))
-                if all(alive):
-                    raise
-                for handle in [h for h, ok in zip(self.engines, alive) if not ok]:
-                    await self._restart(handle.index)  # joins a new group and gets the current weights
-                await self._apply_latest(None)  # the survivors that missed this version
-        return dict(self.weight_versions)
-
-    async def _apply_latest(self, handle: EngineHandle | None) -> None:
-        if self._latest_weights is None:
-            return
-        kind, source, version = self._latest_weights
-        if kind == "distributed":  # all engines, or a restarted one alone (in a group of its own, so the others go on)
-            targets = self.engines if handle is None else [handle]
-            await self._weight_sync.sync(source, [h.url for h in targets], self._client, version)
-            for h in targets:
-                h.weight_version = self.weight_versions[h.index] = await self._client(h.url).weight_version()
-            return
-        if kind == "disk":
-            client = self._client(handle.url)
-            await client.update_weights_from_disk(source, version)
-            reported = (await client.get(sgl.ENDPOINTS["model_info"])).json().get("weight_version")
-            reported = int(reported) if isinstance(reported, str) and reported.isdigit() else reported
-        else:
-            reported = await handle.actors[0].update_weights.remote(source, version)
-        handle.weight_version = self.weight_versions[handle.index] = reported
 
     # ---- health -------------------------------------------------------------------------------------
     def health_check(self) -> dict[int, str]:

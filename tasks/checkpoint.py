@@ -124,7 +124,7 @@ def restore_weights(policy, engine, state: CheckpointState) -> int:
         ray.get(policy.set_state.remote(state.tensors["policy"], meta["learner"]))
     version = int(meta["weight_version"])
     if engine is not None:
-        engine.update_weights(policy.state_dict_ref.remote(), version)
+        engine.sync_weights(policy, version)  # by engines.weight_sync, as every update
     log.info("resumed from iteration %d (weight version %d)", state.iteration, version)
     return version
 
