@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from infra.config_base import Section
 
 __all__ = ["EngineSyncFields", "ROUTER_POLICIES"]
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sglang-router 0.3.2's regular ones
 
 
-class EngineSyncFields(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class EngineSyncFields(Section):
     weight_sync: Literal["distributed", "tensor", "disk"] = Field(
         "tensor", description="How new weights reach the engines: distributed = SGLang's weight-update group (the "
         "learner's rank 0 broadcasts bucket by bucket; NCCL on GPUs, gloo on CPU); tensor = the whole state dict "

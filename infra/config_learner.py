@@ -9,14 +9,14 @@ from __future__ import annotations
 import importlib.util
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from infra.config_base import Section
 
 __all__ = ["LearnerConfig", "check_learner_batch", "check_learner_start"]
 
 
-class LearnerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class LearnerConfig(Section):
     world_size: int = Field(1, ge=1, description="Learner ranks (Ray actors in one placement group, torch.distributed; "
                             "FSDP2 shards parameters, gradients and optimizer state across them when > 1).")
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu: gloo; cuda: one GPU per rank, NCCL.")

@@ -2,13 +2,11 @@
 (the `eval` section). Kept apart from infra/config.py, which imports them."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from infra.config_base import Section as _Section
 
 __all__ = ["EvalConfig", "RewardModelConfig"]
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class RewardModelConfig(_Section):

@@ -1,0 +1,8 @@
+"""The base of every config section: unknown keys are refused, assignments validated."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
