@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 
 from rollout import dock_export, dock_staleness
-from rollout.dock_buffers import PagedColumns, TokenRows
-from rollout.dock_checks import (DockError, check_dock_sizes, check_in_flight, check_occupied, check_rows,
-                                  parse_generation, parse_prompts)
 from rollout.batch import RolloutBatch
+from rollout.dock_buffers import PagedColumns, TokenRows
+from rollout.dock_checks import (DockError, check_dock_sizes, check_in_flight, check_load, check_occupied,
+                                 check_rows, parse_generation, parse_prompts)
 
 PROMPT_DTYPES = {"tokens": np.int32}
 RESPONSE_DTYPES = {"tokens": np.int32, "logprobs": np.float32, "versions": np.int32}
@@ -133,16 +133,7 @@ class TransferDock:
         """Load k prompt groups (n rows each) into free slots; -> slots[k]. A group id already here is an error.
         metadata: a JSON-able dict per group (data.additional_keys), kept next to its label."""
         ids, flat, lengths = parse_prompts(group_ids, prompt_tokens, labels, self.max_model_len)
-        if metadata is not None and len(metadata) != len(ids):
-            raise ValueError(f"load_groups: {len(ids)} group ids but {len(metadata)} metadata entries")
-        if self.batch is not None:
-            raise DockError("load_groups: a training batch is selected; call clear() before loading")
-        if len(ids) > self.free_group_slots():
-            raise ValueError(f"load_groups: {len(ids)} groups but only {self.free_group_slots()} free slots "
-                             "(ask groups_to_load() how many fit)")
-        present = ids[np.isin(ids, self.group_ids)]
-        if len(present):
-            raise ValueError(f"load_groups: groups {present[:5].tolist()} are already in the dock")
+        check_load(ids, metadata, self.group_ids, self.batch is not None)
         slots = np.flatnonzero(self.group_ids < 0)[:len(ids)]
         self.group_ids[slots] = ids
         self.load_seq[slots] = self.next_load_seq + np.arange(len(ids))
@@ -160,10 +151,7 @@ class TransferDock:
             raise ValueError(f"take_rows: limit must be >= 0 or None; got {limit}")
         waiting = self._occupied_rows() & ~self.complete & ~self.in_flight
         if self.require_max_age_all_finished and not self.drain:
-            active = self._started_groups() | self.in_flight.reshape(self.capacity_groups, self.n).any(axis=1)
-            fresh = np.flatnonzero((self.group_ids >= 0) & ~active)
-            held_back = fresh[self._oldest_first(fresh)][dock_staleness.fresh_groups_allowed(
-                int(active.sum()), self.max_age, self.gbs):]
+            held_back = dock_staleness.groups_held_back(self)
             waiting[(held_back[:, None] * self.n + np.arange(self.n)).reshape(-1)] = False
         waiting = np.flatnonzero(waiting)
         rows = waiting[self._oldest_first(waiting // self.n)][:limit]
@@ -245,9 +233,7 @@ class TransferDock:
             return False
         if not self.require_max_age_all_finished:
             return True
-        ages = self._group_age()
-        batch = ready[self._oldest_first(ready)][:self.gbs]  # what select_batch would take
-        return dock_staleness.staleness_bound_met(ages[self._started_groups()], ages[batch], self.max_age, self.gbs)
+        return dock_staleness.batch_may_form(self, ready[self._oldest_first(ready)][:self.gbs])
 
     def select_batch(self) -> np.ndarray:
         """Choose the training batch once: gbs ready groups, oldest first; -> group slots (same until clear())."""

@@ -27,6 +27,20 @@ def check_dock_sizes(*, gbs, n, max_split, max_tokens, max_model_len, max_age, o
         raise ValueError(f"TransferDock: max_age must be >= 1 or None (= max_split); got {max_age}")
 
 
+def check_load(ids: np.ndarray, metadata, group_ids: np.ndarray, batch_selected: bool) -> None:
+    """load_groups(ids[k], ..., metadata) into a dock whose slots hold group_ids (-1: free)."""
+    if metadata is not None and len(metadata) != len(ids):
+        raise ValueError(f"load_groups: {len(ids)} group ids but {len(metadata)} metadata entries")
+    if batch_selected:
+        raise DockError("load_groups: a training batch is selected; call clear() before loading")
+    free = int(np.count_nonzero(group_ids < 0))
+    if len(ids) > free:
+        raise ValueError(f"load_groups: {len(ids)} groups but only {free} free slots (ask groups_to_load() how many fit)")
+    present = ids[np.isin(ids, group_ids)]
+    if len(present):
+        raise ValueError(f"load_groups: groups {present[:5].tolist()} are already in the dock")
+
+
 def check_rows(rows: Sequence[int] | np.ndarray, n_rows: int, what: str) -> np.ndarray:
     """Any row-index sequence -> int64[k], refusing non-integers, out-of-range indices and repeats."""
     arr = np.asarray(rows)
