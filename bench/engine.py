@@ -132,9 +132,9 @@ def bench(concurrency: int, args, model_dir: Path) -> dict:
         asyncio.run(wait_healthy(engine_url))
         router = Router.launch(host="127.0.0.1", worker_urls=[engine_url])
         asyncio.run(run_engine(router.url, workload[:concurrency], concurrency))  # warm-up
-        cpu0 = process_cpu_s(engine.pid) + process_cpu_s(router.proc.pid) + time.process_time()
+        cpu0 = process_cpu_s(engine.pid) + process_cpu_s(router.pid) + time.process_time()
         engine_tokens, engine_s = asyncio.run(run_engine(router.url, workload, concurrency))
-        engine_cpu = process_cpu_s(engine.pid) + process_cpu_s(router.proc.pid) + time.process_time() - cpu0
+        engine_cpu = process_cpu_s(engine.pid) + process_cpu_s(router.pid) + time.process_time() - cpu0
         overhead_ms = asyncio.run(router_overhead_p50_ms(engine_url, router.url))
     finally:
         if router is not None:

@@ -154,13 +154,17 @@ def serialize_named_tensors(named_tensors: list[tuple[str, Any]], tp_size: int) 
 
 # ---- the server process ----------------------------------------------------------------------------------
 class SGLangProcess:
-    """One `sglang.launch_server` process (its own session, so stop() takes its scheduler children too)."""
+    """One `sglang.launch_server` process (its own session, so stop() takes its scheduler children too). It runs
+    under infra.fate_share: if the process that started it (the engine actor) dies, even by SIGKILL, the server
+    and its scheduler children go too."""
 
     def __init__(self, spec: SGLangLaunch, env: dict[str, str] | None = None):
+        from infra.fate_share import fate_shared
+
         self.spec = spec
         self.url = f"http://{spec.host}:{spec.port}"
-        self.proc = subprocess.Popen(launch_command(spec), env={**os.environ, **(env or {})},
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(fate_shared(launch_command(spec), whole_group=True),
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
 
     def wait_healthy(self, timeout_s: float = 600.0) -> None:
         """Block until /health_generate answers 200 (node 0 only: other nodes serve no HTTP)."""
