@@ -70,3 +70,13 @@ class DispatchPlanner:
     def release_held(self, dock) -> None:
         if len(self.held):
             dock.release(self.take_held())
+
+    def next_rows(self, dock, limit: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """A round's rows and engines: up to `limit` rows the dock hands out, planned; when it has none left,
+        the rows held for the long round. Raises when neither is left (the dock can never become ready)."""
+        rows = dock.take_rows(limit=limit)
+        rows, engines = self.plan(dock, rows) if len(rows) else self.plan_all(dock, self.take_held())
+        if len(rows) == 0:
+            raise RuntimeError(f"generation cannot finish: no row left to generate but only "
+                               f"{dock.ready_group_count()} groups are ready (need {dock.gbs})")
+        return rows, engines

@@ -68,14 +68,7 @@ def generate_until_ready_async(dock, engine: Generator, rollout_cfg, sampling: S
     planner = DispatchPlanner.from_config(rollout_cfg, engine, weight_version, drain)
     try:
         while not dock.update_ready():
-            rows = dock.take_rows()
-            if len(rows):
-                rows, engines = planner.plan(dock, rows)
-            else:  # nothing else left: the rows held for the long round go now
-                rows, engines = planner.plan_all(dock, planner.take_held())
-            if len(rows) == 0:
-                raise RuntimeError(f"generation cannot finish: no row left to generate but only "
-                                   f"{dock.ready_group_count()} groups are ready (need {dock.gbs})")
+            rows, engines = planner.next_rows(dock)
             inputs, max_new = dock.generation_inputs(rows, None)
             stats.rounds += 1
             stats.requests += len(rows)

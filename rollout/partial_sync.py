@@ -43,14 +43,7 @@ def generate_until_ready_sync(dock, engine: Generator, rollout_cfg, sampling: Sa
 
 def _sync_round(dock, engine: Generator, planner: DispatchPlanner, rows_per_round: int, round_tokens: int,
                 sampling: SamplingSettings, weight_version: int, stats: GenerationStats) -> None:
-    rows = dock.take_rows(limit=rows_per_round)
-    if len(rows):
-        rows, engines = planner.plan(dock, rows)
-    else:  # nothing else left: the rows held for the long round go now
-        rows, engines = planner.plan_all(dock, planner.take_held())
-    if len(rows) == 0:
-        raise RuntimeError(f"generation cannot finish: no row left to generate but only "
-                           f"{dock.ready_group_count()} groups are ready (need {dock.gbs})")
+    rows, engines = planner.next_rows(dock, limit=rows_per_round)
     inputs, max_new = dock.generation_inputs(rows, round_tokens)
     requests = planner.route(build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling)),
                              engines)
