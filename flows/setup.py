@@ -44,8 +44,6 @@ class Run:
     ref: Any                         # LearnerGroup, or None (no KL)
     engine: Any                      # rollout.manager.RolloutManager, or None
     baseline: float | None = None    # the built-in task's prompt-independent baseline reward
-    owns_engine: bool = True         # False: handed in by the caller, who shuts it down
-    owns_learners: bool = True
 
     @property
     def prompts(self):
@@ -89,12 +87,11 @@ def needs_engines(cfg: RunConfig) -> bool:
     return not cfg.schedule.debug_train_only and (not cfg.rollout.sft or bool(cfg.data.eval_paths))
 
 
-def build_run(cfg: RunConfig, saved=None, *, engine=None, learners=None, with_engines: bool = True) -> Run:
+def build_run(cfg: RunConfig, saved=None) -> Run:
     """Everything the tasks need. Fails early on bad config or input.
 
     saved: an infra.checkpoint.CheckpointState to resume from (the dock and cursor come from it; weights are
-    restored by tasks.checkpoint.restore_weights). engine / learners=(policy, ref): parts started earlier
-    and reused (tests); the run does not shut them down."""
+    restored by tasks.checkpoint.restore_weights)."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     reward_fn = load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
@@ -122,12 +119,11 @@ def build_run(cfg: RunConfig, saved=None, *, engine=None, learners=None, with_en
         cursor = PromptCursor(len(prompts), seed=cfg.model.seed, shuffle=cfg.data.shuffle)
     init_ray(cfg.engines.ray_address)
     reward_models = start_reward_models(cfg.grpo.reward_models, cfg.model.dtype)  # first: a bad folder fails early
-    owns_learners, owns_engine = learners is None, engine is None
-    if learners is None:
-        from tasks.learner_group import create_learners
+    from tasks.learner_group import create_learners
 
-        learners = create_learners(model_path, cfg)
-    if engine is None and with_engines and needs_engines(cfg):
+    learners = create_learners(model_path, cfg)
+    engine = None
+    if needs_engines(cfg):
         from rollout.manager import RolloutManager
 
         engine = RolloutManager(cfg.engines, str(model_path),
@@ -141,19 +137,16 @@ def build_run(cfg: RunConfig, saved=None, *, engine=None, learners=None, with_en
                          prompt_texts=lambda ids: [prompts.texts[i] for i in cursor.dataset_indices(ids).tolist()],
                          concurrency=cfg.grpo.reward_concurrency, reward_models=reward_models)
     return Run(cfg, run_dir, Path(model_path), dock, cursor, controller, context, reward, learners[0], learners[1],
-               engine, baseline=toy_task.prompt_independent_baseline(prompts.labels)[1] if builtin else None,
-               owns_engine=owns_engine, owns_learners=owns_learners)
+               engine, baseline=toy_task.prompt_independent_baseline(prompts.labels)[1] if builtin else None)
 
 
 def shutdown_run(run: Run | None) -> None:
-    import ray
-
     if run is None:
         return
-    if run.engine is not None and run.owns_engine:
+    if run.engine is not None:
         run.engine.shutdown()
     if run.reward.reward_models:
         run.reward.reward_models.shutdown()
-    for actor in (run.policy, run.ref) if run.owns_learners else ():
-        if actor is not None:  # a LearnerGroup (tasks/learner_group.py) removes its placement group too
-            actor.shutdown() if hasattr(actor, "shutdown") else ray.kill(actor)
+    for group in (run.policy, run.ref):
+        if group is not None:  # a LearnerGroup (tasks/learner_group.py) removes its placement group too
+            group.shutdown()

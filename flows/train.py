@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from prefect import Task, flow
@@ -82,11 +82,11 @@ def run_iteration(run: Run, iteration: int, version: int, wandb_run_id: str | No
         stages.append(Evaluated(metrics=clock.run("eval", run.controller.eval, iteration,
                                                   run.context.for_iteration(version), version)))
     stages.append(clock.run("clear_and_age_sort", clear_and_age_sort, run.dock, run.cursor, rollout))
+    row = iteration_row(iteration, stages, clock.task_s)  # also the checkpoint's copy (restored on resume)
     saved = clock.run("save_checkpoint", save_run_checkpoint, store, run.policy, run.dock, run.cursor, cfg,
-                      iteration, version, iteration_row(iteration, stages, clock.task_s), wandb_run_id)
+                      iteration, version, row, wandb_run_id)
     stages.append(saved)
-    row = iteration_row(iteration, stages, clock.task_s)
-    row["time_s"] = time.perf_counter() - start
+    row = {**row, **saved.metrics, "task_s": dict(clock.task_s), "time_s": time.perf_counter() - start}
     return IterationOutcome(row, iteration_scalars(stages, clock.task_s) | {"time/iteration_s": row["time_s"]},
                             version, rollout.batch.response_lengths, rollout.batch.ages)
 
@@ -97,7 +97,7 @@ def make_iteration_flow(run: Run, store=None, wandb_run_id: str | None = None, o
     @flow(name="grpo-iteration", flow_run_name="iteration-{iteration:04d}", validate_parameters=False)
     def grpo_iteration(iteration: int, weight_version: int) -> IterationOutcome:
         outcome = run_iteration(run, iteration, weight_version, wandb_run_id, on_round, store)
-        return IterationOutcome(**{**outcome.__dict__, "flow_run_id": current_run_ids()[1]})
+        return replace(outcome, flow_run_id=current_run_ids()[1])
     return grpo_iteration
 
 

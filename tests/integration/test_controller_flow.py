@@ -93,6 +93,6 @@ def test_wrong_rollout_function_fails_at_start_naming_the_path(prefect_harness, 
 
     with pytest.raises(ImportPathError, match="rollout.rollout_function_path='rollout.partial.nope'"):
         build_run(small_config(tmp_path / "bad", iterations=1,
-                               **{"rollout.rollout_function_path": "rollout.partial.nope"}), with_engines=False)
+                               **{"rollout.rollout_function_path": "rollout.partial.nope"}))
     with pytest.raises(ConfigError, match="grpo.tis must be false in SFT mode"):
         load_config("configs/tiny.yaml", ["rollout.rollout_function_path=rollout.sft.generate_sft_rollout"])

@@ -9,24 +9,13 @@ from safetensors.torch import load_file, save_file
 
 from infra.config import GRPOConfig, OptimizerConfig, build_config
 from infra.models import load_causal_lm
-from rollout.batch import RolloutBatch, from_sequences, select_groups, split
+from learner_batches import random_batch
+from rollout.batch import select_groups, split
 from tasks.learner import LearnerActor
 from tasks.learner_group import create_learners
 from tasks.logprob import needs_old_logprob_pass
 from tasks.offpolicy_metrics import SCALAR_KEYS
 from tasks.update import LOGGED
-
-
-def make_batch(seed: int, n: int = 8, version: int = 0, advantages=None) -> RolloutBatch:
-    rng = np.random.default_rng(seed)
-    tokens, lengths = [], []
-    for _ in range(n):
-        prompt, resp = int(rng.integers(3, 7)), int(rng.integers(1, 12))
-        tokens.append(rng.integers(2, 40, prompt + resp).tolist())
-        lengths.append(resp)
-    adv = rng.normal(size=n).tolist() if advantages is None else advantages
-    return from_sequences(tokens, lengths, [(-3.0 + 0.1 * rng.normal(size=r)).tolist() for r in lengths],
-                          [[version] * r for r in lengths], advantages=adv)
 
 
 def hf_logprobs(model, tokens: list[int], resp: int, temperature: float) -> np.ndarray:
@@ -50,7 +39,7 @@ def learners(tiny_model_dir, ray_session):
 def test_actors_logprobs_update_and_weights(learners, tiny_model_dir, ray_session, tmp_path):
     ray = ray_session
     policy, ref = learners
-    batch = make_batch(0)
+    batch = random_batch(0)
     old_flat, ref_flat = ray.get([policy.compute_logprobs.remote(batch), ref.compute_logprobs.remote(batch)])
     old, ref_lp = split(old_flat, batch.response_lengths), split(ref_flat, batch.response_lengths)
     model = load_causal_lm(tiny_model_dir)
@@ -90,7 +79,7 @@ def test_old_logprob_source_and_stale_share(learners, ray_session):
     ray = ray_session
     policy, ref = learners
     version = ray.get(policy.weight_version.remote())
-    fresh = make_batch(1, version=version)
+    fresh = random_batch(1, version=version)
     ref_lp, learner_lp = ray.get([ref.compute_logprobs.remote(fresh), policy.compute_logprobs.remote(fresh)])
     m = ray.get(policy.update.remote(fresh, None, ref_lp))
     assert m["old_logprob_source"] == "rollout" and m["stale_token_share"] == 0.0
@@ -100,7 +89,7 @@ def test_old_logprob_source_and_stale_share(learners, ray_session):
     assert m["logprob_mismatch_tokens"] == len(log_ratio) and m["token_staleness_max"] == 0
     assert m["logprob_mismatch_kl"] == pytest.approx(np.mean(np.exp(log_ratio) - log_ratio - 1), rel=1e-4)
 
-    stale = make_batch(2, version=version)  # generated before that update: every token is one version old
+    stale = random_batch(2, version=version)  # generated before that update: every token is one version old
     assert needs_old_logprob_pass((version, version), version + 1, skip_old_logprob=True)  # the caller decides
     old = ray.get(policy.compute_logprobs.remote(stale))
     m = ray.get(policy.update.remote(stale, old, ray.get(ref.compute_logprobs.remote(stale))))
@@ -115,9 +104,9 @@ def test_off_policy_metrics_of_an_update_in_the_actor(learners, ray_session):
     ray = ray_session
     policy, ref = learners
     while (version := ray.get(policy.weight_version.remote())) < 2:
-        ray.get(policy.update.remote(make_batch(60 + version, version=version), None,
-                                     ray.get(ref.compute_logprobs.remote(make_batch(60 + version, version=version)))))
-    batch = make_batch(50, version=version)
+        ray.get(policy.update.remote(random_batch(60 + version, version=version), None,
+                                     ray.get(ref.compute_logprobs.remote(random_batch(60 + version, version=version)))))
+    batch = random_batch(50, version=version)
     versions = batch.weight_versions.copy()
     longest = int(np.argmax(batch.response_lengths))
     start = int(batch.response_offsets[longest])
@@ -140,7 +129,7 @@ def test_off_policy_metrics_of_an_update_in_the_actor(learners, ray_session):
 
 
 def test_masked_is_drops_tokens_and_recomputes_old_logprobs(tiny_model_dir):
-    batch = make_batch(70)  # every token from the current weights: skip_old_logprob would take rollout logprobs
+    batch = random_batch(70)  # every token from the current weights: skip_old_logprob would take rollout logprobs
     learner = _learner(tiny_model_dir, off_policy="masked_is", tis_cap=1.5)
     old = learner.compute_logprobs(batch)  # the engine's logprobs off by up to e^1 either way:
     shift = np.random.default_rng(71).uniform(-1.0, 1.0, len(old)).astype(np.float32)
@@ -164,7 +153,7 @@ def _learner(tiny_model_dir, **grpo):
 
 
 def test_resume_from_state_equals_uninterrupted(tiny_model_dir, tmp_path):
-    b1, b2, b3 = make_batch(10), make_batch(11, version=1), make_batch(12, version=2)
+    b1, b2, b3 = random_batch(10), random_batch(11, version=1), random_batch(12, version=2)
     straight = _learner(tiny_model_dir)
     straight.update(b1)
     tensors, meta = straight.get_state()
@@ -184,7 +173,7 @@ def test_resume_from_state_equals_uninterrupted(tiny_model_dir, tmp_path):
 
 
 def test_positive_advantage_raises_its_logprob(tiny_model_dir):
-    batch = make_batch(20, n=4, advantages=[1.0, -1.0, 0.0, 0.0])
+    batch = random_batch(20, n=4, advantages=[1.0, -1.0, 0.0, 0.0])
     for agg in ("token_mean", "seq_mean"):
         learner = _learner(tiny_model_dir, loss_agg=agg, tis=False)
         before = split(learner.compute_logprobs(batch), batch.response_lengths)
@@ -195,7 +184,7 @@ def test_positive_advantage_raises_its_logprob(tiny_model_dir):
 
 
 def test_micro_batch_size_does_not_change_the_step(tiny_model_dir):
-    batch = make_batch(30, n=7)
+    batch = random_batch(30, n=7)
     states = []
     for mbs in (2, 7):
         learner = LearnerActor(str(tiny_model_dir), GRPOConfig(micro_batch_size=mbs), OptimizerConfig(), 1.0, 0, True)
@@ -209,7 +198,7 @@ def test_micro_batch_size_does_not_change_the_step(tiny_model_dir):
 def test_steps_per_rollout_equal_successive_steps_on_the_halves(tiny_model_dir):
     """num_steps_per_rollout=2: two AdamW steps, each on half the batch, old logprobs taken once before the
     first, and the lr schedule advancing per step; the weight version advances once."""
-    batch = make_batch(40, n=8)
+    batch = random_batch(40, n=8)
     optim = OptimizerConfig(lr=1e-2, lr_decay="linear", min_lr_ratio=0.5)
     two = LearnerActor(str(tiny_model_dir), GRPOConfig(num_steps_per_rollout=2), optim, 1.0, 0, True, total_steps=4)
     old = two.compute_logprobs(batch)

@@ -9,6 +9,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from infra.config import build_config
+from learner_batches import random_batch
 from infra.config_learner import LearnerConfig, check_learner_start
 from infra.tensor_memory import TensorMemoryProbe
 from rollout.batch import from_sequences
@@ -102,17 +103,6 @@ def test_logprob_memory_does_not_grow_with_vocab_times_sequence():
            for seq, (o, n) in peaks.items()})
 
 
-def _batch(seed: int, n: int = 8, version: int = 0):
-    rng = np.random.default_rng(seed)
-    tokens, lengths = [], []
-    for _ in range(n):
-        prompt, resp = int(rng.integers(3, 7)), int(rng.integers(1, 14))
-        tokens.append(rng.integers(2, 40, prompt + resp).tolist())
-        lengths.append(resp)
-    return from_sequences(tokens, lengths, [(-3.0 + 0.1 * rng.normal(size=r)).tolist() for r in lengths],
-                          [[version] * r for r in lengths], advantages=rng.normal(size=n).tolist())
-
-
 @pytest.fixture(scope="module")
 def groups(tiny_model_dir, ray_session):
     from tasks.learner_group import create_learners
@@ -154,7 +144,7 @@ def test_world_size_2_equals_1_logprobs_update_and_resume_across_sizes(groups, t
     cfg, policy, ref = groups
     assert policy.world_size == ref.world_size == 2  # the reference is sharded the same way (kl_coef > 0)
     single = _single(tiny_model_dir, cfg)
-    batch = _batch(0)
+    batch = random_batch(0, max_response=14)
     old2, ref2 = ray.get([policy.compute_logprobs.remote(batch), ref.compute_logprobs.remote(batch)])
     old1 = single.compute_logprobs(batch)
     np.testing.assert_allclose(old2, old1, atol=1e-6)
@@ -175,7 +165,7 @@ def test_world_size_2_equals_1_logprobs_update_and_resume_across_sizes(groups, t
     again, again_meta = resumed.get_state()  # the group's weights and AdamW moments, exactly, in one process
     assert set(again) == set(tensors) and all(torch.equal(again[k], tensors[k]) for k in tensors)
     assert again_meta == meta
-    b2 = _batch(1, version=1)
+    b2 = random_batch(1, version=1, max_response=14)
     lp = resumed.compute_logprobs(b2)
     resumed.update(b2, lp, lp), single.update(b2, lp, lp)
     _assert_same_weights(resumed.model.state_dict(), single.model)
@@ -183,7 +173,7 @@ def test_world_size_2_equals_1_logprobs_update_and_resume_across_sizes(groups, t
     tensors, meta = single.get_state()
     ray.get(policy.set_state.remote(tensors, meta))
     assert ray.get(policy.weight_version.remote()) == 2
-    b3 = _batch(2, version=2)
+    b3 = random_batch(2, version=2, max_response=14)
     lp = single.compute_logprobs(b3)
     m2, m1 = ray.get(policy.update.remote(b3, lp, lp)), single.update(b3, lp, lp)
     assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-5, abs=1e-6)
@@ -214,7 +204,7 @@ def test_gradient_checkpointing_and_eager_attention_do_not_change_the_update(tin
 
     from infra.config import GRPOConfig, OptimizerConfig
 
-    batch, learners = _batch(5), {}
+    batch, learners = random_batch(5, max_response=14), {}
     for name, lcfg in {"plain": LearnerConfig(), "ckpt": LearnerConfig(gradient_checkpointing=True),
                        "eager": LearnerConfig(attn_implementation="eager")}.items():
         learners[name] = LearnerActor(str(tiny_model_dir), GRPOConfig(micro_batch_size=3), OptimizerConfig(), 1.0, 0,
@@ -262,7 +252,7 @@ def test_sharded_checkpoint_each_rank_writes_its_slices_one_manifest(groups, tin
     ray = ray_session
     cfg, policy, _ = groups
     if ray.get(policy.weight_version.remote()) == 0:  # moments to save: one update first
-        b = _batch(7)
+        b = random_batch(7, max_response=14)
         lp = ray.get(policy.compute_logprobs.remote(b))
         ray.get(policy.update.remote(b, lp, lp))
     full, meta = ray.get(policy.get_state.remote())

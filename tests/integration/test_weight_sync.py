@@ -17,18 +17,7 @@ import ray
 import torch
 
 from infra.config import build_config
-from rollout.batch import from_sequences
-
-
-def _batch(seed: int, n: int = 8):
-    rng = np.random.default_rng(seed)
-    tokens, lengths = [], []
-    for _ in range(n):
-        prompt, resp = int(rng.integers(3, 7)), int(rng.integers(1, 14))
-        tokens.append(rng.integers(2, 40, prompt + resp).tolist())
-        lengths.append(resp)
-    return from_sequences(tokens, lengths, [(-3.0 + 0.1 * rng.normal(size=r)).tolist() for r in lengths],
-                          [[0] * r for r in lengths], advantages=rng.normal(size=n).tolist())
+from learner_batches import random_batch
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +57,7 @@ def test_three_bucketed_syncs_then_a_killed_engine_rejoins(rollout_manager, poli
     m._weight_sync.bucket_bytes = largest // 2  # smaller than the largest tensor: that one goes alone
     try:
         for step in range(1, 4):
-            metrics = ray.get(policy.update.remote(ray.put(_batch(step)), None, None))
+            metrics = ray.get(policy.update.remote(ray.put(random_batch(step, max_response=14)), None, None))
             version = int(metrics["weight_version"])
             assert version == step
             reported = m.sync_weights_distributed(policy, version)
@@ -86,7 +75,7 @@ def test_three_bucketed_syncs_then_a_killed_engine_rejoins(rollout_manager, poli
         assert out[0]["meta_info"]["weight_version"] in (3, "3")
         victim = m.engines[0]  # dead when the next sync starts: the sync restarts it and still reaches everyone
         os.kill(victim.pids[0], signal.SIGKILL)
-        ray.get(policy.update.remote(ray.put(_batch(4)), None, None))
+        ray.get(policy.update.remote(ray.put(random_batch(4, max_response=14)), None, None))
         assert m.sync_weights_distributed(policy, 4) == {0: 4, 1: 4} and m.engines[0].url != victim.url
         assert_engines_hold(m, ray.get(policy.state_dict_ref.remote()), 4)
     finally:
