@@ -173,13 +173,15 @@ def test_kill_9_engine_mid_batch_every_request_completes_and_engine_returns(roll
     assert direct.status_code == 200
 
 
-def test_hung_engine_is_found_by_the_monitor_restarted_and_its_requests_finish(rollout_manager):
+def test_hung_engine_is_found_by_the_monitor_restarted_and_its_requests_finish(rollout_manager, monkeypatch):
     m = rollout_manager
     victim, restarts = m.engines[1], m.restarts
+    # a tiny CPU model answers /health_generate in milliseconds even mid-batch: a hung engine is found at once
+    monkeypatch.setattr(m.cfg, "health_timeout_s", 1.0)
     thread, box = in_background(m.generate, batch({"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}))
     assert wait_until(lambda: loads(victim.url)[0] > 0, 20)
     os.kill(victim.pids[0], signal.SIGSTOP)  # alive but silent: /health_generate cannot answer
-    m.start_health_monitor(0.5)
+    m.start_health_monitor(0.1)
     try:
         assert wait_until(lambda: m.restarts > restarts, 60, 0.1), "the monitor did not restart the hung engine"
     finally:
