@@ -65,15 +65,24 @@ def test_wrong_credentials_clear_error_no_secret_anywhere(s3_server, caplog):
     assert s3_server.secret_key not in repr(s3_server) and s3_server.secret_key not in repr(store)
 
 
-def test_unreachable_endpoint_fails_fast_with_the_fix():
+def test_unreachable_endpoint_fails_fast_with_the_fix(monkeypatch):
+    """check_storage retries a refused connection until its deadline, on a clock that only its sleeps advance
+    (FakeClock): the same attempts and backoffs, none of the waiting."""
+    import infra.storage
+
+    clock, real_policy = FakeClock(), infra.storage.RetryPolicy
+    monkeypatch.setattr(infra.storage, "RetryPolicy",
+                        lambda **kw: real_policy(**kw, sleep=clock.sleep, clock=lambda: clock.now))
     (port,) = free_ports(1)
     cfg = StorageConfig(endpoint_url=f"http://127.0.0.1:{port}", access_key_id=SecretStr("AKID0001"),
                         secret_access_key=SecretStr("SuperSecretValue99"))
     start = time.monotonic()
     with pytest.raises(StorageUnreachable) as err:
         check_storage("s3://bucket/run1", cfg, deadline_s=2)
-    assert time.monotonic() - start < 6
+    assert time.monotonic() - start < 6  # no attempt hangs
+    assert sum(clock.sleeps) == pytest.approx(2) and len(clock.sleeps) >= 3  # backed off until the deadline
     msg = str(err.value)
+    assert f"({len(clock.sleeps) + 1} attempts)" in msg
     assert "s3://bucket/run1" in msg and f"127.0.0.1:{port}" in msg and "storage.endpoint_url" in msg
     assert "SuperSecretValue99" not in msg
 
@@ -185,8 +194,8 @@ def test_only_transient_errors_are_retried():
 def test_a_hung_server_cannot_block_a_call_forever(s3_server):
     """SIGSTOPped server: the request body fills the socket buffers and botocore's read timeout never
     starts; the per-call time limit must end the attempt so the deadline can fail it."""
-    store = open_store(s3_server.url("hung"), s3_server.storage_config(), connect_timeout_s=1, read_timeout_s=1,
-                       retry=RetryPolicy(deadline_s=1, first_backoff_s=0.1))
+    store = open_store(s3_server.url("hung"), s3_server.storage_config(), connect_timeout_s=0.5, read_timeout_s=0.5,
+                       retry=RetryPolicy(deadline_s=1, first_backoff_s=0.1))  # one attempt: its limit is ~2 s
     s3_server.pause()
     start = time.monotonic()
     try:
