@@ -2,6 +2,8 @@
 gets the same score in any batch, and scores combine with the rule reward by their weights."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor, wait
+
 import numpy as np
 import pytest
 
@@ -30,13 +32,26 @@ def classifier(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def models(ray_session, classifier):
+def starts(ray_session, classifier, tmp_path_factory):
+    """This module's two start_reward_models calls, run at once (every actor is a new process that imports
+    torch and transformers): the models the tests score with, and a num_labels=2 folder that must be refused."""
     from rollout.reward_models import start_reward_models
 
-    started = start_reward_models([RewardModelConfig(path=classifier, weight=0.5, name="a", batch_size=3),
-                                   RewardModelConfig(path=classifier, weight=-2.0, batch_size=2)])
-    yield started
-    started.shutdown()
+    two_labels = build_classifier(tmp_path_factory.mktemp("two"), num_labels=2)
+    with ThreadPoolExecutor(2) as pool:
+        refused = pool.submit(start_reward_models, [RewardModelConfig(path=two_labels)])
+        models = pool.submit(start_reward_models, [
+            RewardModelConfig(path=classifier, weight=0.5, name="a", batch_size=3),
+            RewardModelConfig(path=classifier, weight=-2.0, batch_size=2)])
+        wait([refused, models])
+    yield models, refused
+    if models.exception() is None:
+        models.result().shutdown()
+
+
+@pytest.fixture(scope="module")
+def models(starts):
+    return starts[0].result()
 
 
 TEXTS = ["1+1=2", "what is 3*4? 12", "a", "a much longer text than the others, padded less", "1+1=2"]
@@ -89,9 +104,8 @@ def test_compute_reward_adds_the_weighted_scores_to_the_rule_reward(models):
     assert np.argmax(advantages) in (0, 3) and advantages[0] == pytest.approx(advantages[3], abs=1e-6)
 
 
-def test_a_folder_that_is_not_a_reward_model_is_refused(ray_session, tmp_path):
-    from rollout.reward_models import RewardModelError, start_reward_models
+def test_a_folder_that_is_not_a_reward_model_is_refused(starts):
+    from rollout.reward_models import RewardModelError
 
-    folder = build_classifier(tmp_path / "two", num_labels=2)
     with pytest.raises(RewardModelError, match=r"num_labels=2; a reward model needs num_labels=1"):
-        start_reward_models([RewardModelConfig(path=folder)])
+        starts[1].result()  # start_reward_models on the num_labels=2 folder
