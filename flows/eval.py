@@ -136,12 +136,12 @@ def summarize(greedy: list, sampled: list, k: int, threshold: float) -> dict:
 def evaluate(target: EvalTarget, data_path: str | Path, name: str | None = None) -> tuple[dict, Path]:
     """Start engines on the target's policy, score greedy and k sampled responses per prompt of `data_path`,
     write <out_dir>/eval/<name>.json -> (result, its path)."""
+    from flows.setup import release_parts, start_engines
     from infra.cluster import init_ray
     from infra.imports import load_function
     from infra.models import load_tokenizer
     from rollout.data_source import read_prompt_file
     from rollout.evaluation import run_eval
-    from rollout.manager import RolloutManager
     from tasks.reward import REWARD_KEYWORDS
 
     cfg, data_path = target.cfg, Path(data_path)
@@ -157,10 +157,14 @@ def evaluate(target: EvalTarget, data_path: str | Path, name: str | None = None)
                   stop=cfg.rollout.stop)
     start = time.perf_counter()
     init_ray(cfg.engines.ray_address)
-    with RolloutManager(cfg.engines, str(target.model_dir)) as engines:
+    engines, scored = start_engines(cfg.engines, target.model_dir), False
+    try:
         greedy = run_eval({name: prompts}, engines.eval, reward_fn, temperature=0.0, **common)[name]
         sampled = run_eval({name: prompts}, engines.eval, reward_fn, temperature=cfg.eval.temperature,
                            top_p=cfg.eval.top_p, n_samples_per_prompt=cfg.eval.k, **common)[name]
+        scored = True
+    finally:
+        release_parts([engines], keep=scored)  # kept only by an active flows.parts.WarmParts
     result = {"name": name, "data": str(data_path), **target.source,
               **summarize(greedy, sampled, cfg.eval.k, cfg.eval.pass_threshold),
               "reward_function": cfg.grpo.reward_function_path, "temperature": cfg.eval.temperature,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.cluster import init_ray
+from flows.parts import active_warm_parts
 from infra.config import RunConfig
 from infra.imports import load_function
 from infra.models import load_tokenizer, resolve_model_path
@@ -119,15 +120,7 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
         cursor = PromptCursor(len(prompts), seed=cfg.model.seed, shuffle=cfg.data.shuffle)
     init_ray(cfg.engines.ray_address)
     reward_models = start_reward_models(cfg.grpo.reward_models, cfg.model.dtype)  # first: a bad folder fails early
-    from tasks.learner_group import create_learners
-
-    learners = create_learners(model_path, cfg)
-    engine = None
-    if needs_engines(cfg):
-        from rollout.manager import RolloutManager
-
-        engine = RolloutManager(cfg.engines, str(model_path),
-                                deterministic_inference=cfg.rollout.deterministic_sampling)
+    learners, engine = start_learners_and_engines(cfg, model_path)
     builtin = cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD
     context = RolloutContext(dock=dock, engine=engine, tokenizer=tokenizer, prompts=prompts, cursor=cursor,
                              stop_token_ids=stop_ids, reward_fn=reward_fn,
@@ -140,13 +133,51 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
                engine, baseline=toy_task.prompt_independent_baseline(prompts.labels)[1] if builtin else None)
 
 
-def shutdown_run(run: Run | None) -> None:
+def start_learners_and_engines(cfg: RunConfig, model_path: Path) -> tuple[tuple[Any, Any], Any]:
+    """((policy, ref), engine): borrowed from the active flows.parts.WarmParts if any, else started."""
+    warm = active_warm_parts()
+    if warm is not None:
+        learners = warm.learners(model_path, cfg)
+    else:
+        from tasks.learner_group import create_learners
+
+        learners = create_learners(model_path, cfg)
+    if not needs_engines(cfg):
+        return learners, None
+    try:
+        return learners, start_engines(cfg.engines, model_path, cfg.rollout.deterministic_sampling)
+    except BaseException:
+        release_parts(learners, keep=False)
+        raise
+
+
+def start_engines(engines_cfg, model_path, deterministic: bool = False):
+    """A rollout.manager.RolloutManager on model_path: borrowed from the active WarmParts if any, else started."""
+    warm = active_warm_parts()
+    if warm is not None:
+        return warm.engine(engines_cfg, model_path, deterministic)
+    from rollout.manager import RolloutManager
+
+    return RolloutManager(engines_cfg, str(model_path), deterministic_inference=deterministic)
+
+
+def release_parts(parts, keep: bool) -> None:
+    """Give engines and learner groups back to the active WarmParts (kept for the next run if keep), or shut
+    them down (a LearnerGroup removes its placement group too)."""
+    warm = active_warm_parts()
+    for part in parts:
+        if part is None:
+            continue
+        if warm is not None:
+            warm.give_back(part, keep=keep)  # shuts down what it did not lend
+        else:
+            part.shutdown()
+
+
+def shutdown_run(run: Run | None, keep_parts: bool = True) -> None:
+    """keep_parts=False: a run that failed gives its parts up even when they were borrowed (flows/parts.py)."""
     if run is None:
         return
-    if run.engine is not None:
-        run.engine.shutdown()
+    release_parts((run.engine, run.policy, run.ref), keep_parts)
     if run.reward.reward_models:
         run.reward.reward_models.shutdown()
-    for group in (run.policy, run.ref):
-        if group is not None:  # a LearnerGroup (tasks/learner_group.py) removes its placement group too
-            group.shutdown()

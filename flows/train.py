@@ -6,6 +6,7 @@ iteration passes on as a local variable; the weight version travels the same way
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass, replace
 
@@ -138,6 +139,7 @@ def grpo_train(config: RunConfig, resume: bool = False) -> dict:
     finally:
         if tracker is not None:
             tracker.close()
-        shutdown_run(run)
+        failure = sys.exc_info()[1]  # a refused input (ValueError: exit 2) leaves every part idle and sound
+        shutdown_run(run, keep_parts=failure is None or isinstance(failure, ValueError))
         if lock is not None:
             lock.release()

@@ -17,7 +17,7 @@ import ray
 from rollout.engine_pool import EngineHandle
 from rollout.engines import sglang_backend as sgl
 from rollout.engines.client import EngineError
-from rollout.weight_sync_client import disk_folder
+from rollout.weight_sync_client import DistributedWeightSync, disk_folder, weight_sync_settings
 
 log = logging.getLogger("rollout.manager")
 Weights = dict | ray.ObjectRef | str | Path
@@ -51,6 +51,31 @@ class EngineWeights:
             if refused:
                 raise refused[0]
         return dict(self.weight_versions)
+
+    def reset(self, model_path: str | Path, engines_cfg=None) -> None:
+        """Serve model_path's weights as version 0, as a newly started manager would (a run reusing these engines,
+        flows/parts.py): leave the weight-update group, take memory back, load the folder on every engine.
+        engines_cfg: the new run's engines section (its weight-sync and health settings take effect; the
+        settings the engines were started with must be the same: flows.parts.engine_key)."""
+        self.stop_health_monitor()
+        self._call(self._reset, str(model_path), engines_cfg or self.cfg)
+        if self.cfg.health_interval_s:
+            self.start_health_monitor(self.cfg.health_interval_s)
+
+    async def _reset(self, model_path: str, engines_cfg) -> None:
+        async with self._engine_lock:
+            await self._weight_sync.leave(self._client)
+            self.cfg = self.pool.cfg = engines_cfg
+            self._weight_sync = DistributedWeightSync(**weight_sync_settings(engines_cfg, self.pool.use_gpu))
+            if self._offloaded:
+                payload = sgl.resume_memory_payload(None)
+                await asyncio.gather(*(self._client(u).post(sgl.ENDPOINTS["resume_memory"], json=payload)
+                                       for u in self.urls))
+                self._offloaded = False
+            self.model_path = self.pool.model_path = model_path  # what a restarted engine starts from
+            self._latest_weights = ("disk", model_path, 0)
+            await asyncio.gather(*(self._apply_latest(h) for h in self.engines))
+            self._latest_weights, self.restarts = None, 0
 
     def sync_weights(self, policy: Any, weight_version: int | str) -> dict[int, Any]:
         """The policy learner's current weights to every engine by engines.weight_sync: distributed (SGLang's

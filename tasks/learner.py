@@ -245,6 +245,12 @@ class LearnerActor(WeightSenderMixin):
         return grad_norm, stepped
 
     # ----- weights and state -----
+    def reset(self, model_path: str, **init_kwargs) -> None:
+        """Start over as a new actor would (flows/parts.py): leave every weight-update group, construct again."""
+        for name in list(self.__dict__.get("_weight_groups", {})):
+            self.leave_weight_group(name)
+        self.__init__(model_path, **init_kwargs)
+
     def weight_version(self) -> int:
         return self._version
 

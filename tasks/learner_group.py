@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from infra.config_learner import LearnerConfig, check_learner_start
 from tasks.learner import LearnerActor
 
-__all__ = ["LearnerGroup", "create_learner_group", "create_learners"]
+__all__ = ["LearnerGroup", "create_learner_group", "create_learners", "reset_learner_group"]
 log = logging.getLogger(__name__)
 RANK0_ONLY = ("state_dict_ref", "get_state")  # big results: rank 0's ref as is
 BUNDLE_MIN_CPU = 0.01  # a bundle needs some resource; zero-CPU ranks would leave Ray's CPU slots to the engines
@@ -108,11 +108,24 @@ def create_learner_group(model_path, cfg, trainable: bool, lcfg: LearnerConfig |
     actor_cls = ray.remote(LearnerActor)
     actors = [
         actor_cls.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=in_bundle(rank))
-        .remote(str(model_path), grpo_cfg=cfg.grpo, optim_cfg=cfg.optimizer, temperature=cfg.rollout.temperature,
-                seed=cfg.model.seed, trainable=trainable, dtype=cfg.model.dtype,
-                total_steps=cfg.schedule.num_iterations, learner_cfg=lcfg, rank=rank, master=master)
+        .remote(str(model_path), **rank_options(cfg, trainable, lcfg, rank, master))
         for rank in range(lcfg.world_size)]
     return LearnerGroup(actors, pg)
+
+
+def rank_options(cfg, trainable: bool, lcfg: LearnerConfig, rank: int = 0, master=None) -> dict:
+    """LearnerActor's constructor arguments (after the model folder) for one rank of a run."""
+    return dict(grpo_cfg=cfg.grpo, optim_cfg=cfg.optimizer, temperature=cfg.rollout.temperature, seed=cfg.model.seed,
+                trainable=trainable, dtype=cfg.model.dtype, total_steps=cfg.schedule.num_iterations,
+                learner_cfg=lcfg, rank=rank, master=master)
+
+
+def reset_learner_group(group: LearnerGroup, model_path, cfg, trainable: bool) -> None:
+    """An unsharded group started anew for another run (flows/parts.py): weights from model_path, fresh state."""
+    if group.world_size != 1:
+        raise ValueError("only a one-rank learner group can be reset; a sharded one is started anew")
+    ray.get(group.actors[0].reset.remote(str(model_path), **rank_options(cfg, trainable, cfg.learner)))
+    group.pending = []
 
 
 def create_learners(model_path, cfg) -> tuple[LearnerGroup, LearnerGroup | None]:

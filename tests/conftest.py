@@ -17,7 +17,8 @@ set_loopback_env()
 apply_process_defaults()
 
 # Fixture modules of each area; add yours here.
-pytest_plugins: list[str] = ["fixtures_engines", "fixtures_s3", "fixtures_manager", "fixtures_prefect"]  # tests/ is on sys.path (rootdir conftest)
+pytest_plugins: list[str] = ["fixtures_engines", "fixtures_s3", "fixtures_manager", "fixtures_prefect",
+                               "fixtures_warm"]  # tests/ is on sys.path (rootdir conftest)
 
 
 @pytest.fixture(scope="session")

@@ -143,7 +143,7 @@ def checkpoints(run_dir) -> list[tuple[int, bool]]:
 
 
 @pytest.mark.slow  # ~70 s: five flow runs on one run directory
-def test_bad_rewards_and_mismatched_resumes_stop_clearly_and_lose_nothing(prefect_harness, ray_session,
+def test_bad_rewards_and_mismatched_resumes_stop_clearly_and_lose_nothing(prefect_harness, ray_session, warm_parts,
                                                                           caplog, tmp_path):
     """One run through the whole list, each step on the state the previous one left:
     1. over-long prompts with data.over_long_prompts=truncate are cut and counted; the reward turns NaN in

@@ -16,7 +16,8 @@ def rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_debug_data_replay_reproduces_training_and_eval_is_logged(prefect_harness, ray_session, tmp_path):
+def test_debug_data_replay_reproduces_training_and_eval_is_logged(prefect_harness, ray_session, warm_parts,
+                                                                  tmp_path):
     from flows.train import grpo_train
 
     eval_file = tmp_path / "eval.jsonl"
@@ -51,7 +52,7 @@ def test_debug_data_replay_reproduces_training_and_eval_is_logged(prefect_harnes
     assert original[0]["loss"] == pytest.approx(replayed[0]["loss"], rel=1e-5, abs=1e-7)
 
 
-def test_sft_mode_raises_the_likelihood_of_the_given_responses(prefect_harness, ray_session, tmp_path):
+def test_sft_mode_raises_the_likelihood_of_the_given_responses(prefect_harness, ray_session, warm_parts, tmp_path):
     from flows.train import grpo_train
     from infra.checkpoint import load_latest_checkpoint
     from infra.models import load_causal_lm

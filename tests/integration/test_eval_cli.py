@@ -53,7 +53,7 @@ def chat_prompts(path, count: int = 24):
 
 
 @pytest.fixture(scope="module")
-def trained(prefect_harness, tmp_path_factory):
+def trained(prefect_harness, warm_pool, tmp_path_factory):
     """Two iterations trained; then the newest checkpoint goes and `resume` redoes iteration 1 from checkpoint 0,
     whose dock holds the groups loaded in iteration 0 and trained in iteration 1 (partial rollout loads 2 x GBS)."""
     import shutil
@@ -62,13 +62,14 @@ def trained(prefect_harness, tmp_path_factory):
     data, run_dir = chat_prompts(folder / "train.parquet"), folder / "run"
     keys = ["data.prompt_key=messages", "data.label_key=answer", f"data.prompts_path={data}"]
     SEEN.clear()
-    code, _, err = spillover("train", "--config", "configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, *keys,
-                             "schedule.num_iterations=2")
-    assert code == 0, err[-3000:]
-    first = list(SEEN)
-    shutil.rmtree(run_dir / "checkpoints" / "ckpt-00000001")
-    code, _, err = spillover("resume", str(run_dir))
-    assert code == 0, err[-3000:]
+    with warm_pool.active():  # the session's kept engines and learners (tests/fixtures_warm.py)
+        code, _, err = spillover("train", "--config", "configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, *keys,
+                                 "schedule.num_iterations=2")
+        assert code == 0, err[-3000:]
+        first = list(SEEN)
+        shutil.rmtree(run_dir / "checkpoints" / "ckpt-00000001")
+        code, _, err = spillover("resume", str(run_dir))
+        assert code == 0, err[-3000:]
     return run_dir, data, first, SEEN[len(first):]
 
 
@@ -82,7 +83,7 @@ def test_additional_keys_reach_the_reward_across_checkpoint_and_resume(trained):
     assert [r["iteration"] for r in rows] == [0, 1]
 
 
-def test_eval_writes_pass_at_1_and_pass_at_k(trained, tmp_path):
+def test_eval_writes_pass_at_1_and_pass_at_k(trained, warm_parts, tmp_path):
     run_dir, data, _, _ = trained
     SEEN.clear()
     code, out, err = spillover("eval", str(run_dir), "--data", str(data), "eval.k=2", "--name", "chat")

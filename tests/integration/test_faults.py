@@ -65,8 +65,8 @@ class Records(logging.Handler):
         self.records.append(record)
 
 
-def test_s3_down_during_two_checkpoint_writes_the_run_goes_on(prefect_harness, ray_session, s3_server, monkeypatch,
-                                                               tmp_path):
+def test_s3_down_during_two_checkpoint_writes_the_run_goes_on(prefect_harness, ray_session, warm_parts, s3_server,
+                                                               monkeypatch, tmp_path):
     """One run, two outages of OUTAGE_S each, after the first object of a checkpoint: iteration 1's
     checkpoint meets a killed server (restarted on the same ports), iteration 2's a paused one."""
     import tasks.checkpoint as checkpoint_task
@@ -136,7 +136,7 @@ def loads(url: str) -> int:
     return httpx.get(url + "/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"]
 
 
-def test_engine_killed_mid_generation_and_reward_raising_once_run_completes(prefect_harness, ray_session,
+def test_engine_killed_mid_generation_and_reward_raising_once_run_completes(prefect_harness, ray_session, warm_parts,
                                                                             monkeypatch, tmp_path):
     """Engine 0's actor is SIGKILLed while it runs requests of the run's third generation round (after the
     first checkpoint): the router retries them on engine 1, and the manager restarts engine 0 with the

@@ -218,7 +218,7 @@ def test_gradient_checkpointing_and_eager_attention_do_not_change_the_update(tin
 
 
 @pytest.mark.slow  # 90-110 s on 2 shared cores: engines, router, four learner ranks, two flow runs
-def test_flow_with_two_learner_ranks_then_resume_on_one(prefect_harness, ray_session, tmp_path):
+def test_flow_with_two_learner_ranks_then_resume_on_one(prefect_harness, ray_session, warm_parts, tmp_path):
     """The training flow with learner.world_size=2 (policy and KL reference both sharded: four learner actors
     next to the engines), then its checkpoint resumed by a world_size 1 run (the state reshards on load)."""
     import json

@@ -12,7 +12,7 @@ def rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_resume_continues_and_refuses_mixed_runs(prefect_harness, ray_session, tmp_path):
+def test_resume_continues_and_refuses_mixed_runs(prefect_harness, ray_session, warm_parts, tmp_path):
     from flows.setup import load_run_config
     from flows.train import grpo_train
 

@@ -24,7 +24,7 @@ def spillover(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def test_tiny_math_trains_and_evaluates(prefect_harness, tmp_path):
+def test_tiny_math_trains_and_evaluates(prefect_harness, warm_parts, tmp_path):
     from infra.models import load_tokenizer
 
     run_dir = tmp_path / "tiny-math"

@@ -35,7 +35,7 @@ def task_names_by_iteration(parent_id, flow_names):
         return out
 
 
-def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_harness, ray_session, tmp_path):
+def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_harness, ray_session, warm_parts, tmp_path):
     from flows.train import grpo_train
 
     cfg = small_config(tmp_path / "run")

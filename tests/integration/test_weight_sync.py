@@ -84,7 +84,7 @@ def test_three_bucketed_syncs_then_a_killed_engine_rejoins(rollout_manager, poli
         m.update_weights(str(varied_model_dir), 0)  # the session's engines back to the checkpoint
 
 
-def test_flow_trains_with_distributed_weight_sync(prefect_harness, ray_session, tmp_path, monkeypatch):
+def test_flow_trains_with_distributed_weight_sync(prefect_harness, ray_session, warm_parts, tmp_path, monkeypatch):
     """engines.weight_sync=distributed through the flow's update task: two iterations, each update sent to the
     engines in several buckets by the distributed path (a spy counts its syncs), the sync timed."""
     import json

@@ -1,0 +1,170 @@
+"""Warm parts: engines and learner groups kept between runs started one after another in one process.
+
+Starting the Ray actors of a run (engines, policy, reference) costs seconds of imports and model loading per
+actor; a process that runs many short runs (a sweep driver, a notebook, the test suite) can keep them:
+
+    with WarmParts() as warm, warm.active():
+        grpo_train(cfg_a)
+        grpo_train(cfg_b)   # the same engines and learners, reset to a fresh start
+
+`build_run` borrows from the active `WarmParts` (if any) instead of starting actors, and `shutdown_run` gives
+them back. A borrowed part is reset to what a fresh start gives: learners re-run their constructor (weights
+from the new run's model folder, a new optimizer, the seeded RNG, weight version 0, the configured KL
+coefficient, no weight-update group); engines load the new model folder as weight version 0 and leave their
+weight-update group. Engines sample from the random stream they have; only rollout.deterministic_sampling
+makes tokens independent of what the engines served before.
+
+A part is reused only by a run that would start the very same one: the same learner placement (learner
+section, trainable or not) or the same engines section, sampling mode and model shape and tokenizer (every
+file of the model folder but the weights). Sharded learner groups (world_size > 1, CUDA) are not kept: their
+process groups are set up once per actor. At most one idle part per role is kept (idle actors hold Ray
+resources); a run that fails gives its parts up instead of back, unless it stopped on refused input (a
+ValueError, exit 2: every part was idle).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger(__name__)
+# Engine settings that RolloutManager.reset applies to running engines (the rest shape what is started).
+RUNTIME_ENGINE_SETTINGS = ("weight_sync", "weight_bucket_bytes", "weight_sync_timeout_s", "weight_sync_dir",
+                           "health_interval_s", "health_timeout_s")
+ENGINE_START_FILES = ("config.json", "generation_config.json", "tokenizer", "special_tokens_map.json", "chat_template",
+                      "vocab", "merges.txt", "added_tokens.json")
+_ACTIVE: ContextVar["WarmParts | None"] = ContextVar("spillover_warm_parts", default=None)
+
+
+def active_warm_parts() -> "WarmParts | None":
+    return _ACTIVE.get()
+
+
+def model_shape_digest(model_path: str | Path) -> str:
+    """A digest of what an engine reads from an HF folder at start besides the weights: the model and generation
+    config, the tokenizer and its chat template."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_path).iterdir()):
+        if path.is_file() and path.name.startswith(ENGINE_START_FILES):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def learner_key(cfg, trainable: bool) -> str | None:
+    """What decides whether a kept learner group can serve a run; None: not kept (sharded)."""
+    if cfg.learner.world_size > 1 or cfg.learner.device == "cuda":
+        return None
+    return f"{trainable}|{cfg.learner.model_dump_json()}"
+
+
+def engine_key(engines_cfg, model_path: str | Path, deterministic: bool) -> str:
+    """What the engines were started with: the engines section but what a reset applies (RUNTIME_ENGINE_SETTINGS),
+    the sampling mode, the model's shape and tokenizer."""
+    started = engines_cfg.model_dump_json(exclude=set(RUNTIME_ENGINE_SETTINGS))
+    return f"{started}|{deterministic}|{model_shape_digest(model_path)}"
+
+
+class WarmParts:
+    """Idle engines and learner groups by role, each with the key of the runs it can serve."""
+
+    def __init__(self):
+        self._idle: dict[str, tuple[str, Any]] = {}
+        self._lent: dict[int, tuple[str, str]] = {}  # id(part) -> (role, key)
+        self.reused = 0  # parts handed to a run without starting them (tests read it)
+        self.started = 0
+
+    def borrow(self, role: str, key: str | None, start: Callable[[], Any], reset: Callable[[Any], None]) -> Any:
+        """A kept part with this key, reset; else a new one from start() (an idle one of another key is shut down
+        first, freeing its Ray resources)."""
+        idle = self._idle.pop(role, None)
+        if idle is not None and key is not None and idle[0] == key:
+            part = idle[1]
+            try:
+                reset(part)
+            except Exception:
+                log.warning("a kept %s could not be reset; starting a new one", role, exc_info=True)
+                _shutdown(part)
+            else:
+                self.reused += 1
+                self._lent[id(part)] = (role, key)
+                return part
+        elif idle is not None:
+            _shutdown(idle[1])
+        part = start()
+        self.started += 1
+        if key is not None and part is not None:
+            self._lent[id(part)] = (role, key)
+        return part
+
+    def give_back(self, part: Any, keep: bool = True) -> None:
+        """End of a run: keep the part for the next run (keep=False, or not lent by this pool: shut it down)."""
+        if part is None:
+            return
+        lent = self._lent.pop(id(part), None)
+        if lent is None or not keep:
+            _shutdown(part)
+            return
+        role, key = lent
+        previous = self._idle.get(role)
+        if previous is not None:
+            _shutdown(previous[1])
+        self._idle[role] = (key, part)
+
+    def learners(self, model_path, cfg) -> tuple[Any, Any]:
+        """The run's policy group and (grpo.kl_coef > 0) reference group, as tasks.learner_group.create_learners."""
+        from tasks.learner_group import create_learner_group, reset_learner_group
+
+        def borrow(role: str, trainable: bool):
+            return self.borrow(role, learner_key(cfg, trainable),
+                               lambda: create_learner_group(model_path, cfg, trainable=trainable),
+                               lambda group: reset_learner_group(group, model_path, cfg, trainable))
+
+        import ray
+
+        from infra.config_learner import check_learner_start
+
+        check_learner_start(cfg.learner, ray.cluster_resources())
+        policy = borrow("policy", True)
+        try:
+            return policy, borrow("ref", False) if cfg.grpo.kl_coef > 0 else None
+        except BaseException:
+            self.give_back(policy, keep=False)
+            raise
+
+    def engine(self, engines_cfg, model_path, deterministic: bool = False) -> Any:
+        """A rollout.manager.RolloutManager serving model_path's weights as version 0."""
+        from rollout.manager import RolloutManager
+
+        return self.borrow("engine", engine_key(engines_cfg, model_path, deterministic),
+                           lambda: RolloutManager(engines_cfg, str(model_path), deterministic_inference=deterministic),
+                           lambda manager: manager.reset(model_path, engines_cfg))
+
+    def shutdown(self) -> None:
+        for _, part in self._idle.values():
+            _shutdown(part)
+        self._idle.clear()
+
+    @contextmanager
+    def active(self) -> Iterator["WarmParts"]:
+        """Runs started in this context (this thread) borrow from this pool."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
+    def __enter__(self) -> "WarmParts":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _shutdown(part: Any) -> None:
+    try:
+        part.shutdown()
+    except Exception:  # a part that is already gone (its actors were killed) has nothing left to stop
+        log.warning("shutting down %r failed", part, exc_info=True)

@@ -1,0 +1,60 @@
+"""Warm parts (flows/parts.py): a run on engines and learners kept from an earlier run trains exactly as a run
+on new ones -- the same samples, rewards, losses and final weights, optimizer state and RNG -- so the suite's
+flow tests can share them (tests/fixtures_warm.py) without changing what they prove."""
+import json
+
+import torch
+
+from test_train_flow import small_config
+
+# Tokens independent of the engines' history (every request carries a seed), old logprobs from the learner; a
+# reference model (KL) so that all three kinds of part are kept.
+DETERMINISTIC = {"rollout.deterministic_sampling": "true", "grpo.kl_coef": "0.05", "grpo.skip_old_logprob": "false", "grpo.tis": "false",
+                 "grpo.reward_function_path": "test_warm_parts.distinct_chars"}
+
+
+def distinct_chars(response: str, label, **_) -> float:
+    """Varies within a group (the tiny model never solves the task), so every update moves the weights."""
+    return len(set(response)) / 16.0
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_tensors(run_dir):
+    from infra.checkpoint import load_latest_checkpoint
+    from infra.storage import open_store
+
+    return load_latest_checkpoint(open_store(str(run_dir / "checkpoints"))).tensors["policy"]
+
+
+def test_kept_parts_train_exactly_like_new_ones_take_new_settings_and_are_not_reused_for_another_model(
+        prefect_harness, ray_session, tmp_path):
+    from flows.parts import WarmParts
+    from flows.train import grpo_train
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    with WarmParts() as pool, pool.active():
+        grpo_train(small_config(first, iterations=2, **{**DETERMINISTIC, "engines.weight_sync": "distributed"}))
+        assert pool.reused == 0  # a new pool starts every part
+        grpo_train(small_config(second, iterations=2, **{**DETERMINISTIC, "engines.weight_sync": "distributed"}))
+        assert pool.reused == 3  # engines, policy and reference: kept, reset, reused
+        summary = grpo_train(small_config(tmp_path / "disk", iterations=2, **{**DETERMINISTIC, "grpo.kl_coef": "0",
+                                                                                 "engines.weight_sync": "disk"}))
+        assert pool.reused == 5  # engines and policy (no KL: no reference): the reset applies the weight-sync mode
+        grpo_train(small_config(tmp_path / "other", iterations=1, **{**DETERMINISTIC, "grpo.kl_coef": "0",
+                                                                     "model.tiny.num_layers": 1}))
+        assert pool.reused == 6  # the policy (its constructor loads any shape), not the engines (another model)
+        assert pool.started == 4  # engines, policy, reference, and the other model's engines
+    got, want = rows(second), rows(first)
+    assert len({r["loss"] for r in want}) > 1 and want[0]["grad_norm"] > 0  # the weights really move
+    for key in ("trained_stream_ids", "reward_mean", "response_length_p50", "loss", "grad_norm", "kl",
+                "weight_version"):
+        assert [r[key] for r in got] == [r[key] for r in want], key
+    got_t, want_t = final_tensors(second), final_tensors(first)
+    assert sorted(got_t) == sorted(want_t)
+    assert [n for n in want_t if not torch.equal(got_t[n], want_t[n])] == []  # weights, AdamW state, RNG
+    assert summary["iterations"] == 2 and [r["weight_version"] for r in rows(tmp_path / "disk")] == [1, 2]
+    # disk sync, next to that run's model folder: the reset engines know the new run's model path
+    assert (tmp_path / "disk" / "synced_weights" / "version-2" / "config.json").is_file()

@@ -1,0 +1,89 @@
+"""flows/parts.WarmParts' bookkeeping with stand-in parts (the real engines and learners: tests/integration/
+test_warm_parts.py): which part a run gets, when it is reset, kept or shut down."""
+from __future__ import annotations
+
+import pytest
+
+from flows.parts import WarmParts, active_warm_parts, learner_key, model_shape_digest
+from infra.config import load_config
+
+
+class Part:
+    def __init__(self, name: str):
+        self.name, self.resets, self.down = name, 0, False
+
+    def shutdown(self):
+        self.down = True
+
+
+def borrow(pool, key, name, fail_reset=False):
+    def reset(part):
+        if fail_reset:
+            raise RuntimeError("gone")
+        part.resets += 1
+    return pool.borrow("engine", key, lambda: Part(name), reset)
+
+
+def test_a_kept_part_is_reset_and_reused_only_for_its_key():
+    pool = WarmParts()
+    a = borrow(pool, "k1", "a")
+    pool.give_back(a)
+    assert borrow(pool, "k1", "b") is a and a.resets == 1 and pool.reused == 1
+    pool.give_back(a)
+    c = borrow(pool, "k2", "c")  # another key: the idle one is shut down first (it holds Ray resources)
+    assert c.name == "c" and a.down and pool.started == 2
+    pool.give_back(c, keep=False)  # a failed run gives its part up
+    assert c.down and borrow(pool, "k2", "d").name == "d"
+
+
+def test_a_part_that_cannot_be_reset_is_replaced():
+    pool = WarmParts()
+    a = borrow(pool, "k", "a")
+    pool.give_back(a)
+    b = borrow(pool, "k", "b", fail_reset=True)
+    assert b.name == "b" and a.down and pool.reused == 0
+
+
+def test_unkeyed_and_foreign_parts_are_shut_down_one_idle_part_per_role():
+    pool = WarmParts()
+    sharded = borrow(pool, None, "sharded")
+    pool.give_back(sharded)
+    assert sharded.down
+    foreign = Part("foreign")
+    pool.give_back(foreign)
+    assert foreign.down
+    first, second = borrow(pool, "k", "first"), borrow(pool, "k", "second")  # two runs at once: two parts
+    pool.give_back(first)
+    pool.give_back(second)
+    assert first.down and not second.down
+    pool.shutdown()
+    assert second.down
+
+
+def test_active_is_scoped_to_the_context():
+    pool = WarmParts()
+    assert active_warm_parts() is None
+    with pool.active():
+        assert active_warm_parts() is pool
+    assert active_warm_parts() is None
+
+
+@pytest.mark.parametrize("override, kept", [([], True), (["learner.world_size=2"], False),
+                                            (["learner.device=cuda"], False)])
+def test_sharded_learner_groups_are_not_kept(override, kept):
+    cfg = load_config("configs/tiny.yaml", override)
+    assert (learner_key(cfg, True) is not None) is kept
+
+
+def test_the_engine_digest_ignores_weights_and_sees_the_tokenizer(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"hidden_size": 64}')
+    (folder / "tokenizer.json").write_text('{"vocab": 1}')
+    (folder / "model.safetensors").write_bytes(b"1")
+    before = model_shape_digest(folder)
+    (folder / "model.safetensors").write_bytes(b"2")
+    (folder / "spillover_weights.json").write_text('{"weight_version": 3}')
+    assert model_shape_digest(folder) == before
+    (folder / "tokenizer.json").write_text('{"vocab": 2}')
+    assert model_shape_digest(folder) != before
