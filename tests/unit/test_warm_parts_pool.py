@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flows.parts import WarmParts, active_warm_parts, learner_key, model_shape_digest
+from flows.parts import WarmParts, active_warm_parts, engine_key, learner_key, model_shape_digest
 from infra.config import load_config
 
 
@@ -87,3 +87,12 @@ def test_the_engine_digest_ignores_weights_and_sees_the_tokenizer(tmp_path):
     assert model_shape_digest(folder) == before
     (folder / "tokenizer.json").write_text('{"vocab": 2}')
     assert model_shape_digest(folder) != before
+
+
+def test_engines_are_kept_across_what_a_reset_applies_not_across_what_they_started_with(tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": 64}')
+    key = engine_key(load_config("configs/tiny.yaml").engines, tmp_path, False)
+    runtime = load_config("configs/tiny.yaml", ["engines.weight_sync=distributed", "engines.health_interval_s=5"])
+    assert engine_key(runtime.engines, tmp_path, False) == key
+    assert engine_key(load_config("configs/tiny.yaml", ["engines.rollout_num_gpus=1"]).engines, tmp_path, False) != key
+    assert engine_key(load_config("configs/tiny.yaml").engines, tmp_path, True) != key  # deterministic inference
