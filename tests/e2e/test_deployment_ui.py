@@ -2,7 +2,11 @@
 serving prefect.yaml's deployments, a run started with `spillover submit` through the API, its iteration
 artifacts read back through the API, a second run on the same run_dir refused by the run lock, and the
 flow run pages checked in headless Chromium (Debian's chromium driven by playwright). Screenshots go to
-test-outputs/e2e/ (SPILLOVER_UPDATE_DOCS=1 also refreshes docs/ui-screenshot.png)."""
+test-outputs/e2e/ (SPILLOVER_UPDATE_DOCS=1 also refreshes docs/ui-screenshot.png), phase times to
+test-outputs/e2e/timings.json.
+
+Kept short on 2 cores: the serving process polls for runs every second (Prefect's default is 10 s), one
+engine, and Chromium starts and logs in while `spillover serve` starts up."""
 from __future__ import annotations
 
 import json
@@ -12,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -30,8 +34,9 @@ OUT = REPO / "test-outputs" / "e2e"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SMALL = ["schedule.num_iterations=2", *SMALL_RUN, "tracking.wandb_mode=offline"]
+SMALL = ["schedule.num_iterations=2", *SMALL_RUN, "engines.rollout_num_gpus=1", "tracking.wandb_mode=offline"]
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+RUNNER_POLL_S = 1  # PREFECT_RUNNER_POLL_FREQUENCY of `spillover serve`: how soon a submitted run starts
 
 
 def _env(**extra) -> dict:
@@ -79,6 +84,7 @@ def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(tmp_path):
                       PREFECT_UI_API_URL=f"{url}/api")
     client_env = _env(PREFECT_HOME=tmp_path / "client-home", PREFECT_API_URL=f"{url}/api",
                       PREFECT_API_AUTH_STRING=auth)
+    serve_env = {**client_env, "PREFECT_RUNNER_POLL_FREQUENCY": str(RUNNER_POLL_S)}
     timings = {}
     with ExitStack() as stack:
         t0 = time.monotonic()
@@ -94,12 +100,14 @@ def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(tmp_path):
         serve_log = OUT / "serve.log"
         stack.enter_context(running(
             [str(BIN / "spillover"), "serve", "--config", "configs/tiny.yaml", *SMALL, f"run_dir={run_dir}",
-             "--cron", "17 4 * * *"], serve_log, client_env, cwd=str(REPO)))
+             "--cron", "17 4 * * *"], serve_log, serve_env, cwd=str(REPO)))
+        page = stack.enter_context(logged_in_page(url, auth))  # while `spillover serve` starts up
+        timings["browser_logged_in_s"] = time.monotonic() - t0
 
         def deployments():
             found = {d["name"]: d for d in api.post("/deployments/filter", json={}).json()}
             return found if {"train", "nightly-smoke"} <= set(found) else None
-        found = _wait(deployments, 120, f"deployments served (log: {serve_log})")
+        found = _wait(deployments, 120, f"deployments served (log: {serve_log})", every_s=0.25)
         timings["deployments_served_s"] = time.monotonic() - t0
         train, smoke = found["train"], found["nightly-smoke"]
         schema = json.dumps(train["parameter_openapi_schema"])
@@ -109,12 +117,15 @@ def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(tmp_path):
         assert [s["schedule"]["cron"] for s in smoke["schedules"]] == ["17 4 * * *"]
 
         first = _submit(client_env)
-        _wait(lambda: (run_dir / ".spillover.lock").is_file(), 180, f"the first run locks its run_dir ({serve_log})")
+        timings["first_submitted_s"] = time.monotonic() - t0
+        _wait(lambda: (run_dir / ".spillover.lock").is_file(), 180, f"the first run locks its run_dir ({serve_log})",
+              every_s=0.1)
+        timings["first_locked_s"] = time.monotonic() - t0
         second = _submit(client_env, "schedule.num_iterations=1")
         def both_final():
             states = [_flow_run(api, first)["state_type"], _flow_run(api, second)["state_type"]]
             return states if all(s in FINAL for s in states) else None
-        states = _wait(both_final, 300, f"both runs final (log: {serve_log})", every_s=2)
+        states = _wait(both_final, 300, f"both runs final (log: {serve_log})", every_s=0.25)
         timings["run_done_s"] = time.monotonic() - t0
         assert states == ["COMPLETED", "FAILED"], (states, serve_log.read_text()[-4000:])
         refused = _flow_run(api, second)["state"]["message"]
@@ -140,60 +151,78 @@ def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(tmp_path):
             "carryover.png", "is_weights.png", "lengths.png", "reward.png", "task_time.png"]
 
         t1 = time.monotonic()
-        checked = check_in_browser(url, auth, _flow_run(api, first)["name"], first, iteration_ids["iteration-0001"],
+        checked = check_in_browser(page, url, _flow_run(api, first)["name"], first, iteration_ids["iteration-0001"],
                                    report[0]["id"])
         timings["browser_s"] = time.monotonic() - t1
+        t2 = time.monotonic()
+    timings["stop_s"] = time.monotonic() - t2
     (OUT / "timings.json").write_text(json.dumps({**timings, "browser_checked": checked}, indent=2))
 
 
-def check_in_browser(url: str, auth: str, run_name: str, run_id: str, iteration_id: str, report_id: str) -> list:
-    """Log in with the auth string, then check the run page, an iteration page and the report artifact."""
+@contextmanager
+def logged_in_page(url: str, auth: str):
+    """A headless Chromium page logged in to the UI with the API auth string (kept in the UI's localStorage)."""
     from playwright.sync_api import sync_playwright
 
-    checked = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
         try:
             page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
-            page.set_default_timeout(60_000)
+            page.set_default_timeout(30_000)
             page.goto(f"{url}/login")
             page.locator("input[type=password]").fill(auth)
             page.locator("input[type=password]").press("Enter")
             page.wait_for_function("() => localStorage.getItem('prefect-password') !== null")
-
-            page.goto(f"{url}/runs/flow-run/{run_id}")
-            for text in (run_name, "Completed"):
-                page.get_by_text(text).first.wait_for()
-            page.get_by_text("Subflow Runs", exact=True).first.click()  # the timeline itself is a canvas
-            for text in ("iteration-0000", "iteration-0001"):
-                page.get_by_text(text).first.wait_for()
-            page.get_by_text("Artifacts", exact=True).first.click()
-            page.get_by_text("spillover-e2e-run-report").first.wait_for()
-            page.screenshot(path=str(OUT / "ui-flow-run.png"))
-            checked.append("run page: name, Completed, both iteration subflows, report artifact")
-
-            page.goto(f"{url}/runs/flow-run/{iteration_id}")
-            page.get_by_text("Task Runs", exact=True).first.click()
-            for task in ("load_prompts", "generate_until_ready", "compute_reward", "compute_ref_logprob",
-                         "compute_old_logprob", "update-", "clear_and_age_sort", "save_checkpoint"):
-                page.get_by_text(task).first.wait_for()
-            page.get_by_text("Artifacts", exact=True).first.click()
-            for key in ("spillover-e2e-run-metrics", "spillover-e2e-run-summary", "spillover-e2e-run-progress"):
-                page.get_by_text(key).first.wait_for()
-            page.wait_for_timeout(1000)
-            page.screenshot(path=str(OUT / "ui-iteration.png"))
-            checked.append("iteration page: its eight task runs, metrics/summary/progress artifacts")
-
-            page.goto(f"{url}/artifacts/artifact/{report_id}")
-            images = page.locator("img[src^='data:image/png']")
-            images.first.wait_for()
-            page.wait_for_function("() => [...document.querySelectorAll(\"img[src^='data:image/png']\")]"
-                                   ".every(i => i.complete && i.naturalWidth > 0)")
-            assert images.count() == len(PLOTS)  # every plot of the report
-            page.screenshot(path=str(OUT / "ui-report.png"), full_page=True)
-            checked.append("report artifact: 4 plots rendered")
+            page.goto("about:blank")  # the dashboard the login leads to polls the API; nothing to watch yet
+            yield page
         finally:
             browser.close()
-    if os.environ.get("SPILLOVER_UPDATE_DOCS") == "1":
+
+
+def _shows(page, *texts: str) -> None:
+    """Wait until the page's rendered text holds every one of texts (one wait, not one per text)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function("texts => texts.every(t => document.body.innerText.includes(t))", arg=list(texts),
+                               polling=100)
+    except PlaywrightTimeout:
+        shown = page.evaluate("document.body.innerText")
+        raise AssertionError(f"{page.url} does not show {[t for t in texts if t not in shown]}") from None
+
+
+def check_in_browser(page, url: str, run_name: str, run_id: str, iteration_id: str, report_id: str) -> list:
+    """The run page, an iteration page and the report artifact, seen by a logged-in page."""
+    checked = []
+    page.goto(f"{url}/runs/flow-run/{run_id}")
+    _shows(page, run_name, "Completed")
+    page.get_by_text("Subflow Runs", exact=True).first.click()  # the timeline itself is a canvas
+    _shows(page, "iteration-0000", "iteration-0001")
+    page.get_by_text("Artifacts", exact=True).first.click()
+    _shows(page, "spillover-e2e-run-report")
+    page.screenshot(path=str(OUT / "ui-flow-run.png"))
+    checked.append("run page: name, Completed, both iteration subflows, report artifact")
+
+    page.goto(f"{url}/runs/flow-run/{iteration_id}")
+    page.get_by_text("Task Runs", exact=True).first.click()
+    _shows(page, "load_prompts", "generate_until_ready", "compute_reward", "compute_ref_logprob", "compute_old_logprob",
+           "update-", "clear_and_age_sort", "save_checkpoint")
+    page.get_by_text("Artifacts", exact=True).first.click()
+    _shows(page, "spillover-e2e-run-metrics", "spillover-e2e-run-summary", "spillover-e2e-run-progress")
+    update_docs = os.environ.get("SPILLOVER_UPDATE_DOCS") == "1"
+    if update_docs:
+        page.wait_for_timeout(1000)  # let the cards settle for the docs image
+    page.screenshot(path=str(OUT / "ui-iteration.png"))
+    checked.append("iteration page: its eight task runs, metrics/summary/progress artifacts")
+
+    page.goto(f"{url}/artifacts/artifact/{report_id}")
+    images = page.locator("img[src^='data:image/png']")
+    images.first.wait_for()
+    page.wait_for_function("() => [...document.querySelectorAll(\"img[src^='data:image/png']\")]"
+                           ".every(i => i.complete && i.naturalWidth > 0)")
+    assert images.count() == len(PLOTS)  # every plot of the report
+    page.screenshot(path=str(OUT / "ui-report.png"), full_page=True)
+    checked.append("report artifact: 4 plots rendered")
+    if update_docs:
         shutil.copy(OUT / "ui-iteration.png", REPO / "docs" / "ui-screenshot.png")
     return checked
