@@ -262,7 +262,8 @@ def test_s3_down_during_write_retries_with_backoff(s3_server, how, caplog):
     stop, restart = (s3_server.kill, s3_server.start) if how == "killed" else (s3_server.pause, s3_server.resume)
     waits = SkippedWaits(end_outage=restart, end_after=4)
     # paused: every attempt runs into the time limits, so they are short (a healthy request takes milliseconds)
-    store = _outage_store(s3_server, f"outage-{how}", waits, deadline_s=60, timeout_s=(0.25, 0.25))
+    store = _outage_store(s3_server, f"outage-{how}", waits, deadline_s=60,
+                          timeout_s=(1, 2) if how == "killed" else (0.25, 0.25))
     save_checkpoint(store, CheckpointState(1, {"policy": _BIG}, {}, {"v": 1}))
 
     def outage():
