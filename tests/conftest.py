@@ -34,6 +34,9 @@ def ray_session():
 
     from infra.cluster import init_ray
 
+    # A SIGSTOPped (hung) actor that ray.kill cannot stop gracefully is SIGKILLed after this (Ray's default: 5 s);
+    # the raylet reads it at start.
+    os.environ.setdefault("RAY_kill_worker_timeout_milliseconds", "500")
     init_ray(num_cpus=8)
     yield ray
     ray.shutdown()
