@@ -25,6 +25,7 @@ from tasks.learner import LearnerActor
 __all__ = ["LearnerGroup", "create_learner_group", "create_learners", "reset_learner_group"]
 log = logging.getLogger(__name__)
 RANK0_ONLY = ("state_dict_ref", "get_state")  # big results: rank 0's ref as is
+RENDEZVOUS_ATTEMPTS = 3
 BUNDLE_MIN_CPU = 0.01  # a bundle needs some resource; zero-CPU ranks would leave Ray's CPU slots to the engines
 
 
@@ -103,14 +104,32 @@ def create_learner_group(model_path, cfg, trainable: bool, lcfg: LearnerConfig |
     def in_bundle(index: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
 
-    sharded = lcfg.world_size > 1 or cuda
-    master = ray.get(_free_address.options(scheduling_strategy=in_bundle(0)).remote()) if sharded else None
     actor_cls = ray.remote(LearnerActor)
-    actors = [
-        actor_cls.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=in_bundle(rank))
-        .remote(str(model_path), **rank_options(cfg, trainable, lcfg, rank, master))
-        for rank in range(lcfg.world_size)]
-    return LearnerGroup(actors, pg)
+
+    def start_ranks(master) -> list:
+        return [actor_cls.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                                  scheduling_strategy=in_bundle(rank))
+                .remote(str(model_path), **rank_options(cfg, trainable, lcfg, rank, master))
+                for rank in range(lcfg.world_size)]
+
+    if not (lcfg.world_size > 1 or cuda):
+        return LearnerGroup(start_ranks(None), pg)
+    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+        # The port was free when rank 0's node was asked; another process may take it before rank 0 listens
+        # (EADDRINUSE): then the other ranks would wait for rank 0 for ever, so the group starts again.
+        master = ray.get(_free_address.options(scheduling_strategy=in_bundle(0)).remote())
+        actors = start_ranks(master)
+        try:
+            ray.get(actors[0].weight_version.remote())  # rank 0's constructor returns once every rank has joined
+            return LearnerGroup(actors, pg)
+        except ray.exceptions.RayActorError as err:
+            for actor in actors:
+                ray.kill(actor)
+            if "EADDRINUSE" not in str(err) or attempt == RENDEZVOUS_ATTEMPTS:
+                remove_placement_group(pg)
+                raise
+            log.warning("learner rendezvous port %s:%d was taken before rank 0 listened; starting the ranks again",
+                        *master)
 
 
 def rank_options(cfg, trainable: bool, lcfg: LearnerConfig, rank: int = 0, master=None) -> dict:
