@@ -40,11 +40,3 @@ def ray_session():
     init_ray(num_cpus=8)
     yield ray
     ray.shutdown()
-
-
-def pytest_collection_modifyitems(items):
-    """Tests marked `first` run before every other, those marked `last` after (the kill -9 matrix starts its runs
-    first, they overlap the rest of the suite, and its check comes last)."""
-    def place(item) -> int:
-        return 0 if item.get_closest_marker("first") else 2 if item.get_closest_marker("last") else 1
-    items.sort(key=place)  # stable: the rest keep their order

@@ -8,8 +8,7 @@ the same durable state, checkpoint 0, so a chain is: `train` killed at one task 
 `resume` killed at the next one, and so on, then a `resume` that finishes. Each resume starts from what the
 previous kill left, so a kill that damaged durable state shows in the final comparison, and the state is
 checked after every kill too. One process start per kill point instead of two. The kill points are split
-between two chains that run side by side with the uninterrupted reference run, in the background while the
-rest of the suite runs (kill_matrix; the test that checks them runs last):
+between two chains that run side by side with the uninterrupted reference run:
 - on the real S3 server, ending with a kill in iteration 1's checkpoint write after every object and before
   the manifest (a half-written checkpoint that must never be loaded). Keys go as config values to `train`
   and from the environment to every `resume` (config.json never holds them), and at the end neither key
@@ -47,7 +46,7 @@ import sys
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,6 +166,14 @@ def watch_until_gone():
     assert leftovers == [], f"processes still alive {AGENT_GRACE_S:.0f} s after their run ended: {leftovers}"
 
 
+@pytest.fixture
+def spillover(prefect_harness, watch_until_gone, tmp_path):
+    runner = Spillover(prefect_harness.api_url, tmp_path)
+    yield runner
+    for run in runner.runs:
+        watch_until_gone(run)
+
+
 def train_args(run_dir: Path, *extra: str) -> list[str]:
     return ["train", "--config", "configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, *DETERMINISTIC, *extra]
 
@@ -231,76 +238,36 @@ def kill_chain(spillover: Spillover, run_dir: Path, url: str, storage_cfg, first
     assert_checkpoints(url, [(1, True), (2, True)], storage_cfg)
 
 
-@dataclass
-class KillMatrix:
-    """The matrix's runs, under way in the background: the reference run and the two chains."""
-    spillover: Spillover
-    dirs: dict[str, Path]
-    url: str
-    s3_cfg: object
-    reference: Future
-    chains: list[Future]
-
-
-@pytest.fixture(scope="session")
-def kill_matrix(s3_server, prefect_harness, watch_until_gone, tmp_path_factory):
-    """Start the runs (two chains side by side, the kill points split between them, one on S3 and one on local
-    files, and the uninterrupted reference run alongside) in background threads, and return at once: their
-    dozen process starts overlap the rest of the suite, whose tests leave one core idle much of the time, and
-    the test that checks them runs last. At the session's end every run has finished and is watched for
-    leftovers."""
-    tmp = tmp_path_factory.mktemp("kill-matrix")
-    runner = Spillover(prefect_harness.api_url, tmp)
-    dirs = {"s3": tmp / "s3-run", "file": tmp / "file-run", "reference": tmp / "reference"}
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_kill_9_at_every_point_then_resume_matches_uninterrupted_and_leaks_nothing(
+        s3_server, spillover, prefect_harness, tmp_path):
+    """Two chains side by side (the kill points split between them, one on S3 and one on local files) and the
+    uninterrupted reference run alongside: up to three runs at once keep both cores busy."""
+    s3_dir, file_dir, ref_dir = tmp_path / "s3-run", tmp_path / "file-run", tmp_path / "reference"
     url = s3_server.url(f"kill-resume-{uuid.uuid4().hex[:8]}")
+    s3_cfg = s3_server.storage_config()
     location = [f"storage.url={url}", f"storage.endpoint_url={s3_server.endpoint_url}", "storage.region=us-east-1"]
     keys = [f"storage.access_key_id={s3_server.access_key}", f"storage.secret_access_key={s3_server.secret_key}"]
     aws = {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
     task_kills = [(f"{task}:1", [(0, True)]) for task in TASK_KILLS]
     half = len(task_kills) // 2
-    pool = ThreadPoolExecutor(3)
-    try:
-        reference = pool.submit(runner.run, train_args(dirs["reference"]))
-        chains = [pool.submit(kill_chain, runner, dirs["s3"], url, s3_server.storage_config(),
-                              train_args(dirs["s3"], *location, *keys),
-                              task_kills[:half] + [("checkpoint_manifest:1", [(0, True), (1, False)])],
-                              ephemeral_link=EPHEMERAL_LINK, **aws),
-                  pool.submit(kill_chain, runner, dirs["file"], str(dirs["file"] / "checkpoints"), None,
-                              train_args(dirs["file"]), task_kills[half:])]
-        yield KillMatrix(runner, dirs, url, s3_server.storage_config(), reference, chains)
-    finally:
-        pool.shutdown(wait=True)  # before the S3 and Prefect servers stop
-        for run in runner.runs:
-            watch_until_gone(run)
-
-
-@pytest.mark.first
-@pytest.mark.slow
-def test_kill_9_matrix_starts_its_runs_in_the_background(kill_matrix):
-    """Run first, it starts the matrix (see kill_matrix); the runs' checks are in the test below, run last."""
-    deadline = time.monotonic() + 60
-    while len([run for run in kill_matrix.spillover.runs if run.session]) < 3 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    started = [run.args[0] for run in kill_matrix.spillover.runs if run.session]
-    assert sorted(started) == ["train"] * 3, started  # the reference and each chain's first link
-
-
-@pytest.mark.last
-@pytest.mark.slow
-@pytest.mark.timeout(1500)
-def test_kill_9_at_every_point_then_resume_matches_uninterrupted_and_leaks_nothing(kill_matrix, s3_server,
-                                                                                   prefect_harness):
-    matrix, dirs = kill_matrix, kill_matrix.dirs
-    ref_run = matrix.reference.result()
-    assert ref_run.returncode == 0, matrix.spillover.output(ref_run)
-    matrix.spillover.check_gone(ref_run)
-    for chain in matrix.chains:
-        chain.result()
-    ref_state = final_state(str(dirs["reference"] / "checkpoints"))
-    assert_same_as_reference(dirs["s3"], final_state(matrix.url, matrix.s3_cfg), dirs["reference"], ref_state)
-    assert_same_as_reference(dirs["file"], final_state(str(dirs["file"] / "checkpoints")), dirs["reference"],
-                             ref_state)
-    assert_no_credentials(dirs["s3"], matrix.spillover, matrix.url, s3_server, prefect_harness.database)
+    with ThreadPoolExecutor(3) as pool:
+        reference = pool.submit(spillover.run, train_args(ref_dir))
+        s3_chain = pool.submit(kill_chain, spillover, s3_dir, url, s3_cfg, train_args(s3_dir, *location, *keys),
+                               task_kills[:half] + [("checkpoint_manifest:1", [(0, True), (1, False)])],
+                               ephemeral_link=EPHEMERAL_LINK, **aws)
+        file_chain = pool.submit(kill_chain, spillover, file_dir, str(file_dir / "checkpoints"), None,
+                                 train_args(file_dir), task_kills[half:])
+        ref_run = reference.result()
+        assert ref_run.returncode == 0, spillover.output(ref_run)
+        spillover.check_gone(ref_run)
+        s3_chain.result()
+        file_chain.result()
+    ref_state = final_state(str(ref_dir / "checkpoints"))
+    assert_same_as_reference(s3_dir, final_state(url, s3_cfg), ref_dir, ref_state)
+    assert_same_as_reference(file_dir, final_state(str(file_dir / "checkpoints")), ref_dir, ref_state)
+    assert_no_credentials(s3_dir, spillover, url, s3_server, prefect_harness.database)
 
 
 def assert_no_credentials(run_dir: Path, spillover: Spillover, url: str, s3_server, db: Path | None) -> None:
