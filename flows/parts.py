@@ -72,7 +72,8 @@ class WarmParts:
 
     def __init__(self):
         self._idle: dict[str, tuple[str, Any]] = {}
-        self._lent: dict[int, tuple[str, str]] = {}  # id(part) -> (role, key)
+        # id(part) -> (role, key, part); holding the part keeps its id from coming back as another object's
+        self._lent: dict[int, tuple[str, str, Any]] = {}
         self.reused = 0  # parts handed to a run without starting them (tests read it)
         self.started = 0
 
@@ -89,14 +90,14 @@ class WarmParts:
                 _shutdown(part)
             else:
                 self.reused += 1
-                self._lent[id(part)] = (role, key)
+                self._lent[id(part)] = (role, key, part)
                 return part
         elif idle is not None:
             _shutdown(idle[1])
         part = start()
         self.started += 1
         if key is not None and part is not None:
-            self._lent[id(part)] = (role, key)
+            self._lent[id(part)] = (role, key, part)
         return part
 
     def give_back(self, part: Any, keep: bool = True) -> None:
@@ -107,32 +108,23 @@ class WarmParts:
         if lent is None or not keep:
             _shutdown(part)
             return
-        role, key = lent
+        role, key, _ = lent
         previous = self._idle.get(role)
         if previous is not None:
             _shutdown(previous[1])
         self._idle[role] = (key, part)
 
     def learners(self, model_path, cfg) -> tuple[Any, Any]:
-        """The run's policy group and (grpo.kl_coef > 0) reference group, as tasks.learner_group.create_learners."""
-        from tasks.learner_group import create_learner_group, reset_learner_group
+        """The run's policy group and (grpo.kl_coef > 0) reference group: tasks.learner_group.create_learners,
+        with each group borrowed."""
+        from tasks.learner_group import create_learner_group, create_learners, reset_learner_group
 
-        def borrow(role: str, trainable: bool):
-            return self.borrow(role, learner_key(cfg, trainable),
+        def borrow(trainable: bool):
+            return self.borrow("policy" if trainable else "ref", learner_key(cfg, trainable),
                                lambda: create_learner_group(model_path, cfg, trainable=trainable),
                                lambda group: reset_learner_group(group, model_path, cfg, trainable))
 
-        import ray
-
-        from infra.config_learner import check_learner_start
-
-        check_learner_start(cfg.learner, ray.cluster_resources())
-        policy = borrow("policy", True)
-        try:
-            return policy, borrow("ref", False) if cfg.grpo.kl_coef > 0 else None
-        except BaseException:
-            self.give_back(policy, keep=False)
-            raise
+        return create_learners(model_path, cfg, start_group=borrow)
 
     def engine(self, engines_cfg, model_path, deterministic: bool = False) -> Any:
         """A rollout.manager.RolloutManager serving model_path's weights as version 0."""

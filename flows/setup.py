@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.cluster import init_ray
 from flows.parts import active_warm_parts
+from infra.cluster import init_ray
 from infra.config import RunConfig
 from infra.imports import load_function
 from infra.models import load_tokenizer, resolve_model_path

@@ -147,15 +147,17 @@ def reset_learner_group(group: LearnerGroup, model_path, cfg, trainable: bool) -
     group.pending = []
 
 
-def create_learners(model_path, cfg) -> tuple[LearnerGroup, LearnerGroup | None]:
+def create_learners(model_path, cfg, start_group=None) -> tuple[LearnerGroup, LearnerGroup | None]:
     """The policy group, and the frozen reference group (sharded the same way) when grpo.kl_coef > 0.
+    start_group(trainable) -> group: how a group is got (flows/parts.py borrows kept ones); default: started.
 
     Refuses at start what the cluster cannot run (learner.device=cuda without enough GPUs, flash attention
     not installed): check_learner_start, before any actor starts."""
     check_learner_start(cfg.learner, ray.cluster_resources())
-    policy = create_learner_group(model_path, cfg, trainable=True)
+    start_group = start_group or (lambda trainable: create_learner_group(model_path, cfg, trainable=trainable))
+    policy = start_group(True)
     try:
-        ref = create_learner_group(model_path, cfg, trainable=False) if cfg.grpo.kl_coef > 0 else None
+        ref = start_group(False) if cfg.grpo.kl_coef > 0 else None
     except BaseException:
         policy.shutdown()
         raise
