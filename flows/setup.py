@@ -21,6 +21,7 @@ from rollout.context import EvalSets, RolloutContext
 from rollout.controller import RolloutController
 from rollout.data_source import PromptCursor, read_prompt_file
 from rollout.dock import TransferDock
+from rollout.env_pool import EnvPool
 from rollout.reward_models import start_reward_models
 from tasks.reward import REWARD_KEYWORDS, RewardSetup
 
@@ -55,6 +56,10 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> Path:
     """The prompt file of the run: data.prompts_path, or the built-in task generated into the run dir."""
     if cfg.data.prompts_path:
         return Path(cfg.data.prompts_path)
+    if cfg.data.builtin_task == "calculator":
+        from rollout import calculator
+
+        return calculator.generate_dataset(run_dir / "data" / "train.jsonl", cfg.data.num_prompts, cfg.model.seed)
     if cfg.data.builtin_task == "arithmetic":
         from rollout import arith_task
 
@@ -97,6 +102,7 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
     run_dir.mkdir(parents=True, exist_ok=True)
     reward_fn = load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
                               required_params=("response", "label"), optional_keywords=REWARD_KEYWORDS)
+    envs = EnvPool.from_config(cfg.rollout) if cfg.rollout.env_path else None  # multi-turn tools (rollout/env_pool.py)
     controller = RolloutController(cfg)
     model_path = resolve_model_path(cfg.model, run_dir, max_position=max(512, cfg.rollout.max_model_len))
     tokenizer = load_tokenizer(model_path)
@@ -115,6 +121,10 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
 
         dock, cursor = restore_dock_and_cursor(saved)
         dock.require_max_age_all_finished = cfg.rollout.staleness_bounded  # the config's rule, not the snapshot's
+        if cfg.rollout.env_path:
+            from rollout.dock_turns import enable
+
+            enable(dock)  # a checkpoint without tool turns: every token so far is a policy token
     else:
         dock = TransferDock.from_config(cfg.rollout, stop_ids)
         cursor = PromptCursor(len(prompts), seed=cfg.model.seed, shuffle=cfg.data.shuffle)
@@ -124,7 +134,7 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
     builtin = cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD
     context = RolloutContext(dock=dock, engine=engine, tokenizer=tokenizer, prompts=prompts, cursor=cursor,
                              stop_token_ids=stop_ids, reward_fn=reward_fn,
-                             eval_data=EvalSets(cfg, tokenizer) if cfg.data.eval_paths else None)
+                             eval_data=EvalSets(cfg, tokenizer) if cfg.data.eval_paths else None, envs=envs)
     reward = RewardSetup(tokenizer, stop_ids, reward_fn, cfg.grpo.reward_function_path, cfg.grpo.rule_reward_weight,
                          exact_match=toy_task.exact_match if builtin else None,
                          prompt_texts=lambda ids: [prompts.texts[i] for i in cursor.dataset_indices(ids).tolist()],
@@ -179,5 +189,7 @@ def shutdown_run(run: Run | None, keep_parts: bool = True) -> None:
     if run is None:
         return
     release_parts((run.engine, run.policy, run.ref), keep_parts)
+    if run.context.envs is not None:
+        run.context.envs.close()
     if run.reward.reward_models:
         run.reward.reward_models.shutdown()

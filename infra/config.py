@@ -16,6 +16,7 @@ from infra.config_parsing import ConfigError, apply_overrides, format_validation
 from infra.config_engines import EngineSyncFields
 from infra.config_learner import LearnerConfig, check_learner_batch
 from infra.config_base import Section
+from infra.config_tools import ToolFields
 from infra.config_tasks import EvalConfig, RewardModelConfig  # noqa: F401 (importable from here)
 from infra.config_training import OFF_POLICY_NEEDS_OLD_LOGPROBS, GRPOConfig, OptimizerConfig  # noqa: F401 (as above)
 
@@ -68,9 +69,10 @@ class DataConfig(_Section):
     system_prompt: str | None = Field(
         None, description="System message put first in every chat-rendered prompt that has none of its own.")
     num_prompts: int = Field(4096, ge=1, description="Prompts generated for the built-in task.")
-    builtin_task: Literal["repeat", "arithmetic"] = Field(
-        "repeat", description="The task generated when data.prompts_path is empty: repeat (the 'a*n=' task, JSONL) "
-        "or arithmetic (chat prompts 'What is a + b?' with the value as label, Parquet; rollout/arith_task.py).")
+    builtin_task: Literal["repeat", "arithmetic", "calculator"] = Field(
+        "repeat", description="The task generated when data.prompts_path is empty: repeat (the 'a*n=' task, JSONL), "
+        "arithmetic (chat prompts 'What is a + b?' with the value as label, Parquet; rollout/arith_task.py) or "
+        "calculator (multi-step expressions such as '12*7+5' for the calculator tool, JSONL; rollout/calculator.py).")
     eval_paths: dict[str, str] = Field(default_factory=dict, description="Eval data sets: key -> JSONL or Parquet path.")
     sft_path: str | None = Field(
         None, description="SFT mode (rollout.rollout_function_path=rollout.sft.generate_sft_rollout): JSONL of "
@@ -84,7 +86,7 @@ class DataConfig(_Section):
 SFT_ROLLOUT_FUNCTION = "rollout.sft.generate_sft_rollout"
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(ToolFields):  # multi-turn tool fields: infra/config_tools.py
     global_batch_size: int = Field(16, ge=1, description="GBS: prompt groups trained per iteration.")
     n_samples_per_prompt: int = Field(8, description="Responses per prompt (group size n). GRPO needs >= 2.")
     max_tokens: int = Field(32, ge=1, description="Most response tokens per sample, over all its rounds.")

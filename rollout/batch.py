@@ -38,7 +38,8 @@ class RolloutBatch:
     response_lengths[R], rollout_logprobs[Tr], weight_versions[Tr] (-1: no policy made the token, e.g.
     SFT), loss_mask[Tr] (0/1), truncated[R] (complete without a stop), ages[R] (iterations carried over),
     labels[G], metadata[G] (data.additional_keys per group: a dict, or () when the run has none); advantages[R]
-    once the reward step has set them. `sft` marks a supervised batch (advantage 1,
+    once the reward step has set them; multi-turn rollouts (rollout/multi_turn.py) add turns[R] (tool calls per
+    trajectory) and env_rewards[R] (the env's reward, NaN: none), else both are None. `sft` marks a supervised batch (advantage 1,
     no behaviour policy).
     """
 
@@ -58,6 +59,8 @@ class RolloutBatch:
     advantages: np.ndarray | None = None
     sft: bool = False
     samples: tuple | None = field(default=None, repr=False)  # the Sample groups it was built from, if any
+    turns: np.ndarray | None = None
+    env_rewards: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         rows = len(self.group_ids) * self.n
@@ -74,6 +77,9 @@ class RolloutBatch:
                                  f"have {tokens} tokens")
         if (self.prompt_lengths[self.response_lengths > 0] < 1).any():
             raise ValueError("RolloutBatch: a response needs at least one prompt token before it")
+        for name in ("turns", "env_rewards"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != rows:
+                raise ValueError(f"RolloutBatch.{name} has {len(getattr(self, name))} entries for {rows} rows")
         if self.metadata and len(self.metadata) != len(self.group_ids):
             raise ValueError(f"RolloutBatch.metadata has {len(self.metadata)} entries for {len(self.group_ids)} groups")
         if self.advantages is not None and (len(self.advantages) != rows or not np.isfinite(self.advantages).all()):
@@ -130,9 +136,10 @@ class RolloutBatch:
                    prompt_tokens=arrays["prompt_tokens"][index], prompt_lengths=prompt_lengths.astype(np.int64),
                    response_tokens=tokens, response_lengths=arrays["response_lengths"].astype(np.int64),
                    rollout_logprobs=arrays["rollout_logprobs"], weight_versions=arrays["weight_versions"],
-                   loss_mask=np.ones(len(tokens), dtype=np.uint8), truncated=np.asarray(arrays["truncated"], bool),
+                   loss_mask=np.asarray(arrays["loss_mask"], dtype=np.uint8) if "loss_mask" in arrays
+                   else np.ones(len(tokens), dtype=np.uint8), truncated=np.asarray(arrays["truncated"], bool),
                    ages=arrays["ages"].astype(np.int32), labels=tuple(labels),
-                   metadata=_group_metadata(metadata))
+                   metadata=_group_metadata(metadata), **_multi_turn_columns(arrays))
 
     @classmethod
     def from_samples(cls, groups: list[list[Sample]], sft: bool = False) -> "RolloutBatch":
@@ -202,7 +209,9 @@ def select_groups(batch: RolloutBatch, groups) -> RolloutBatch:
                    truncated=batch.truncated[rows], ages=batch.ages[rows], labels=tuple(batch.labels[g] for g in groups),
                    metadata=tuple(batch.metadata[g] for g in groups) if batch.metadata else (),
                    advantages=None if batch.advantages is None else batch.advantages[rows],
-                   samples=None if batch.samples is None else tuple(batch.samples[g] for g in groups), **r_cols)
+                   samples=None if batch.samples is None else tuple(batch.samples[g] for g in groups),
+                   turns=None if batch.turns is None else batch.turns[rows],
+                   env_rewards=None if batch.env_rewards is None else batch.env_rewards[rows], **r_cols)
 
 
 def to_samples(batch: RolloutBatch) -> list[list[Sample]]:
@@ -223,7 +232,8 @@ def to_samples(batch: RolloutBatch) -> list[list[Sample]]:
                                 loss_mask=None if mask.all() else mask.tolist(), label=batch.labels[g],
                                 status=Status.TRUNCATED if batch.truncated[r] else Status.COMPLETED,
                                 metadata={"age": int(batch.ages[r]),
-                                          **({"data": batch.metadata[g]} if batch.metadata else {})}))
+                                          **({"data": batch.metadata[g]} if batch.metadata else {}),
+                                          **_turn_metadata(batch, r)}))
         groups.append(group)
     return groups
 
@@ -237,6 +247,23 @@ def metadata_of_rows(batch: RolloutBatch) -> list[dict | None]:
     """metadata[R]: each row's group metadata (None for every row when the batch has none)."""
     groups = batch.metadata or (None,) * len(batch.group_ids)
     return [meta for meta in groups for _ in range(batch.n)]
+
+
+def _multi_turn_columns(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """turns[R] and env_rewards[R] from the dock's batch arrays when the batch holds any multi-turn state, else {}."""
+    turns, rewards, mask = arrays.get("turns"), arrays.get("env_rewards"), arrays.get("loss_mask")
+    if turns is None or rewards is None:
+        return {}
+    used = (turns > 0).any() or np.isfinite(rewards).any() or (mask is not None and not mask.all())
+    return {"turns": turns.astype(np.int32), "env_rewards": rewards.astype(np.float32)} if used else {}
+
+
+def _turn_metadata(batch: RolloutBatch, row: int) -> dict:
+    """A multi-turn row's Sample metadata: turns (tool calls) and env_reward (when the env gave one)."""
+    if batch.turns is None:
+        return {}
+    reward = float(batch.env_rewards[row]) if batch.env_rewards is not None else float("nan")
+    return {"turns": int(batch.turns[row]), **({"env_reward": reward} if np.isfinite(reward) else {})}
 
 
 def _group_metadata(metadata) -> tuple:

@@ -38,6 +38,7 @@ class RolloutContext:
     eval_data: EvalSets | None = None
     weight_version: int = 0
     on_round: Callable[[dict], None] | None = None
+    envs: Any = None               # rollout.env_pool.EnvPool with rollout.env_path set (lives as long as the run)
 
     @property
     def eval_sets(self) -> dict[str, PromptSet]:

@@ -22,6 +22,9 @@ Semantics follow MindSpeed-RL's GRPOTransferDock (see ../shared/DESIGN.md), with
   chunked rounds; it needs a driver that stops early (the async one: abort once ready).
 - Drain mode (last iterations, or the data set ran out): ready only when every loaded row is
   complete; then `select_batch` takes min(gbs, ready) groups, so repeated drains empty the dock.
+- Multi-turn tool trajectories (rollout.dock_turns): per-row turns, awaiting_tool (take_rows skips those rows) and
+  the env's reward, and in a `multi_turn` dock a per-token loss mask column (0: tool tokens); snapshots carry them.
+  A single-turn dock has no mask column (every token is a policy token), so it pays nothing for it.
 - `snapshot()` records in-flight rows as *not* in flight: their requests die with the process, and
   the tokens already written stay. After `restore` those rows are generated again from where they were.
 - One controller owns the dock (not thread-safe). Each call costs ~0.1-0.5 ms of fixed numpy overhead,
@@ -42,13 +45,14 @@ from rollout.dock_checks import (DockError, check_dock_sizes, check_in_flight, c
 
 PROMPT_DTYPES = {"tokens": np.int32}
 RESPONSE_DTYPES = {"tokens": np.int32, "logprobs": np.float32, "versions": np.int32}
-ROW_FLAGS = ("complete", "in_flight", "generated", "stopped")
+MASK_DTYPES = {"mask": np.uint8}  # multi_turn docks only: the loss mask (rollout.dock_turns)
+ROW_FLAGS = ("complete", "in_flight", "generated", "stopped", "awaiting_tool")
 
 
 class TransferDock:
     def __init__(self, gbs: int, n: int, max_split: int, max_tokens: int, max_model_len: int,
                  eos_token_ids: Sequence[int], max_age: int | None = None,
-                 require_max_age_all_finished: bool = False, over_sampling_groups: int = 0):
+                 require_max_age_all_finished: bool = False, over_sampling_groups: int = 0, multi_turn: bool = False):
         check_dock_sizes(gbs=gbs, n=n, max_split=max_split, max_tokens=max_tokens, max_model_len=max_model_len,
                          max_age=max_age, over_sampling_groups=over_sampling_groups)
         self.gbs, self.n, self.max_split = int(gbs), int(n), int(max_split)
@@ -69,8 +73,12 @@ class TransferDock:
             setattr(self, flag, np.zeros(self.capacity_rows, dtype=bool))
         self.age = np.zeros(self.capacity_rows, dtype=np.int32)
         self.rounds = np.zeros(self.capacity_rows, dtype=np.int32)
+        self.turns = np.zeros(self.capacity_rows, dtype=np.int32)  # multi-turn: tool calls made (rollout.dock_turns)
+        self.env_reward = np.full(self.capacity_rows, np.nan, dtype=np.float32)  # the env's latest reward, NaN: none
         self.prompts = PagedColumns(self.capacity_groups, self.max_model_len - 1, PROMPT_DTYPES, page_size=128)
-        self.responses = PagedColumns(self.capacity_rows, self.max_tokens, RESPONSE_DTYPES, page_size=256)
+        self.multi_turn = bool(multi_turn)
+        self.responses = PagedColumns(self.capacity_rows, self.max_tokens,
+                                      {**RESPONSE_DTYPES, **MASK_DTYPES} if multi_turn else RESPONSE_DTYPES, page_size=256)
         self.batch: np.ndarray | None = None
         self._batch_arrays: dict[str, np.ndarray] | None = None
         self.drain = False
@@ -80,7 +88,8 @@ class TransferDock:
         """From an infra.config.RolloutConfig."""
         return cls(rollout_cfg.global_batch_size, rollout_cfg.n_samples_per_prompt, rollout_cfg.max_split,
                    rollout_cfg.max_tokens, rollout_cfg.max_model_len, eos_token_ids, rollout_cfg.effective_max_age,
-                   rollout_cfg.staleness_bounded, rollout_cfg.over_sampling_groups)
+                   rollout_cfg.staleness_bounded, rollout_cfg.over_sampling_groups,
+                   multi_turn=bool(getattr(rollout_cfg, "env_path", None)))
 
     # ---- derived views -------------------------------------------------------------------------
     @property
@@ -145,11 +154,12 @@ class TransferDock:
 
     # ---- generation ----------------------------------------------------------------------------
     def take_rows(self, limit: int | None = None) -> np.ndarray:
-        """Rows to generate (not complete, not in flight), carried-over/oldest first; marks them in flight.
+        """Rows to generate (not complete, not in flight, no tool call pending), carried-over/oldest first; marks
+        them in flight.
         With the staleness bound (outside drain mode), rows of groups that may not start yet stay back."""
         if limit is not None and limit < 0:
             raise ValueError(f"take_rows: limit must be >= 0 or None; got {limit}")
-        waiting = self._occupied_rows() & ~self.complete & ~self.in_flight
+        waiting = self._occupied_rows() & ~self.complete & ~self.in_flight & ~self.awaiting_tool
         if self.require_max_age_all_finished and not self.drain:
             held_back = dock_staleness.groups_held_back(self)
             waiting[(held_back[:, None] * self.n + np.arange(self.n)).reshape(-1)] = False
@@ -198,7 +208,7 @@ class TransferDock:
         complete = stopped | (response >= limit)
         one_version = k == 0 or bool((versions == versions[0]).all())
         self.responses.append(rows, lengths, {  # one version for all rows (the common case) broadcasts
-            "tokens": flat, "logprobs": flat_lp,
+            "tokens": flat, "logprobs": flat_lp, "mask": 1,  # (a mask column exists in multi_turn docks only)
             "versions": versions[0] if one_version and k else np.repeat(versions.astype(np.int32), lengths)})
         self.complete[rows] = complete
         self.stopped[rows] = stopped
@@ -282,6 +292,8 @@ class TransferDock:
             getattr(self, flag)[rows] = False
         self.age[rows] = 0
         self.rounds[rows] = 0
+        self.turns[rows] = 0
+        self.env_reward[rows] = np.nan
         self.prompts.free(batch)
         self.responses.free(rows)
         self.age += np.repeat(self._started_groups(), self.n)  # a group ages as one, from its first token

@@ -17,6 +17,8 @@ GROUP_ARRAYS = {"group_ids": np.int64, "load_seq": np.int64, "prompt_lengths": n
 ROW_ARRAYS = {"complete": bool, "stopped": bool, "generated": bool, "age": np.int32, "rounds": np.int32,
               "response_lengths": np.int64}
 FLAT_ARRAYS = ("prompt_tokens", "response_tokens", "response_logprobs", "response_versions", "batch_slots")
+# Multi-turn state (issue 15); a snapshot from before it has none: loss mask all ones, no turns, no tool pending.
+OPTIONAL_ROW_ARRAYS = {"turns": (np.int32, 0), "awaiting_tool": (bool, False), "env_reward": (np.float32, np.nan)}
 
 
 def batch_rows(dock: "TransferDock", batch: np.ndarray) -> np.ndarray:
@@ -29,7 +31,9 @@ def batch_arrays(dock: "TransferDock", batch: np.ndarray) -> dict[str, np.ndarra
 
     group_ids[B], sample_indices[R] (= group_id*n + i), prompt_tokens[Tp] and prompt_lengths[B] (one
     prompt per group, concatenated), response_tokens[Tr], rollout_logprobs[Tr], weight_versions[Tr]
-    (concatenated row by row), response_lengths[R], truncated[R] (complete without a stop), ages[R].
+    (concatenated row by row), response_lengths[R], truncated[R] (complete without a stop), ages[R]; a multi_turn
+    dock adds loss_mask[Tr] (1: policy token, 0: tool/observation token), turns[R] (tool calls) and env_rewards[R]
+    (NaN: none).
     """
     rows = batch_rows(dock, batch)
     index = dock.responses.index(rows)
@@ -42,6 +46,8 @@ def batch_arrays(dock: "TransferDock", batch: np.ndarray) -> dict[str, np.ndarra
         "response_tokens": np.take(columns["tokens"], index), "rollout_logprobs": np.take(columns["logprobs"], index),
         "weight_versions": np.take(columns["versions"], index), "response_lengths": dock.responses.length[rows].copy(),
         "truncated": ~dock.stopped[rows], "ages": dock.age[rows].copy(),
+        **({"loss_mask": np.take(columns["mask"], index), "turns": dock.turns[rows].copy(),
+            "env_rewards": dock.env_reward[rows].copy()} if dock.multi_turn else {}),
     }
 
 
@@ -59,7 +65,8 @@ def stats(dock: "TransferDock") -> dict[str, Any]:
         "complete_rows": int((occupied & dock.complete).sum()),
         "partial_rows": int((occupied & dock.generated & ~dock.complete).sum()),
         "waiting_rows": int((occupied & ~dock.complete & ~dock.in_flight).sum()),
-        "in_flight_rows": int(dock.in_flight.sum()), "age_histogram": age_histogram(dock),
+        "in_flight_rows": int(dock.in_flight.sum()), "awaiting_tool_rows": int((occupied & dock.awaiting_tool).sum()),
+        "age_histogram": age_histogram(dock),
         "tokens_stored": int(dock.responses.length.sum()), "prompt_tokens_stored": int(dock.prompts.length.sum()),
         "buffer_mb": round((dock.responses.nbytes + dock.prompts.nbytes) / 2**20, 1),
         "batch_selected": dock.batch is not None, "drain": dock.drain,
@@ -77,6 +84,8 @@ def snapshot(dock: "TransferDock") -> tuple[dict[str, np.ndarray], dict[str, Any
         "age": dock.age.copy(), "rounds": dock.rounds.copy(), "response_lengths": response_lengths,
         "response_tokens": response_flat["tokens"], "response_logprobs": response_flat["logprobs"],
         "response_versions": response_flat["versions"],
+        **({"response_mask": response_flat["mask"], "turns": dock.turns.copy(), "awaiting_tool":
+            dock.awaiting_tool.copy(), "env_reward": dock.env_reward.copy()} if dock.multi_turn else {}),
         "batch_slots": np.zeros(0, dtype=np.int64) if dock.batch is None else dock.batch.copy(),
     }
     meta = {
@@ -84,7 +93,8 @@ def snapshot(dock: "TransferDock") -> tuple[dict[str, np.ndarray], dict[str, Any
         "config": {"gbs": dock.gbs, "n": dock.n, "max_split": dock.max_split, "max_tokens": dock.max_tokens,
                    "max_model_len": dock.max_model_len, "eos_token_ids": dock.eos_token_ids.tolist(),
                    "max_age": dock.max_age, "require_max_age_all_finished": dock.require_max_age_all_finished,
-                   "over_sampling_groups": dock.over_sampling_groups},
+                   "over_sampling_groups": dock.over_sampling_groups,
+                   **({"multi_turn": True} if dock.multi_turn else {})},
         "has_batch": dock.batch is not None, "drain": dock.drain, "next_load_seq": int(dock.next_load_seq),
         "labels": list(dock.labels), "metadata": list(dock.metadata),
     }
@@ -108,6 +118,11 @@ def restore(cls: type["TransferDock"], arrays: dict[str, np.ndarray], meta: dict
             if name in ("prompt_lengths", "response_lengths"):
                 continue
             setattr(dock, name, value.astype(dtype).copy())
+    for name, (dtype, default) in OPTIONAL_ROW_ARRAYS.items():
+        value = np.asarray(arrays[name]) if name in arrays else np.full(dock.capacity_rows, default, dtype=dtype)
+        if value.shape != (dock.capacity_rows,):
+            raise ValueError(f"dock snapshot: {name} has shape {value.shape}, expected ({dock.capacity_rows},)")
+        setattr(dock, name, value.astype(dtype).copy())
     if len(meta["labels"]) != dock.capacity_groups:
         raise ValueError(f"dock snapshot: {len(meta['labels'])} labels for {dock.capacity_groups} group slots")
     dock.labels = list(meta["labels"])
@@ -119,7 +134,9 @@ def restore(cls: type["TransferDock"], arrays: dict[str, np.ndarray], meta: dict
     dock.prompts.load(arrays["prompt_lengths"], {"tokens": arrays["prompt_tokens"]})
     dock.responses.load(arrays["response_lengths"], {"tokens": arrays["response_tokens"],
                                                      "logprobs": arrays["response_logprobs"],
-                                                     "versions": arrays["response_versions"]})
+                                                     "versions": arrays["response_versions"],
+                                                     "mask": arrays.get("response_mask", np.ones(
+                                                         len(arrays["response_tokens"]), dtype=np.uint8))})
     dock.batch = np.asarray(arrays["batch_slots"], dtype=np.int64).copy() if meta["has_batch"] else None
     dock.drain = bool(meta["drain"])
     dock.next_load_seq = int(meta["next_load_seq"])
