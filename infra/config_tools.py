@@ -16,14 +16,15 @@ class ToolFields(Section):
     env_path: str | None = Field(
         None, description="Multi-turn tool use: import path of an environment class or factory, called with no "
         "arguments once per sample; the object has `async reset(sample) -> str` and `async step(action_text) -> "
-        "StepResult(observation, done, reward=None)` (rollout/tools_env.py; built in: rollout.calculator.CalculatorEnv). "
+        "StepResult(observation, done, reward=None)` (rollout/tools_env.py; built in: "
+        "rollout.calculator.CalculatorEnv). "
         "Empty = single-turn generation.")
     max_turns: int = Field(
         4, ge=1, description="Most model turns per trajectory: each tool call ends one, the final answer is the last; "
         "a tool call in the last allowed turn ends the episode without running the tool.")
     tool_call_stop: list[str] = Field(
-        default_factory=list, max_length=16, description="Stop strings that end a tool call (e.g. '</calc>', or '=' for "
-        "the calculator): generation stops there and the action text (the turn's text up to and including the string) "
+        default_factory=list, max_length=16, description="Stop strings that end a tool call (e.g. '</calc>', or '=' "
+        "for the calculator): generation stops there and the action text (the turn's text up to and including the string) "
         "goes to env.step. Needed with env_path.")
     tool_timeout_s: float = Field(10.0, gt=0, description="Time limit of one env.reset / env.step call.")
     max_concurrent_tool_calls: int = Field(64, ge=1, description="Env calls running at once (the whole rollout).")

@@ -39,8 +39,8 @@ class RolloutBatch:
     SFT), loss_mask[Tr] (0/1), truncated[R] (complete without a stop), ages[R] (iterations carried over),
     labels[G], metadata[G] (data.additional_keys per group: a dict, or () when the run has none); advantages[R]
     once the reward step has set them; multi-turn rollouts (rollout/multi_turn.py) add turns[R] (tool calls per
-    trajectory) and env_rewards[R] (the env's reward, NaN: none), else both are None. `sft` marks a supervised batch (advantage 1,
-    no behaviour policy).
+    trajectory) and env_rewards[R] (the env's reward, NaN: none), else both are None. `sft` marks a supervised
+    batch (advantage 1, no behaviour policy).
     """
 
     group_ids: np.ndarray
@@ -233,7 +233,7 @@ def to_samples(batch: RolloutBatch) -> list[list[Sample]]:
                                 status=Status.TRUNCATED if batch.truncated[r] else Status.COMPLETED,
                                 metadata={"age": int(batch.ages[r]),
                                           **({"data": batch.metadata[g]} if batch.metadata else {}),
-                                          **_turn_metadata(batch, r)}))
+                                          **_turn_metadata(batch, r, mask)}))
         groups.append(group)
     return groups
 
@@ -258,12 +258,15 @@ def _multi_turn_columns(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"turns": turns.astype(np.int32), "env_rewards": rewards.astype(np.float32)} if used else {}
 
 
-def _turn_metadata(batch: RolloutBatch, row: int) -> dict:
-    """A multi-turn row's Sample metadata: turns (tool calls) and env_reward (when the env gave one)."""
+def _turn_metadata(batch: RolloutBatch, row: int, mask: np.ndarray) -> dict:
+    """A multi-turn row's Sample metadata: turns (tool calls), tool_spans ([start, end) of each run of tool tokens in
+    the response: what debug rollout data shows of the turns) and env_reward (when the env gave one)."""
     if batch.turns is None:
         return {}
+    edges = np.flatnonzero(np.diff(np.concatenate([[1], mask.astype(np.int8), [1]])))
     reward = float(batch.env_rewards[row]) if batch.env_rewards is not None else float("nan")
-    return {"turns": int(batch.turns[row]), **({"env_reward": reward} if np.isfinite(reward) else {})}
+    return {"turns": int(batch.turns[row]), "tool_spans": edges.reshape(-1, 2).tolist(),
+            **({"env_reward": reward} if np.isfinite(reward) else {})}
 
 
 def _group_metadata(metadata) -> tuple:

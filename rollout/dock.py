@@ -77,8 +77,8 @@ class TransferDock:
         self.env_reward = np.full(self.capacity_rows, np.nan, dtype=np.float32)  # the env's latest reward, NaN: none
         self.prompts = PagedColumns(self.capacity_groups, self.max_model_len - 1, PROMPT_DTYPES, page_size=128)
         self.multi_turn = bool(multi_turn)
-        self.responses = PagedColumns(self.capacity_rows, self.max_tokens,
-                                      {**RESPONSE_DTYPES, **MASK_DTYPES} if multi_turn else RESPONSE_DTYPES, page_size=256)
+        dtypes = {**RESPONSE_DTYPES, **MASK_DTYPES} if multi_turn else RESPONSE_DTYPES
+        self.responses = PagedColumns(self.capacity_rows, self.max_tokens, dtypes, page_size=256)
         self.batch: np.ndarray | None = None
         self._batch_arrays: dict[str, np.ndarray] | None = None
         self.drain = False

@@ -29,7 +29,8 @@ import numpy as np
 
 from rollout import dock_turns
 from rollout.env_pool import EnvPool
-from rollout.requests import GenerationStats, Generator, SamplingSettings, build_requests, parse_responses, request_seeds
+from rollout.requests import (GenerationStats, Generator, SamplingSettings, build_requests, parse_responses,
+                              request_seeds)
 from rollout.sample import Sample
 from rollout.tools_env import ToolOutcome, find_stop, observation_tokens, split_actions, stop_window
 
@@ -137,7 +138,8 @@ class _Trajectories:
         if not self.envs.has(key, k - 1) or len(current) != 1:
             actions = split_actions(tokens, mask, self.stops, self.decode)
             if len(actions) < k:
-                log.warning("row %s: %d tool calls in its tokens but %d counted; the episode ends", key, len(actions), k)
+                log.warning("row %s: %d tool calls in its tokens but %d counted; the episode ends", key,
+                            len(actions), k)
                 dock_turns.end_episodes(self.dock, [row], stopped=False)
                 return
             history, action = actions[:k - 1], actions[k - 1]

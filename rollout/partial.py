@@ -74,5 +74,6 @@ def turn_metrics(batch) -> dict:
     response tokens that are tool output, loss mask 0)."""
     turns = (batch.turns if batch.turns is not None else np.zeros(len(batch), np.int32)) + 1
     tokens = len(batch.loss_mask)
-    return {"turns_mean": float(turns.mean()) if len(turns) else 0.0, "turns_max": int(turns.max()) if len(turns) else 0,
+    return {"turns_mean": float(turns.mean()) if len(turns) else 0.0,
+            "turns_max": int(turns.max()) if len(turns) else 0,
             "tool_token_share": float((batch.loss_mask == 0).sum() / tokens) if tokens else 0.0}

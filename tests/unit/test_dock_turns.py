@@ -41,6 +41,7 @@ def test_tool_tokens_have_mask_zero_logprob_zero_and_the_policy_version():
     assert batch.env_rewards[0] == 0.25 and np.isnan(batch.env_rewards[1:]).all()
     samples = batch.sample_groups()
     assert samples[0][0].loss_mask == [1, 1, 1, 0, 0, 1, 1] and samples[0][0].metadata["turns"] == 1
+    assert samples[0][0].metadata["tool_spans"] == [[3, 5]] and samples[0][1].metadata["tool_spans"] == []
     assert samples[0][0].metadata["env_reward"] == 0.25 and "env_reward" not in samples[0][1].metadata
     dock.clear()
     assert dock.turns.sum() == 0 and not dock.awaiting_tool.any() and np.isnan(dock.env_reward).all()
@@ -88,7 +89,8 @@ def test_snapshot_carries_turn_state_and_old_snapshots_restore():
     assert not legacy.awaiting_tool.any() and np.isnan(legacy.env_reward).all()
     dock_turns.enable(legacy)  # resumed with rollout.env_path set
     _tool_turn(legacy, 1 * 2, [10], [40])
-    assert dock_turns.trajectory(legacy, 0)[1].tolist() == [1, 1, 1] and dock_turns.trajectory(legacy, 2)[1].tolist() == [1, 0]
+    assert dock_turns.trajectory(legacy, 0)[1].tolist() == [1, 1, 1]
+    assert dock_turns.trajectory(legacy, 2)[1].tolist() == [1, 0]
 
 
 def test_tool_tokens_never_get_gradient(tiny_model_dir):

@@ -1,6 +1,6 @@
 """The multi-turn environment interface (rollout/tools_env.py), the calculator (rollout/calculator.py) and the env
-pool (rollout/env_pool.py): time limits, errors, truncation, replay. No engine here (tests/integration/test_multi_turn.py
-drives trajectories through the real router)."""
+pool (rollout/env_pool.py): time limits, errors, truncation, replay. No engine here
+(tests/integration/test_multi_turn.py drives trajectories through the real router)."""
 from __future__ import annotations
 
 import asyncio
