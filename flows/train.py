@@ -135,7 +135,8 @@ def grpo_train(config: RunConfig, resume: bool = False) -> dict:
                                      {**outcome.scalars, "time/iteration_wall_s": wall},
                                      outcome.response_lengths, outcome.ages, outcome.flow_run_id)
                 tracker.settle()
-        return tracker.finish(run.baseline, loop_wall_s=time.perf_counter() - loop_start, report=build_report)
+        return tracker.finish(run.baseline, loop_wall_s=time.perf_counter() - loop_start,
+                              report=build_report if config.tracking.report else None)
     finally:
         if tracker is not None:
             tracker.close()

@@ -208,6 +208,9 @@ class TrackingConfig(_Section):
     project: str = Field("spillover", description="wandb project.")
     run_name: str | None = Field(None, description="wandb run name; empty = generated.")
     progress: bool = Field(True, description="Rich progress bar in the terminal.")
+    report: bool = Field(True, description="At the end of a run, plot it (RUN_DIR/report/*.png, ~1-2 s) and attach "
+                                           "the plots to wandb and a Prefect artifact; false: `spillover report "
+                                           "RUN_DIR` plots it later.")
 
 
 class ScheduleConfig(_Section):

@@ -3,4 +3,5 @@ SMALL_RUN = ["rollout.global_batch_size=4", "rollout.n_samples_per_prompt=4", "r
              "rollout.max_model_len=32", "rollout.max_split=2", "grpo.micro_batch_size=16",
              "grpo.num_steps_per_rollout=1", "data.num_prompts=64", "engines.max_running_requests=32",
              "model.tiny.num_layers=2", "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128",
-             "storage.checkpoint_interval=1"]
+             "storage.checkpoint_interval=1",
+             "tracking.report=false"]  # the plots cost ~1.5 s a run; tests/unit/test_report.py and the UI test check them

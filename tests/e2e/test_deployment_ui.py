@@ -34,7 +34,8 @@ OUT = REPO / "test-outputs" / "e2e"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SMALL = ["schedule.num_iterations=2", *SMALL_RUN, "engines.rollout_num_gpus=1", "tracking.wandb_mode=offline"]
+SMALL = ["schedule.num_iterations=2", *SMALL_RUN, "engines.rollout_num_gpus=1", "tracking.wandb_mode=offline",
+         "tracking.report=true"]  # the report artifact and plots are checked here
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 RUNNER_POLL_S = 1  # PREFECT_RUNNER_POLL_FREQUENCY of `spillover serve`: how soon a submitted run starts
 

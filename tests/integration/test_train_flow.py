@@ -57,6 +57,7 @@ def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_
     assert all(len(r["trained_group_ids"]) == 4 for r in rows)
     assert rows[-1]["partial_rows"] == 0  # the last iteration drains
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["prompt_independent_baseline"] > 0
+    assert not (tmp_path / "run" / "report").exists()  # tracking.report=false (SMALL_RUN): no plots
 
     names = [f"iteration-{i:04d}" for i in range(3)]
     deadline = time.time() + 20  # the server records task runs in batches (see infra/prefect_env.py)
