@@ -8,13 +8,16 @@ the same durable state, checkpoint 0, so a chain is: `train` killed at one task 
 `resume` killed at the next one, and so on, then a `resume` that finishes. Each resume starts from what the
 previous kill left, so a kill that damaged durable state shows in the final comparison, and the state is
 checked after every kill too. One process start per kill point instead of two. The kill points are split
-between two chains that run side by side with the uninterrupted reference run:
+between two chains that run side by side with the uninterrupted reference run (in the test's process, on the
+session's warm parts):
 - on the real S3 server, ending with a kill in iteration 1's checkpoint write after every object and before
   the manifest (a half-written checkpoint that must never be loaded). Keys go as config values to `train`
   and from the environment to every `resume` (config.json never holds them), and at the end neither key
   appears in the run directory, the processes' output, the checkpoint objects or the Prefect database
   (parameters, logs, artifacts);
-- on local files.
+- on local files, its runs joining the session's Ray cluster (RAY_ADDRESS, as on a real cluster) instead of each
+  starting a local one: Ray must end each killed driver's job, so every actor those runs created is dead and its
+  worker process gone soon after the chain ends (read from the GCS).
 
 Determinism needs three settings (DETERMINISTIC below): rollout.deterministic_sampling (every request
 carries a sampling_seed, so tokens do not depend on batching, timing or the engine; tested in
@@ -23,7 +26,7 @@ tests/integration/test_seeded_sampling.py), and old logprobs from the learner wi
 across batch compositions, which would reach the weights through the loss.
 
 No run may leave a process behind. Each subprocess leads its own session, and every process it starts
-stays in that session (tests/run_processes.py): Ray's GCS, raylet, agents and workers, engine and learner
+stays in that session (tests/run_processes.py; a run that starts its own Ray): Ray's GCS, raylet, agents and workers, engine and learner
 actors, the sglang-router (which overwrites its environment with its process title, so an environment tag
 misses it) and Prefect's ephemeral server. While a run is alive its session is sampled, and the test
 requires the router to have been seen in every run and the ephemeral Prefect server in the one run that
@@ -215,6 +218,31 @@ def assert_same_as_reference(run_dir: Path, state, ref_dir: Path, ref_state) -> 
     assert state.meta["cursor"] == ref_state.meta["cursor"]
 
 
+def other_jobs_actors() -> list[dict]:
+    """The actors of this Ray cluster that other drivers (the `spillover` subprocesses that joined it) created:
+    JobID, State, Pid, ActorClassName (read from the GCS, as `ray list actors` does without a dashboard)."""
+    import ray
+    from ray._private.state import actors
+
+    mine = ray.get_runtime_context().get_job_id()
+    return [a for a in actors().values() if a["JobID"] != mine]
+
+
+def assert_joined_runs_left_nothing(grace_s: float = LEFTOVER_GRACE_S) -> None:
+    """Every actor the joined runs created is dead and its worker process gone within grace_s: Ray ends a
+    driver's job when the driver dies (SIGKILL included) and kills the job's actors."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        seen = other_jobs_actors()
+        left = [(a["ActorClassName"], a["State"], a["Pid"]) for a in seen
+                if a["State"] != "DEAD" or Path(f"/proc/{a['Pid']}").exists() and a["Pid"] > 0]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert seen, "no run joined the session's Ray cluster"
+    assert left == [], f"actors of ended runs still alive {grace_s:.0f} s later: {left}"
+
+
 def kill_chain(spillover: Spillover, run_dir: Path, url: str, storage_cfg, first_args: list[str],
                kills: list[tuple[str, list[tuple[int, bool]]]], ephemeral_link: int | None = None, **env) -> None:
     """`train` (first_args) killed at kills[0], then `resume` killed at each further point, then a `resume` that
@@ -238,32 +266,43 @@ def kill_chain(spillover: Spillover, run_dir: Path, url: str, storage_cfg, first
     assert_checkpoints(url, [(1, True), (2, True)], storage_cfg)
 
 
+def run_reference(ref_dir: Path) -> None:
+    """The uninterrupted run, in this process on the session's warm parts (tests/fixtures_warm.py: a run on
+    kept parts trains bit for bit like one on new parts) instead of one more `spillover train` process."""
+    from flows.train import grpo_train
+    from infra.config import load_config
+
+    # two engines (the shape the suite's warm parts have) where the chains have one: seeded sampling makes the
+    # tokens independent of the engine count, so the comparison also checks that
+    grpo_train(load_config("configs/tiny.yaml", [f"run_dir={ref_dir}", *SMALL, *DETERMINISTIC,
+                                                 "engines.rollout_num_gpus=2"]))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_kill_9_at_every_point_then_resume_matches_uninterrupted_and_leaks_nothing(
-        s3_server, spillover, prefect_harness, tmp_path):
+        s3_server, spillover, prefect_harness, ray_session, warm_parts, tmp_path):
     """Two chains side by side (the kill points split between them, one on S3 and one on local files) and the
-    uninterrupted reference run alongside: up to three runs at once keep both cores busy."""
+    uninterrupted reference run alongside, in this process: three runs at once keep both cores busy."""
     s3_dir, file_dir, ref_dir = tmp_path / "s3-run", tmp_path / "file-run", tmp_path / "reference"
     url = s3_server.url(f"kill-resume-{uuid.uuid4().hex[:8]}")
     s3_cfg = s3_server.storage_config()
     location = [f"storage.url={url}", f"storage.endpoint_url={s3_server.endpoint_url}", "storage.region=us-east-1"]
     keys = [f"storage.access_key_id={s3_server.access_key}", f"storage.secret_access_key={s3_server.secret_key}"]
     aws = {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
+    ray_address = ray_session.get_runtime_context().gcs_address  # the file chain joins the session's cluster
     task_kills = [(f"{task}:1", [(0, True)]) for task in TASK_KILLS]
     half = len(task_kills) // 2
-    with ThreadPoolExecutor(3) as pool:
-        reference = pool.submit(spillover.run, train_args(ref_dir))
+    with ThreadPoolExecutor(2) as pool:
         s3_chain = pool.submit(kill_chain, spillover, s3_dir, url, s3_cfg, train_args(s3_dir, *location, *keys),
                                task_kills[:half] + [("checkpoint_manifest:1", [(0, True), (1, False)])],
                                ephemeral_link=EPHEMERAL_LINK, **aws)
         file_chain = pool.submit(kill_chain, spillover, file_dir, str(file_dir / "checkpoints"), None,
-                                 train_args(file_dir), task_kills[half:])
-        ref_run = reference.result()
-        assert ref_run.returncode == 0, spillover.output(ref_run)
-        spillover.check_gone(ref_run)
+                                 train_args(file_dir), task_kills[half:], RAY_ADDRESS=ray_address)
+        run_reference(ref_dir)  # meanwhile, in this thread (the warm parts are this context's)
         s3_chain.result()
         file_chain.result()
+    assert_joined_runs_left_nothing()
     ref_state = final_state(str(ref_dir / "checkpoints"))
     assert_same_as_reference(s3_dir, final_state(url, s3_cfg), ref_dir, ref_state)
     assert_same_as_reference(file_dir, final_state(str(file_dir / "checkpoints")), ref_dir, ref_state)
