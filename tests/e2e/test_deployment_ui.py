@@ -6,7 +6,8 @@ test-outputs/e2e/ (SPILLOVER_UPDATE_DOCS=1 also refreshes docs/ui-screenshot.png
 test-outputs/e2e/timings.json.
 
 Kept short on 2 cores: the serving process polls for runs every second (Prefect's default is 10 s), one
-engine, and Chromium starts and logs in while `spillover serve` starts up."""
+engine, the served runs join the session's Ray cluster (RAY_ADDRESS, as a deployment on a cluster would) instead
+of starting one, and Chromium starts and logs in while `spillover serve` starts up."""
 from __future__ import annotations
 
 import json
@@ -74,7 +75,7 @@ def _artifacts(api: httpx.Client, flow_run_ids: list[str]) -> list[dict]:
     return api.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": flow_run_ids}}}).json()
 
 
-def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(tmp_path):
+def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(ray_session, tmp_path):
     assert Path(CHROMIUM).exists(), "chromium missing: `make test` installs it (apt-get install -y chromium)"
     OUT.mkdir(parents=True, exist_ok=True)
     port, user, password = free_port(), "spillover", secrets.token_hex(8)
@@ -85,7 +86,8 @@ def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(tmp_path):
                       PREFECT_UI_API_URL=f"{url}/api")
     client_env = _env(PREFECT_HOME=tmp_path / "client-home", PREFECT_API_URL=f"{url}/api",
                       PREFECT_API_AUTH_STRING=auth)
-    serve_env = {**client_env, "PREFECT_RUNNER_POLL_FREQUENCY": str(RUNNER_POLL_S)}
+    serve_env = {**client_env, "PREFECT_RUNNER_POLL_FREQUENCY": str(RUNNER_POLL_S),
+                 "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
     timings = {}
     with ExitStack() as stack:
         t0 = time.monotonic()
