@@ -50,7 +50,7 @@ def assert_each_group_trained_once(run_dir, iterations: int, gbs: int = 4) -> li
     return got
 
 
-OUTAGE_S = 4.0  # longer than the first four backoffs together (0.2 + 0.4 + 0.8 + 1.6 s): several retries
+OUTAGE_S = 2.5  # longer than the first three backoffs together (0.2 + 0.4 + 0.8 s): several retries
 
 
 class Records(logging.Handler):
