@@ -6,7 +6,8 @@ the session's warm parts) finishes the run from checkpoint 0, whose dock holds m
 Sampling is not seeded (the resumed run need not repeat the killed one; nothing is compared with a reference run).
 Every prompt group is trained exactly once, and every trained trajectory is intact: each tool output in it is the
 calculator's answer to the action before it, once, in order (a lost or repeated tool call, or a replay that went wrong,
-would show). The subprocess's processes must all be gone (the helpers and leftover checks of
+would show). The subprocess joins the session's Ray cluster (as test_kill_resume's joined runs): its own processes
+must all be gone, and so must every actor it created (the helpers and leftover checks of
 tests/e2e/test_kill_resume.py)."""
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import signal
 import numpy as np
 import pytest
 from small_run import SMALL_RUN
-from test_kill_resume import RAY_AGENTS, ROUTER, metrics_rows, spillover, watch_until_gone  # noqa: F401 (fixtures)
+from test_kill_resume import (ROUTER, assert_joined_runs_left_nothing, metrics_rows,  # noqa: F401
+                              spillover, watch_until_gone)  # (fixtures)
 
 from rollout.calculator import CalculatorEnv
 from rollout.tools_env import observation_tokens, split_actions
@@ -34,7 +36,7 @@ def tools_args(run_dir) -> list[str]:
     return ["train", "--config", "configs/tiny-tools.yaml", f"run_dir={run_dir}",
             f"schedule.num_iterations={ITERATIONS}", *SMALL_RUN, "rollout.env_path=test_tool_kill_resume.SlowCalculator",
             "rollout.max_tool_output_tokens=6", "rollout.tool_call_stop=['=', '+', '*']", "tracking.wandb_mode=disabled",
-            "tracking.progress=false",
+            "tracking.progress=false", "tracking.report=false",
             "engines.rollout_num_gpus=1",
             f"storage.save_debug_rollout_data={run_dir}/debug/rollout_{{rollout_id}}.parquet"]
 
@@ -63,7 +65,8 @@ def assert_trajectory_intact(sample, tokenizer, stops: list[str], cap: int, max_
 
 
 @pytest.mark.timeout(400)
-def test_kill_9_inside_a_tool_call_then_resume(spillover, prefect_harness, warm_parts, tmp_path):  # noqa: F811
+def test_kill_9_inside_a_tool_call_then_resume(spillover, prefect_harness, ray_session, warm_parts,  # noqa: F811
+                                               tmp_path):
     from flows.setup import load_run_config
     from flows.train import grpo_train
     from infra.checkpoint import load_latest_checkpoint
@@ -73,7 +76,8 @@ def test_kill_9_inside_a_tool_call_then_resume(spillover, prefect_harness, warm_
     from tasks.checkpoint import restore_dock_and_cursor
 
     run_dir = tmp_path / "tools"
-    killed = spillover.run(tools_args(run_dir), SPILLOVER_KILL_AT="tool_step:1")
+    ray_address = ray_session.get_runtime_context().gcs_address  # it joins the session's cluster: no Ray start
+    killed = spillover.run(tools_args(run_dir), SPILLOVER_KILL_AT="tool_step:1", RAY_ADDRESS=ray_address)
     assert killed.returncode == -signal.SIGKILL, spillover.output(killed)
     assert killed.saw(ROUTER)
     saved = load_latest_checkpoint(open_store(str(run_dir / "checkpoints")))
@@ -85,7 +89,8 @@ def test_kill_9_inside_a_tool_call_then_resume(spillover, prefect_harness, warm_
 
     cfg = load_run_config(run_dir, ["engines.rollout_num_gpus=2"])  # the warm parts of the suite's small runs
     grpo_train(cfg, resume=True)
-    spillover.check_gone(killed, ignore=RAY_AGENTS)
+    spillover.check_gone(killed)
+    assert_joined_runs_left_nothing()  # Ray ended the killed driver's job: its engine and learner actors are gone
     rows = metrics_rows(run_dir)
     assert [r["iteration"] for r in rows] == list(range(ITERATIONS))
     trained = [g for r in rows for g in r["trained_stream_ids"]]
