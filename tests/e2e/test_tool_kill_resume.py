@@ -96,6 +96,9 @@ def test_kill_9_inside_a_tool_call_then_resume(spillover, prefect_harness, ray_s
     trained = [g for r in rows for g in r["trained_stream_ids"]]
     assert sorted(trained) == list(range(ITERATIONS * cfg.rollout.global_batch_size))  # each group once
     assert sum(r["tool_calls"] for r in rows) > 0
+    for key in ("turns_mean", "tool_calls", "tool_token_share", "carried_mid_tool"):  # issue 15's metrics.jsonl keys
+        assert all(key in r for r in rows), key
+    assert 0 < max(r["tool_token_share"] for r in rows) < 1 and max(r["turns_mean"] for r in rows) > 1
     rebuilt = rows[1]["tool_env_rebuilds"]
     assert rebuilt >= pending  # a new process: every pending call rebuilt its env (reset + replay)
     print(f"checkpoint 0: {pending} rows awaiting a tool; resumed iteration 1 rebuilt {rebuilt} envs")
