@@ -239,7 +239,7 @@ def assert_joined_runs_left_nothing(grace_s: float = LEFTOVER_GRACE_S) -> None:
     while True:
         seen = other_jobs_actors()
         left = [(a["ActorClassName"], a["State"], a["Pid"]) for a in seen
-                if a["State"] != "DEAD" or Path(f"/proc/{a['Pid']}").exists() and a["Pid"] > 0]
+                if a["State"] != "DEAD" or (a["Pid"] > 0 and Path(f"/proc/{a['Pid']}").exists())]
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -254,11 +254,12 @@ def kill_chain(spillover: Spillover, run_dir: Path, url: str, storage_cfg, first
     finishes; after each kill, the checkpoints at url are the given (iteration, complete) list. Links numbered
     in own_ray (-1: the last, finishing one) start their own local Ray; the others join ray_address."""
     previous = None
-    links = [(kill_at, left_behind) for kill_at, left_behind in kills] + [(None, [(1, True), (2, True)])]
+    links = [*kills, (None, [(1, True), (2, True)])]
+    own_ray = {link % len(links) for link in own_ray}
     for link, (kill_at, left_behind) in enumerate(links):
         args = first_args if link == 0 else ["resume", str(run_dir)]
         last = link == len(links) - 1
-        ray = {} if link in own_ray or (last and -1 in own_ray) else {"RAY_ADDRESS": ray_address}
+        ray = {} if link in own_ray else {"RAY_ADDRESS": ray_address}
         kill = {} if last else {"SPILLOVER_KILL_AT": kill_at}
         run = spillover.run(args, ephemeral_prefect=link == ephemeral_link, **kill, **ray, **env)
         if last:
