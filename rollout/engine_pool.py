@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from infra.config import EnginesConfig
@@ -110,9 +110,7 @@ class EnginePool:
         self.engines: list[EngineHandle] = []
         self.pg = self._reserve(strategy)
         try:
-            self.bundle_locations = ray.get([
-                _where.options(num_gpus=0.01 if self.use_gpu else 0, scheduling_strategy=self._in_bundle(i)).remote()
-                for i in range(cfg.rollout_num_gpus)])
+            self.bundle_locations = self._locate_bundles()
             self.order = bundle_order(self.bundle_locations)
             self.layout = engine_layout(cfg.rollout_num_gpus, cfg.gpus_per_engine, self.slots_per_node)
             self._check_layout()
@@ -121,6 +119,16 @@ class EnginePool:
             raise
 
     # ---- placement ----------------------------------------------------------------------------------
+    def _locate_bundles(self) -> list[tuple[str, list[int]]]:
+        """(node id, GPU ids) of each bundle. Without GPUs the placement group table has the nodes, which saves
+        starting a task worker (~1 s and a process per run); GPU ids are only known inside the bundle."""
+        count = self.cfg.rollout_num_gpus
+        if not self.use_gpu:
+            nodes = placement_group_table(self.pg)["bundles_to_node_id"]
+            return [(nodes[i], []) for i in range(count)]
+        return ray.get([_where.options(num_gpus=0.01, scheduling_strategy=self._in_bundle(i)).remote()
+                        for i in range(count)])
+
     def _bundle_cpu(self) -> float:
         return max(self.cfg.num_cpus_per_engine / self.cfg.gpus_per_engine, MIN_BUNDLE_CPU)
 
