@@ -16,8 +16,9 @@ session's warm parts):
   appears in the run directory, the processes' output, the checkpoint objects or the Prefect database
   (parameters, logs, artifacts);
 - on local files.
-The first and the last run of the S3 chain start their own local Ray, as `spillover` does by default: a killed
-driver's local Ray (GCS, raylet, agents, workers) must go with it, and a finished run's too. The other runs join
+The first run of the S3 chain and the last run of the file chain start their own local Ray, as `spillover` does by
+default: a killed driver's local Ray (GCS, raylet, agents, workers) must go with it, and a finished run's too (one
+Ray start per chain keeps the chains equally long). The other runs join
 the session's Ray cluster (RAY_ADDRESS, as on a real cluster), which saves a Ray start per run: Ray must end each
 killed driver's job, so every actor those runs created is dead and its worker process gone soon after the
 chains end (read from the GCS). How a local Ray dies does not depend on where its driver was killed; the
@@ -300,15 +301,15 @@ def test_kill_9_at_every_point_then_resume_matches_uninterrupted_and_leaks_nothi
     location = [f"storage.url={url}", f"storage.endpoint_url={s3_server.endpoint_url}", "storage.region=us-east-1"]
     keys = [f"storage.access_key_id={s3_server.access_key}", f"storage.secret_access_key={s3_server.secret_key}"]
     aws = {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key}
-    ray_address = ray_session.get_runtime_context().gcs_address  # the file chain joins the session's cluster
+    ray_address = ray_session.get_runtime_context().gcs_address  # the runs without their own Ray join it
     task_kills = [(f"{task}:1", [(0, True)]) for task in TASK_KILLS]
     half = len(task_kills) // 2
     with ThreadPoolExecutor(2) as pool:
         s3_chain = pool.submit(kill_chain, spillover, s3_dir, url, s3_cfg, train_args(s3_dir, *location, *keys),
                                task_kills[:half] + [("checkpoint_manifest:1", [(0, True), (1, False)])],
-                               ray_address, own_ray=(0, -1), ephemeral_link=EPHEMERAL_LINK, **aws)
+                               ray_address, own_ray=(0,), ephemeral_link=EPHEMERAL_LINK, **aws)
         file_chain = pool.submit(kill_chain, spillover, file_dir, str(file_dir / "checkpoints"), None,
-                                 train_args(file_dir), task_kills[half:], ray_address)
+                                 train_args(file_dir), task_kills[half:], ray_address, own_ray=(-1,))
         run_reference(ref_dir)  # meanwhile, in this thread (the warm parts are this context's)
         s3_chain.result()
         file_chain.result()

@@ -1,5 +1,5 @@
 """Kill -9 inside a tool call, then resume (issue 15): `spillover train --config configs/tiny-tools.yaml` (small, with
-a calculator that takes 0.3 s per step and more stop strings, so that the end of iteration 0 cuts rows with their call
+a calculator that takes 0.6 s per step and more stop strings, so that the end of iteration 0 cuts rows with their call
 pending) SIGKILLs itself inside the first calculator step of iteration 1 -- a call pending since checkpoint 0, asked
 again -- (kill point "tool_step", rollout/env_pool.py, through the kill_hook test plugin), and `resume` (in process, on
 the session's warm parts) finishes the run from checkpoint 0, whose dock holds multi-turn trajectories mid-way.
@@ -28,7 +28,7 @@ ITERATIONS = 2
 
 class SlowCalculator(CalculatorEnv):
     async def step(self, action_text: str):
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.6)  # long against the tiny model's generation, even on a loaded machine: calls pending at the cut
         return await super().step(action_text)
 
 
@@ -85,7 +85,7 @@ def test_kill_9_inside_a_tool_call_then_resume(spillover, prefect_harness, ray_s
     dock, _ = restore_dock_and_cursor(saved)
     assert dock.turns.sum() > 0  # the checkpoint holds trajectories with tool turns, carried mid-way
     pending = int(dock.awaiting_tool.sum())  # rows cut with a tool call pending: asked again after the kill
-    assert pending >= 1
+    assert pending >= 1, pending
 
     cfg = load_run_config(run_dir, ["engines.rollout_num_gpus=2"])  # the warm parts of the suite's small runs
     grpo_train(cfg, resume=True)

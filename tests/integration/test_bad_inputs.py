@@ -49,6 +49,20 @@ def spillover(*argv: str) -> tuple[int, str]:
     return code, err.getvalue()
 
 
+def with_records(logger: str, fn, *args):
+    """fn(*args) plus the records `logger` emitted meanwhile. Not caplog: the first flow run of a session
+    configures Prefect's logging, which replaces the root logger's handlers (caplog's among them)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    target = logging.getLogger(logger)
+    target.addHandler(handler)
+    try:
+        return (*fn(*args), records)
+    finally:
+        target.removeHandler(handler)
+
+
 def train(run_dir, *extra: str) -> tuple[int, str]:
     return spillover("train", "--config", "configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, *extra)
 
@@ -144,7 +158,7 @@ def checkpoints(run_dir) -> list[tuple[int, bool]]:
 
 @pytest.mark.slow  # ~70 s: five flow runs on one run directory
 def test_bad_rewards_and_mismatched_resumes_stop_clearly_and_lose_nothing(prefect_harness, ray_session, warm_parts,
-                                                                          caplog, tmp_path):
+                                                                          tmp_path):
     """One run through the whole list, each step on the state the previous one left:
     1. over-long prompts with data.over_long_prompts=truncate are cut and counted; the reward turns NaN in
        iteration 1 -> exit 2 naming the function and the sample; iteration 0's checkpoint stays;
@@ -187,10 +201,9 @@ def test_bad_rewards_and_mismatched_resumes_stop_clearly_and_lose_nothing(prefec
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte
     victim.write_bytes(bytes(data))
-    caplog.set_level(logging.WARNING, logger="spillover.checkpoint")
-    code, err = spillover("resume", str(run_dir))
+    code, err, records = with_records("spillover.checkpoint", spillover, "resume", str(run_dir))
     assert code == 0, err[-3000:]
-    warned = [r.getMessage() for r in caplog.records if "unusable" in r.getMessage()]
+    warned = [r.getMessage() for r in records if "unusable" in r.getMessage()]
     assert warned and "ckpt-00000002" in warned[0] and "corrupt" in warned[0]
     again = rows(run_dir)
     assert [r["iteration"] for r in again] == [0, 1, 2]  # iteration 2 redone from checkpoint 1
