@@ -266,3 +266,46 @@ def test_client_disconnect_aborts_its_request(varied_engine):
             return counts
 
     assert run(scenario()) == (0, 0)
+
+
+def greedy_tokens(model, ids: list[int], count: int) -> list[int]:
+    """count argmax tokens after ids, EOS or not (as ignore_eos)."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(count):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-count:]
+
+
+def test_a_row_carried_across_a_weight_update_continues_under_the_new_weights(varied_engine, varied_hf,
+                                                                               varied_model_dir, tiny_model_dir):
+    """Partial rollout's carried row (issue 13, cache consistency): cut under version 1, the weights change, and its
+    continuation is computed from the new weights alone -- no key/value state of the old ones is reused
+    (cached_tokens 0), its tokens carry version 2, and they are what HF generates from prompt + kept tokens with
+    the new weights, not with the old ones."""
+    from infra.models import load_causal_lm
+    from rollout.engines.lean_forward import read_safetensors
+
+    prompt, total, rest_len = [5, 6, 7, 8, 9], 200, 12
+    params = {"max_new_tokens": total, "temperature": 0, "ignore_eos": True}
+    varied_engine.load_weights(read_safetensors(varied_model_dir), weight_version=1)
+
+    async def scenario():
+        async with EngineClient(varied_engine.url) as client:
+            rid = "cd" * 16
+            task = asyncio.create_task(client.generate(prompt, params, rid=rid))
+            while not varied_engine.batcher.running or len(next(iter(varied_engine.batcher.running.values())).output_ids) < 8:
+                await asyncio.sleep(0.002)
+            await client.abort(rid)
+            partial = await task
+            varied_engine.load_weights(read_safetensors(tiny_model_dir), weight_version=2)
+            rest = await client.generate(prompt + partial.output_ids, {**params, "max_new_tokens": rest_len})
+            return partial, rest
+
+    partial, rest = run(scenario())
+    kept = prompt + partial.output_ids
+    assert partial.meta_info.finish_reason.type == "abort" and partial.meta_info.weight_version == 1
+    assert rest.meta_info.weight_version == 2 and rest.meta_info.cached_tokens == 0
+    new, old = greedy_tokens(load_causal_lm(tiny_model_dir).eval(), kept, rest_len), greedy_tokens(varied_hf, kept, rest_len)
+    assert new != old  # the two weight sets disagree here, so the check below can tell them apart
+    assert rest.output_ids == new
