@@ -16,11 +16,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> dict:
     if ray.is_initialized():
         return {"address": "existing"}
     address = address or os.environ.get("RAY_ADDRESS") or None
+    set_loopback_env(address)
+    _reread_cluster_flag()
     if address:
         info = ray.init(address=address, log_to_driver=False)
     else:
-        set_loopback_env()
-        _reread_cluster_flag()
         # Logical CPUs: engines and learners are mostly waiting on each other, so over-subscribe a bit
         # to keep fractional-CPU actors from starving plain tasks.
         # address="local": always a new local instance, never one that another process started on this machine

@@ -13,9 +13,18 @@ LOCAL_RAY_ENV = {
 }
 
 
-def set_loopback_env() -> None:
-    """Defaults only, and only for a local Ray: joining a cluster (RAY_ADDRESS) keeps Ray's own choice."""
-    if os.environ.get("RAY_ADDRESS"):
+def is_loopback_address(address: str) -> bool:
+    """'127.0.0.1:6379', 'localhost:6379', 'ray://127.0.0.1:10001' -> True."""
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def set_loopback_env(address: str | None = None) -> None:
+    """Defaults only, for a local Ray or a cluster on this machine's loopback (`address`, else RAY_ADDRESS): joining
+    another cluster keeps Ray's own choice. Without them a driver swaps a 127.0.0.1 address for the host's and
+    never reaches a loopback-only cluster (it retries for minutes)."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address and not is_loopback_address(address):
         return
     for key, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(key, value)

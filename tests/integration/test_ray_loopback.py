@@ -1,7 +1,9 @@
 """No spillover package init writes the environment at import (tests/unit/test_no_env_writes_at_import.py
 scans every module for direct writes), and a local Ray started by infra.cluster.init_ray
 listens only on loopback even when `ray` was imported before Ray's loopback variables were set (Ray reads
-them at its import). Runs in a child process: this one's Ray and environment are the session's."""
+them at its import), and a driver started without any Ray variable joins it through RAY_ADDRESS=127.0.0.1:port
+(Ray would swap that for the host's address and retry for minutes). Runs in a child process: this one's Ray and
+environment are the session's."""
 from __future__ import annotations
 
 import json
@@ -26,6 +28,17 @@ def pid():
     return os.getpid()
 
 ray.get(pid.remote())  # a worker runs
+# a driver from a plain shell (no loopback variable) joins with RAY_ADDRESS=127.0.0.1:port
+import subprocess, time
+join_env = {k: v for k, v in before.items() if not k.startswith("RAY_")}
+join_env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+started = time.monotonic()
+try:
+    joined = subprocess.run([sys.executable, "-c", "from infra.cluster import init_ray; init_ray(); print('joined')"],
+                            env=join_env, capture_output=True, text=True, timeout=60).stdout.strip().endswith("joined")
+except subprocess.TimeoutExpired:
+    joined = False
+join_s = time.monotonic() - started
 import psutil
 procs = [psutil.Process()] + psutil.Process().children(recursive=True)
 listeners = []
@@ -36,7 +49,8 @@ for p in procs:
         continue
     listeners += [(p.name(), c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN]
 ray.shutdown()
-print(json.dumps({"written_at_import": written, "listeners": listeners}))
+print(json.dumps({"written_at_import": written, "listeners": listeners, "joined": joined, "join_s": join_s,
+                  "address": join_env["RAY_ADDRESS"]}))
 """
 
 
@@ -56,3 +70,5 @@ def test_imports_write_no_environment_and_ray_listens_only_on_loopback():
     assert len(report["listeners"]) >= 3  # GCS, raylet, worker: the check saw them
     bad = [(name, ip) for name, ip in report["listeners"] if ip not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
     assert bad == []
+    # joining a loopback cluster sets the loopback variable too (else Ray swaps 127.0.0.1 for the host's address)
+    assert report["address"].startswith("127.0.0.1:") and report["joined"], report
