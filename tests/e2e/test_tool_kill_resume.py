@@ -8,7 +8,7 @@ Every prompt group is trained exactly once, and every trained trajectory is inta
 calculator's answer to the action before it, once, in order (a lost or repeated tool call, or a replay that went wrong,
 would show). The subprocess joins the session's Ray cluster (as test_kill_resume's joined runs): its own processes
 must all be gone, and so must every actor it created (the helpers and leftover checks of
-tests/e2e/test_kill_resume.py)."""
+tests/e2e/spillover_runs.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +17,7 @@ import signal
 import numpy as np
 import pytest
 from small_run import SMALL_RUN
-from test_kill_resume import (ROUTER, assert_joined_runs_left_nothing, metrics_rows,  # noqa: F401
+from spillover_runs import (ROUTER, assert_joined_runs_left_nothing, metrics_rows,  # noqa: F401
                               spillover, watch_until_gone)  # (fixtures)
 
 from rollout.calculator import CalculatorEnv
@@ -28,7 +28,8 @@ ITERATIONS = 2
 
 class SlowCalculator(CalculatorEnv):
     async def step(self, action_text: str):
-        await asyncio.sleep(0.6)  # long against the tiny model's generation, even on a loaded machine: calls pending at the cut
+        # long against the tiny model's generation, even on a loaded machine: calls are pending at the cut
+        await asyncio.sleep(0.6)
         return await super().step(action_text)
 
 
