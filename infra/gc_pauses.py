@@ -18,8 +18,8 @@ from typing import Iterator
 
 @contextmanager
 def long_lived_heap_frozen() -> Iterator[None]:
-    """Collect the young generations, then freeze every object that exists now until the block ends (not nested: an outer
-    freeze is left as it was)."""
+    """Collect the young generations, then freeze every object that exists now until the block ends (not nested:
+    an outer freeze is left as it was)."""
     if gc.get_freeze_count() > 0:
         yield
         return

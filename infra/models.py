@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast  # model classes are imported where a model is built: the
-# driver and the engines only tokenize (~0.5 CPU-s less per process start)
+# The model classes are imported where a model is built: the driver and the engines only tokenize (~0.5 CPU-s
+# less per process start).
+from transformers import PreTrainedTokenizerFast
 
 from infra.config import TinyModelConfig
 

@@ -86,6 +86,15 @@ def test_eos_on_last_allowed_position_reports_stop(varied_engine, varied_hf):
     assert res.meta_info.finish_reason.type == "stop" and res.meta_info.finish_reason.matched == 1
 
 
+async def cut_after(client, engine, prompt, params, rid: str, tokens: int, abort_rid: str | None = None):
+    """Generate, abort once `tokens` are out (by abort_rid: a prefix matches, as in SGLang) -> the aborted response."""
+    task = asyncio.create_task(client.generate(prompt, params, rid=rid))
+    while not engine.batcher.running or len(next(iter(engine.batcher.running.values())).output_ids) < tokens:
+        await asyncio.sleep(0.002)
+    await client.abort(abort_rid or rid)
+    return await task
+
+
 def test_abort_mid_generation_then_continue_matches_uninterrupted(varied_engine):
     prompt, total = [5, 6, 7, 8, 9], 400
     params = {"max_new_tokens": total, "temperature": 0, "ignore_eos": True}
@@ -93,12 +102,7 @@ def test_abort_mid_generation_then_continue_matches_uninterrupted(varied_engine)
     async def scenario():
         async with EngineClient(varied_engine.url) as client:
             full = await client.generate(prompt, params)
-            rid = "ab" * 16
-            task = asyncio.create_task(client.generate(prompt, params, rid=rid))
-            while not varied_engine.batcher.running or len(next(iter(varied_engine.batcher.running.values())).output_ids) < 20:
-                await asyncio.sleep(0.002)
-            await client.abort(rid[:8])  # prefix match, as SGLang
-            partial = await task
+            partial = await cut_after(client, varied_engine, prompt, params, "ab" * 16, 20, abort_rid="ab" * 4)
             rest = await client.generate(prompt + partial.output_ids,
                                          {**params, "max_new_tokens": total - len(partial.output_ids)})
             return full, partial, rest
@@ -292,20 +296,19 @@ def test_a_row_carried_across_a_weight_update_continues_under_the_new_weights(va
 
     async def scenario():
         async with EngineClient(varied_engine.url) as client:
-            rid = "cd" * 16
-            task = asyncio.create_task(client.generate(prompt, params, rid=rid))
-            while not varied_engine.batcher.running or len(next(iter(varied_engine.batcher.running.values())).output_ids) < 8:
-                await asyncio.sleep(0.002)
-            await client.abort(rid)
-            partial = await task
+            partial = await cut_after(client, varied_engine, prompt, params, "cd" * 16, 8)
             varied_engine.load_weights(read_safetensors(tiny_model_dir), weight_version=2)
             rest = await client.generate(prompt + partial.output_ids, {**params, "max_new_tokens": rest_len})
             return partial, rest
 
-    partial, rest = run(scenario())
+    try:
+        partial, rest = run(scenario())
+    finally:  # the module's engine serves the varied weights to whatever runs next
+        varied_engine.load_weights(read_safetensors(varied_model_dir), weight_version=0)
     kept = prompt + partial.output_ids
     assert partial.meta_info.finish_reason.type == "abort" and partial.meta_info.weight_version == 1
     assert rest.meta_info.weight_version == 2 and rest.meta_info.cached_tokens == 0
-    new, old = greedy_tokens(load_causal_lm(tiny_model_dir).eval(), kept, rest_len), greedy_tokens(varied_hf, kept, rest_len)
+    new = greedy_tokens(load_causal_lm(tiny_model_dir).eval(), kept, rest_len)
+    old = greedy_tokens(varied_hf, kept, rest_len)
     assert new != old  # the two weight sets disagree here, so the check below can tell them apart
     assert rest.output_ids == new
