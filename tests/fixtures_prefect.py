@@ -2,7 +2,11 @@
 process (flows called from tests) or as subprocesses (`spillover` with PREFECT_API_URL). A server start
 costs ~10-25 s on 2 cores; one per module cost minutes.
 
-Everything the tests check in it is scoped by a flow-run name or id, so sharing it is safe."""
+Everything the tests check in it is scoped by a flow-run name or id, so sharing it is safe.
+
+Flow runs in the test process send no heartbeats: Prefect's heartbeat thread sleeps in 1 s steps and every flow run
+joins it at its end, idle 0-1 s per run (py-spy: ~0.9 s of a refused run's 1.2 s), and the suite runs hundreds of
+short flows. No test is about heartbeats; `spillover` subprocesses and users keep Prefect's default."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,9 +22,11 @@ class PrefectServer(NamedTuple):
 
 @pytest.fixture(scope="session")
 def prefect_harness() -> PrefectServer:
-    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL, PREFECT_API_URL
+    from prefect.settings import (PREFECT_API_DATABASE_CONNECTION_URL, PREFECT_API_URL,
+                                  PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings)
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=180):
+    with prefect_test_harness(server_startup_timeout=180), \
+            temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         db = PREFECT_API_DATABASE_CONNECTION_URL.value() or ""
         yield PrefectServer(PREFECT_API_URL.value(), Path(db.split(":///", 1)[-1]) if ":///" in db else None)
