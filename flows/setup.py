@@ -144,7 +144,10 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
 
 
 def start_learners_and_engines(cfg: RunConfig, model_path: Path) -> tuple[tuple[Any, Any], Any]:
-    """((policy, ref), engine): borrowed from the active flows.parts.WarmParts if any, else started."""
+    """((policy, ref), engine): borrowed from the active flows.parts.WarmParts if any, else started. Colocated
+    engines live in the policy's ranks (placement.colocate): both are started for the run and never kept."""
+    if cfg.placement.colocate:
+        return start_colocated(cfg, model_path)
     warm = active_warm_parts()
     if warm is not None:
         learners = warm.learners(model_path, cfg)
@@ -156,6 +159,21 @@ def start_learners_and_engines(cfg: RunConfig, model_path: Path) -> tuple[tuple[
         return learners, None
     try:
         return learners, start_engines(cfg.engines, model_path, cfg.rollout.deterministic_sampling)
+    except BaseException:
+        release_parts(learners, keep=False)
+        raise
+
+
+def start_colocated(cfg: RunConfig, model_path: Path) -> tuple[tuple[Any, Any], Any]:
+    from rollout.manager import RolloutManager
+    from tasks.learner_group import create_learners
+
+    learners = create_learners(model_path, cfg)
+    if not needs_engines(cfg):
+        return learners, None
+    try:
+        return learners, RolloutManager(cfg.engines, str(model_path), hosts=learners[0].actors,
+                                        deterministic_inference=cfg.rollout.deterministic_sampling)
     except BaseException:
         release_parts(learners, keep=False)
         raise

@@ -15,6 +15,7 @@ from pydantic import Field, SecretStr, ValidationError, model_validator
 from infra.config_parsing import ConfigError, apply_overrides, format_validation_error
 from infra.config_engines import EngineSyncFields
 from infra.config_learner import LearnerConfig, check_learner_batch
+from infra.config_placement import PlacementConfig, check_placement
 from infra.config_base import Section
 from infra.config_tools import ToolFields
 from infra.config_tasks import EvalConfig, RewardModelConfig  # noqa: F401 (importable from here)
@@ -235,6 +236,8 @@ class RunConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="`spillover eval`: pass@k settings.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Learner ranks, device, precision, "
                                    "attention kernel and logprob chunking (infra/config_learner.py).")
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Engines colocated with the "
+                                       "learner ranks or on their own (infra/config_placement.py).")
 
     @model_validator(mode="after")
     def _cross_section(self) -> "RunConfig":
@@ -256,6 +259,7 @@ class RunConfig(_Section):
             raise ValueError(f"grpo.kl_ctrl=adaptive needs grpo.kl_coef > 0 (the starting value; got {self.grpo.kl_coef}) "
                              f"and grpo.kl_horizon above 1/5 of the samples of one update ({rows * steps}; got "
                              f"{self.grpo.kl_horizon}), so that one update changes the coefficient by under 100%")
+        check_placement(self)
         if self.schedule.debug_train_only and not self.storage.load_debug_rollout_data:
             raise ValueError("schedule.debug_train_only needs storage.load_debug_rollout_data (a path template)")
         return self

@@ -25,6 +25,7 @@ import ray
 from anyio.from_thread import start_blocking_portal
 
 from infra.config import EnginesConfig
+from rollout.colocated_pool import ColocatedEnginePool
 from rollout.engine_pool import EngineHandle, EnginePool, default_torch_threads
 from rollout.engines import sglang_backend as sgl
 from rollout.engines.client import EngineClient
@@ -41,9 +42,10 @@ T = TypeVar("T")
 
 class RolloutManager(EngineWeights):
     def __init__(self, engines_cfg: EnginesConfig, model_path: str | Path, *, max_attempts: int = 5,
-                 max_in_flight: int | None = None, **pool_options: Any):
+                 max_in_flight: int | None = None, hosts: list[Any] | None = None, **pool_options: Any):
         """Start the engines (pool_options: see `EnginePool`), the router (or join engines_cfg.router_address),
-        register every engine's node 0 with it; engines_cfg.health_interval_s > 0 starts the health monitor."""
+        register every engine's node 0 with it; engines_cfg.health_interval_s > 0 starts the health monitor.
+        hosts: the policy learner's rank actors, one engine in each (placement.colocate; rollout/colocated_pool.py)."""
         from infra.cluster import init_ray
 
         if not ray.is_initialized():
@@ -51,7 +53,7 @@ class RolloutManager(EngineWeights):
         self.cfg, self.model_path = engines_cfg, str(model_path)
         if engines_cfg.backend == "torch" and not pool_options.get("use_gpu"):
             pool_options.setdefault("torch_threads", default_torch_threads(engines_cfg.num_engines))
-        self.pool_options = pool_options
+        self.pool_options, self.hosts = pool_options, hosts
         self.pool: EnginePool | None = None
         self.router: Router | None = None
         self.weight_versions: dict[int, int | str | None] = {}
@@ -84,7 +86,9 @@ class RolloutManager(EngineWeights):
         return self._portal.call(fn, *args)
 
     async def _start(self, max_attempts: int, max_in_flight: int | None) -> None:
-        self.pool = await asyncio.to_thread(EnginePool, self.cfg, self.model_path, **self.pool_options)
+        hosted = {"hosts": self.hosts} if self.colocated else {}
+        self.pool = await asyncio.to_thread(ColocatedEnginePool if self.colocated else EnginePool, self.cfg,
+                                            self.model_path, **hosted, **self.pool_options)
         await self.pool.start_all()
         self.weight_versions = {h.index: h.weight_version for h in self.pool.engines}
         if self.cfg.router_address:
@@ -104,6 +108,11 @@ class RolloutManager(EngineWeights):
     @property
     def engines(self) -> list[EngineHandle]:
         return list(self.pool.engines) if self.pool else []
+
+    @property
+    def colocated(self) -> bool:
+        """The engines live in the policy learner's ranks (placement.colocate)."""
+        return self.hosts is not None
 
     @property
     def urls(self) -> list[str]:
@@ -147,14 +156,18 @@ class RolloutManager(EngineWeights):
         self._call(self._memory, True, tags)
 
     def onload(self, tags: list[str] | None = None) -> None:
+        """Resume what offload released; released weights come back empty, so the engines load the weights they
+        served again (rollout/manager_weights.py)."""
         self._call(self._memory, False, tags)
 
-    async def _memory(self, release: bool, tags: list[str] | None) -> None:
+    async def _memory(self, release: bool, tags: list[str] | None, restore: bool = True) -> None:
         path = sgl.ENDPOINTS["release_memory" if release else "resume_memory"]
         payload = (sgl.release_memory_payload if release else sgl.resume_memory_payload)(tags)
         async with self._engine_lock:
             await asyncio.gather(*(self._client(url).post(path, json=payload) for url in self.urls))
             self._offloaded = release
+            if not release and restore and (tags is None or "weights" in tags):
+                await self._restore_served_weights()
 
     # ---- health -------------------------------------------------------------------------------------
     def health_check(self) -> dict[int, str]:

@@ -79,7 +79,10 @@ class EngineWeights:
 
     def sync_weights(self, policy: Any, weight_version: int | str) -> dict[int, Any]:
         """The policy learner's current weights to every engine by engines.weight_sync: distributed (SGLang's
-        broadcast group, bucket by bucket), tensor (Ray's object store) or disk (an HF folder the policy writes)."""
+        broadcast group, bucket by bucket), tensor (Ray's object store) or disk (an HF folder the policy writes).
+        Colocated engines are resumed first and loaded by the ranks that host them, bucket by bucket."""
+        if self.colocated:
+            return self._call(self._sync_colocated, policy, weight_version)
         mode = getattr(self.cfg, "weight_sync", "tensor")
         if mode == "distributed":
             return self._call(self._sync_distributed, policy, weight_version)
@@ -103,10 +106,37 @@ class EngineWeights:
                 await self._apply_latest(None)  # the survivors that missed this version
         return dict(self.weight_versions)
 
+    async def _sync_colocated(self, policy: Any, weight_version: int | str) -> dict[int, Any]:
+        if self._offloaded:
+            await self._memory(False, None, restore=False)  # the weights come next, from the learner
+        async with self._engine_lock:
+            self._latest_weights = ("colocated", policy, weight_version)
+            await self._apply_latest(None)
+        return dict(self.weight_versions)
+
+    def take_colocation_log(self) -> list[str]:
+        """What rank 0's process did since the last take, in order (tasks/engine_host.py)."""
+        return ray.get(self.hosts[0].take_colocation_log.remote())
+
+    async def _restore_served_weights(self) -> None:
+        """After a resume: released weights came back empty; load what the engines served (the latest weights, or
+        the model folder at the version they report)."""
+        if self._latest_weights is not None:
+            await self._apply_latest(None) if self._latest_weights[0] in ("distributed", "colocated") else \
+                await asyncio.gather(*(self._apply_latest(h) for h in self.engines))
+            return
+        await asyncio.gather(*(self._client(h.url).update_weights_from_disk(self.model_path, self.weight_versions[h.index])
+                               for h in self.engines))
+
     async def _apply_latest(self, handle: EngineHandle | None) -> None:
         if self._latest_weights is None:
             return
         kind, source, version = self._latest_weights
+        if kind == "colocated":  # every rank takes part (FSDP gathers); each loads the engine it hosts
+            await asyncio.gather(*source.each("load_colocated_weights", version, self.cfg.weight_bucket_bytes))
+            for h in self.engines:
+                h.weight_version = self.weight_versions[h.index] = await self._client(h.url).weight_version()
+            return
         if kind == "distributed":  # all engines, or a restarted one alone (in a group of its own, so the others go on)
             targets = self.engines if handle is None else [handle]
             await self._weight_sync.sync(source, [h.url for h in targets], self._client, version)

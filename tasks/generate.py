@@ -12,6 +12,8 @@ from tasks.results import Rollout
 def generate_until_ready(controller, context, iteration: int) -> Rollout:
     """controller: rollout.controller.RolloutController; context: rollout.context.RolloutContext."""
     out = controller.generate(iteration, context)
+    if getattr(context.engine, "colocated", False):  # the learner's turn with the device (update resumes them)
+        context.engine.offload()
     batch = out.batch
     return Rollout(metrics={"groups": len(batch.group_ids), "samples": len(batch), **out.stats}, batch=batch,
                    from_dock=controller.uses_dock)

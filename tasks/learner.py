@@ -32,6 +32,7 @@ from tasks.learner_dist import (all_reduce, balanced_shards, checkpoint_layers, 
                                 shard_model)
 from tasks.learner_state import (STATE_FORMAT, full_model_state, load_state, save_hf_folder, save_state,
                                  unique_state_keys)
+from tasks.engine_host import EngineHostMixin
 from tasks.logprobs import ResponseLogprobModel
 from tasks.offpolicy_metrics import OffPolicyStats
 from tasks.weight_sync import WeightSenderMixin
@@ -39,8 +40,9 @@ from tasks.weight_sync import WeightSenderMixin
 __all__ = ["LearnerActor"]
 
 
-class LearnerActor(WeightSenderMixin):
-    """Policy (trainable=True) or frozen reference (trainable=False) over an HF causal LM folder; one rank."""
+class LearnerActor(WeightSenderMixin, EngineHostMixin):
+    """Policy (trainable=True) or frozen reference (trainable=False) over an HF causal LM folder; one rank (the
+    host of a colocated engine too: tasks/engine_host.py)."""
 
     def __init__(self, model_path: str, grpo_cfg: GRPOConfig, optim_cfg: OptimizerConfig, temperature: float,
                  seed: int, trainable: bool, dtype: str = "float32", num_threads: int | None = 1,
@@ -113,6 +115,7 @@ class LearnerActor(WeightSenderMixin):
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch) -> np.ndarray:
         """Logprob of every response token of the batch -> float32[Tr] (the batch's token order)."""
+        self._note("compute_logprobs")
         out = np.zeros(len(batch.response_tokens), dtype=np.float32)
         starts = batch.response_offsets
         for mb in self._micro_batches(batch):
@@ -140,6 +143,7 @@ class LearnerActor(WeightSenderMixin):
         if not self.trainable:
             raise RuntimeError("update() called on a frozen reference learner (trainable=False)")
         started = time.perf_counter()
+        self._note("update")
         g = self.grpo
         if g.kl_coef > 0:
             if ref_logprobs is None:

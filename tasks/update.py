@@ -30,4 +30,6 @@ def update(policy, engine, scored: Scored, old: Logprobs, ref: Logprobs) -> Upda
         start = time.perf_counter()
         engine.sync_weights(policy, version)  # by engines.weight_sync: distributed, tensor or disk
         out["weight_sync_s"] = time.perf_counter() - start
+        if engine.colocated:  # what the hosting process did this iteration, in order
+            out["colocation_events"] = engine.take_colocation_log()
     return Updated(metrics=out, weight_version=version)

@@ -23,10 +23,10 @@ from infra.tensor_memory import TensorMemoryProbe
 from rollout.engines.update_group import (TensorSpec, destroy_group, dtype_name, init_group, send_bucket,
                                           tensor_digest)
 
-__all__ = ["WeightSenderMixin"]
+__all__ = ["WeightSenderMixin", "full_tensor"]
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor of an FSDP shard (a collective: every rank calls it, in the same order)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
@@ -106,7 +106,7 @@ class WeightSenderMixin:
         probe = TensorMemoryProbe() if measure else contextlib.nullcontext()
         with torch.no_grad(), probe:
             for bucket in buckets:
-                tensors = [_full(named[name]).to(device) for name in bucket]
+                tensors = [full_tensor(named[name]).to(device) for name in bucket]
                 if self.rank == 0:
                     send_bucket(group, tensors)
                     sent += sum(t.numel() * t.element_size() for t in tensors)
@@ -116,7 +116,7 @@ class WeightSenderMixin:
 
     def weight_digests(self) -> dict[str, str]:
         """sha256 of every tensor the engines load (sharded: gathered; rank 0's are the ones to compare)."""
-        return {name: tensor_digest(_full(t)) for name, t in self._named_weights().items()}
+        return {name: tensor_digest(full_tensor(t)) for name, t in self._named_weights().items()}
 
     def reset_peak_rss(self) -> int:
         return reset_peak_rss()

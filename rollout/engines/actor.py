@@ -133,6 +133,10 @@ class EngineActor:
 
         return {name: tensor_digest(t) for name, t in self._server.batcher.decoder.weights.items()}
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Torch backend: bytes of the weights and of the KV cache (0 while released)."""
+        return self._server.memory_bytes()
+
     def reset_peak_rss(self) -> int:
         from infra.process_memory import reset_peak_rss
 

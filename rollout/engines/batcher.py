@@ -200,12 +200,24 @@ class ContinuousBatcher:
     def cache(self):
         return self.runner.cache
 
-    def release_cache(self) -> None:
-        """Engine thread only, when idle: drop the KV cache (release_memory_occupation)."""
-        self.runner.release_cache()
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Engine thread only, when idle (release_memory_occupation): free the KV cache and the weights (SGLang's
+        tags; None: everything). Generation is refused until resume_memory."""
+        if tags is None or "kv_cache" in tags:
+            self.runner.release_cache()
+        if tags is None or "weights" in tags:
+            self.decoder.release_weights()
 
-    def resume_cache(self) -> None:
-        self.runner.alloc_cache()
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Allocate again what release_memory freed; released weights come back as zeros until the next load."""
+        if tags is None or "weights" in tags:
+            self.decoder.alloc_weights()
+        if tags is None or "kv_cache" in tags:
+            self.runner.alloc_cache()
+
+    @property
+    def released(self) -> bool:
+        return self.runner.cache is None or not self.decoder.weights
 
     def _should_admit(self) -> bool:
         """Prefill in batches: wait (at most ADMIT_MAX_WAIT_STEPS decode steps) until about 1/8 of the

@@ -67,6 +67,9 @@ def build_app(server: "TorchEngineServer") -> FastAPI:
         body, err = await parse(request, GenerateRequest)
         if err is not None:
             return err
+        if batcher.released:
+            return error_response("the engine's memory is released (release_memory_occupation): "
+                                  "resume_memory_occupation first", 503)
         try:
             engine_req = server.make_request(body)
         except BadRequest as bad:
@@ -188,13 +191,17 @@ def build_app(server: "TorchEngineServer") -> FastAPI:
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
-    async def release_memory_occupation():
-        err = await when_idle(batcher.release_cache, "release_memory_occupation")
+    async def release_memory_occupation(request: Request):
+        tags = (await read_json(request) or {}).get("tags")
+        err = await when_idle(lambda: batcher.release_memory(tags), "release_memory_occupation")
+        server.memory_events.append((time.monotonic(), "release"))
         return err or Response(status_code=200)
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-    async def resume_memory_occupation():
-        await asyncio.wrap_future(batcher.call(batcher.resume_cache))
+    async def resume_memory_occupation(request: Request):
+        tags = (await read_json(request) or {}).get("tags")
+        await asyncio.wrap_future(batcher.call(lambda: batcher.resume_memory(tags)))
+        server.memory_events.append((time.monotonic(), "resume"))
         return Response(status_code=200)
 
     @app.post("/update_weights_from_disk")

@@ -122,6 +122,8 @@ class LeanDecoder:
 
     def load(self, tensors: dict[str, torch.Tensor], strict: bool = False) -> None:
         """Copy HF-named tensors in; unknown names raise, and with `strict` so do missing ones."""
+        if not self.weights and not strict:
+            raise ValueError("weights are released: resume_memory_occupation first")
         expected = set(self.expected_names())
         tensors = {("model.embed_tokens.weight" if k == "lm_head.weight" and self.shape.tie_word_embeddings else k): v
                    for k, v in tensors.items()}
@@ -140,6 +142,24 @@ class LeanDecoder:
                 raise ValueError(f"weights: {name} has shape {tuple(value.shape)}, the model needs {tuple(old.shape)}")
             self.weights[name] = value.detach().to(self.device, self.dtype, copy=True)
         self._fuse()
+
+    def release_weights(self) -> None:
+        """Free every weight tensor (release_memory_occupation); their shapes stay for alloc_weights."""
+        if self.weights:
+            self.released_shapes = {name: tuple(t.shape) for name, t in self.weights.items()}
+        self.weights, self.layers, self.embed, self.lm_head, self.final_norm = {}, [], None, None, None
+
+    def alloc_weights(self) -> None:
+        """Weights again after release_weights: zeros until the next load brings their values."""
+        if not self.weights:
+            self.weights = {n: torch.zeros(s, dtype=self.dtype, device=self.device)
+                            for n, s in self.released_shapes.items()}
+            self._fuse()
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights and their fused copies."""
+        fused = [t for layer in self.layers for k, t in layer.items() if k in ("qkv_w", "gate_up_w", "qkv_b") and t is not None]
+        return sum(t.numel() * t.element_size() for t in [*self.weights.values(), *fused])
 
     def expected_names(self) -> list[str]:
         s = self.shape

@@ -46,6 +46,11 @@ class SlotRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def cache_bytes(self) -> int:
+        if self.cache is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in [*self.cache.k, *self.cache.v])
+
     def free(self, slot: int) -> None:
         """An idle slot feeds token 0 at position 0 (harmless: a new request prefills from 0)."""
         self.slot_len[slot] = 0

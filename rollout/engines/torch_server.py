@@ -77,6 +77,7 @@ class TorchEngineServer:
         self.update_groups: dict[str, tuple[torch.distributed.ProcessGroup, str]] = {}  # name -> (group, backend)
         self.weight_session_open = False  # between /begin_weight_update and /end_weight_update
         self.update_group_timeout_s = 600.0
+        self.memory_events: list[tuple[float, str]] = []  # (monotonic time, release | resume): colocation's order
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def start(self, timeout_s: float = 60.0) -> str:
@@ -177,6 +178,10 @@ class TorchEngineServer:
     @property
     def weight_version(self) -> int | str:
         return self.batcher.weight_version if self.batcher else self.initial_weight_version
+
+    def memory_bytes(self) -> dict[str, int]:
+        """What the engine holds: its weights (fused copies included) and its KV cache."""
+        return {"weights": self.batcher.decoder.weight_bytes(), "kv_cache": self.batcher.runner.cache_bytes()}
 
     # ---- weights ---------------------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, torch.Tensor], weight_version: int | str | None,

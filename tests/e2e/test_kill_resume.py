@@ -15,7 +15,9 @@ session's warm parts):
   and from the environment to every `resume` (config.json never holds them), and at the end neither key
   appears in the run directory, the processes' output, the checkpoint objects or the Prefect database
   (parameters, logs, artifacts);
-- on local files.
+- on local files, with the engine colocated in the learner's process (placement.colocate): the kills then also
+  fall between its release and its resume, and the run must still end as the reference run, whose engines are
+  their own actors.
 The first run of the S3 chain and the last run of the file chain start their own local Ray, as `spillover` does by
 default: a killed driver's local Ray (GCS, raylet, agents, workers) must go with it, and a finished run's too (one
 Ray start per chain keeps the chains equally long). The other runs join
@@ -161,7 +163,8 @@ def test_kill_9_at_every_point_then_resume_matches_uninterrupted_and_leaks_nothi
                                task_kills[:half] + [("checkpoint_manifest:1", [(0, True), (1, False)])],
                                ray_address, own_ray=(0,), ephemeral_link=EPHEMERAL_LINK, **aws)
         file_chain = pool.submit(kill_chain, spillover, file_dir, str(file_dir / "checkpoints"), None,
-                                 train_args(file_dir), task_kills[half:], ray_address, own_ray=(-1,))
+                                 train_args(file_dir, "placement.colocate=true"), task_kills[half:], ray_address,
+                                 own_ray=(-1,))
         run_reference(ref_dir)  # meanwhile, in this thread (the warm parts are this context's)
         s3_chain.result()
         file_chain.result()

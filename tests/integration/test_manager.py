@@ -206,14 +206,15 @@ def test_bad_request_raises_clearly_and_manager_keeps_working(rollout_manager):
     assert len(m.generate(batch(GREEDY, PROMPTS[:2]))) == 2
 
 
-def test_offload_then_onload(rollout_manager):
+def test_offload_then_onload_brings_back_the_served_weights(rollout_manager):
     m = rollout_manager
-    m.offload()
+    before = [a["output_ids"] for a in m.generate(batch(GREEDY, PROMPTS[:2]))]
+    m.offload()  # weights and KV cache: the torch engine frees them for real (tests/integration/test_colocate.py)
     try:
         assert m.health_check() == {0: "ok", 1: "ok"}  # offloaded is healthy (SGLang: probed by /health)
     finally:
-        m.onload()
-    assert len(m.generate(batch(GREEDY, PROMPTS[:2]))) == 2
+        m.onload()  # resumed weights are empty: the manager loads the ones the engines served
+    assert [a["output_ids"] for a in m.generate(batch(GREEDY, PROMPTS[:2]))] == before
 
 
 def test_shutdown_leaves_no_process_and_stops_the_monitor_started_from_config(ray_session, varied_model_dir):

@@ -207,15 +207,24 @@ def test_control_endpoints(varied_engine):
     assert httpx.get(url + "/health").status_code == 200
     assert httpx.get(url + "/health_generate").status_code == 200
     assert httpx.post(url + "/flush_cache").status_code == 200
-    assert httpx.post(url + "/release_memory_occupation", json={}).status_code == 200
-    assert varied_engine.batcher.cache is None
+    greedy = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    before = run(generate_all(url, [[5, 6]], greedy))[0].output_ids
+    assert httpx.post(url + "/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    assert varied_engine.batcher.cache is None and varied_engine.memory_bytes()["weights"] > 0
+    assert httpx.post(url + "/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    assert run(generate_all(url, [[5, 6]], greedy))[0].output_ids == before  # the weights stayed
+    assert httpx.post(url + "/release_memory_occupation", json={}).status_code == 200  # everything, weights too
+    assert varied_engine.memory_bytes() == {"weights": 0, "kv_cache": 0}
+    assert httpx.post(url + "/generate", json={"input_ids": [5, 6]}).status_code == 503
     assert httpx.post(url + "/resume_memory_occupation", json={}).status_code == 200
     loads = httpx.get(url + "/v1/loads").json()
     assert loads["loads"][0]["num_running_reqs"] == 0 and loads["aggregate"]["total_reqs"] == 0
     info = httpx.get(url + "/model_info").json()
     assert info["model_path"] and "weight_version" in info
-    res = run(generate_all(url, [[5, 6]], {"max_new_tokens": 2}))[0]
-    assert res.meta_info.completion_tokens == 2
+    assert run(generate_all(url, [[5, 6]], greedy))[0].output_ids != before  # resumed weights are empty (zeros)
+    reload = {"model_path": varied_engine.model_path, "weight_version": info["weight_version"]}
+    assert httpx.post(url + "/update_weights_from_disk", json=reload, timeout=60).json()["success"]
+    assert run(generate_all(url, [[5, 6]], greedy))[0].output_ids == before
 
     async def busy_release():
         async with EngineClient(url) as client:

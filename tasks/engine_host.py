@@ -1,0 +1,104 @@
+"""Colocated engines (placement.colocate): each policy learner rank hosts one rollout engine in its own process,
+as verl's hybrid engine does; the engine and the learner take turns with the device (MindSpeed-RL's / slime's
+colocated mode): the manager releases the engines' memory before logprobs and update, resumes it afterwards,
+and the new weights go to each engine bucket by bucket.
+
+`EngineHostMixin` is a base of `LearnerActor`, so these are actor methods of every rank:
+- host_engine(...): a rollout.engines.actor.EngineActor in this process (torch backend: the torch engine's HTTP
+  server on a thread of this process; sglang: its server process on this rank's GPU, fate-shared with it).
+  rollout/colocated_pool.py routes the engine pool's actor calls to engine_call.
+- load_colocated_weights(version, bucket_bytes): every rank gathers each bucket's full tensors (FSDP shards; a
+  collective), and a hosting rank hands them to its engine: in process to the torch engine (which copies them
+  into its own, resumed weights), as CUDA IPC handles to SGLang's /update_weights_from_tensor. No rank holds more
+  than one bucket beyond its model.
+- colocation_log(): this process's memory release/resume, logprob, update and weight-load events in order (the
+  colocation test reads it).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from rollout.engines.update_group import plan_buckets
+from tasks.weight_sync import full_tensor
+
+__all__ = ["EngineHostMixin"]
+
+
+class EngineHostMixin:
+    """Needs the WeightSenderMixin's _named_weights / weight_specs and LearnerActor's device."""
+
+    _hosted: Any = None  # rollout.engines.actor.EngineActor, while this rank hosts one
+
+    def _note(self, event: str) -> None:
+        """An event of this process, for colocation_log (kept only while an engine is hosted)."""
+        if self._hosted is not None:
+            self.__dict__.setdefault("_events", []).append((time.monotonic(), event))
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def host_engine(self, backend: str, model_path: str, engine_index: int, **engine_kwargs: Any) -> dict:
+        """Build engine engine_index in this process (replacing a hosted one); returns its info()."""
+        from rollout.engines.actor import EngineActor
+
+        self.drop_engine()
+        self._hosted = EngineActor(backend, model_path, engine_index, **engine_kwargs)
+        return self._hosted.info()
+
+    def engine_call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if self._hosted is None:
+            raise RuntimeError(f"engine_call({name!r}): this learner rank hosts no engine (host_engine first)")
+        return getattr(self._hosted, name)(*args, **kwargs)
+
+    def drop_engine(self) -> None:
+        """Stop the hosted engine's server and forget it."""
+        if self._hosted is not None:
+            self._hosted.stop()
+            self._hosted = None
+
+    def load_colocated_weights(self, weight_version: int | str, bucket_bytes: int) -> dict:
+        """This rank's part of a colocated sync (every rank calls it): the model's tensors to the hosted engine,
+        bucket by bucket; the last bucket sets weight_version. -> {"buckets", "bytes", "version"}."""
+        named = self._named_weights()
+        buckets = plan_buckets(self.weight_specs(), bucket_bytes)
+        device = "cuda" if getattr(self, "device", "cpu") == "cuda" else "cpu"
+        loaded = 0
+        with torch.no_grad():
+            for i, bucket in enumerate(buckets):
+                last = i == len(buckets) - 1
+                tensors = {name: full_tensor(named[name]).to(device) for name, _, _ in bucket}
+                if self._hosted is not None:
+                    self._load_bucket(tensors, weight_version if last else None, last)
+                    loaded += sum(t.numel() * t.element_size() for t in tensors.values())
+                del tensors
+        version = self._hosted.reported_weight_version() if self._hosted is not None else None
+        self._note("load_weights")
+        return {"buckets": len(buckets), "bytes": loaded, "version": version}
+
+    def _load_bucket(self, tensors: dict[str, torch.Tensor], version: int | str | None, last: bool) -> None:
+        engine = self._hosted
+        if engine.backend == "torch":
+            if engine.url is not None:  # node 0 serves; the copy into the engine's weights is its own
+                engine._server.load_weights(tensors, version)
+            return
+        from rollout.engines import sglang_backend as sgl
+
+        serialized = sgl.serialize_named_tensors(list(tensors.items()), engine.tp_size)
+        payload = sgl.update_from_tensor_payload(serialized, version if version is not None else "", flush_cache=last)
+        if version is None:
+            payload.pop("weight_version")  # only the last bucket moves the engine's version
+        engine._post(sgl.ENDPOINTS["update_from_tensor"], payload)
+
+    def take_colocation_log(self) -> list[str]:
+        """The events of this process since the last take, in time order: release / resume (the hosted engine's
+        memory), compute_logprobs, update, load_weights."""
+        events, self.__dict__["_events"] = self.__dict__.get("_events", []), []
+        server = self._hosted._server if self._hosted is not None else None
+        if server is not None:
+            events, server.memory_events = events + server.memory_events, []
+        return [event for _, event in sorted(events)]
