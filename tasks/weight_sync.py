@@ -9,7 +9,6 @@ own storage (no copy at all).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import threading
@@ -19,7 +18,6 @@ from concurrent.futures import Future
 import torch
 
 from infra.process_memory import peak_rss_bytes, reset_peak_rss
-from infra.tensor_memory import TensorMemoryProbe
 from rollout.engines.update_group import (TensorSpec, destroy_group, dtype_name, init_group, send_bucket,
                                           tensor_digest)
 
@@ -92,26 +90,27 @@ class WeightSenderMixin:
         entry[0].add_done_callback(lambda f: f.exception() is None and destroy_group(f.result()))
         return True
 
-    def broadcast_weights(self, group_name: str, buckets: list[list[str]], measure: bool = False) -> dict:
+    def broadcast_weights(self, group_name: str, buckets: list[list[str]]) -> dict:
         """Every rank: gather each bucket's full tensors; rank 0 broadcasts them on the group, in order.
-        -> {"bytes": sent, "buckets": count, "send_s", "peak_extra_bytes": with measure, the most tensor bytes
-        allocated at once (TensorMemoryProbe), else None}."""
+        -> {"bytes": sent, "buckets": count, "send_s", "peak_extra_bytes": the most tensor bytes held at once beyond
+        the model (one bucket's gathered tensors; 0 unsharded, where the parameters go from their own storage)}."""
         group = self._weight_group(group_name) if self.rank == 0 else None
         named = self._named_weights()
         unknown = sorted({n for bucket in buckets for n in bucket} - set(named))
         if unknown:
             raise ValueError(f"broadcast_weights: unknown tensor names {unknown[:5]}")
         device = "cuda" if getattr(self, "device", "cpu") == "cuda" else "cpu"
-        sent, tic = 0, time.perf_counter()
-        probe = TensorMemoryProbe() if measure else contextlib.nullcontext()
-        with torch.no_grad(), probe:
+        sent, peak, tic = 0, 0, time.perf_counter()
+        with torch.no_grad():
             for bucket in buckets:
                 tensors = [full_tensor(named[name]).to(device) for name in bucket]
+                peak = max(peak, sum(t.numel() * t.element_size() for t, name in zip(tensors, bucket)
+                                     if t is not named[name]))
                 if self.rank == 0:
                     send_bucket(group, tensors)
                     sent += sum(t.numel() * t.element_size() for t in tensors)
                 del tensors
-        return {"bytes": sent, "buckets": len(buckets), "peak_extra_bytes": probe.peak_bytes if measure else None,
+        return {"bytes": sent, "buckets": len(buckets), "peak_extra_bytes": peak,
                 "send_s": time.perf_counter() - tic, "pid": os.getpid()}
 
     def weight_digests(self) -> dict[str, str]:

@@ -137,6 +137,12 @@ class EngineActor:
         """Torch backend: bytes of the weights and of the KV cache (0 while released)."""
         return self._server.memory_bytes()
 
+    def take_update_peak_bytes(self) -> int:
+        """Torch backend: the most one weight load held beyond the model since the last take (the incoming tensors,
+        e.g. a received bucket, plus what loading them allocated)."""
+        peak, self._server.update_peak_bytes = self._server.update_peak_bytes, 0
+        return peak
+
     def reset_peak_rss(self) -> int:
         from infra.process_memory import reset_peak_rss
 

@@ -121,9 +121,8 @@ class LeanDecoder:
         self.cos, self.sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
 
     def load(self, tensors: dict[str, torch.Tensor], strict: bool = False) -> None:
-        """Copy HF-named tensors in; unknown names raise, and with `strict` so do missing ones."""
-        if not self.weights and not strict:
-            raise ValueError("weights are released: resume_memory_occupation first")
+        """Copy HF-named tensors in, in place (a load allocates nothing); unknown names raise, and with `strict` so
+        do missing ones. The first load (strict) lays the weights out (_build)."""
         expected = set(self.expected_names())
         tensors = {("model.embed_tokens.weight" if k == "lm_head.weight" and self.shape.tie_word_embeddings else k): v
                    for k, v in tensors.items()}
@@ -134,14 +133,48 @@ class LeanDecoder:
         missing = sorted(expected - set(tensors) - set(self.weights))
         if strict and missing:
             raise ValueError(f"weights: missing tensors {missing[:5]}")
+        if not self.weights:
+            if not strict:
+                raise ValueError("weights are released: resume_memory_occupation first")
+            self._build({name: tensors[name] for name in expected})
+            return
         for name, value in tensors.items():
-            if name not in expected:
-                continue
-            old = self.weights.get(name)
-            if old is not None and tuple(old.shape) != tuple(value.shape):
-                raise ValueError(f"weights: {name} has shape {tuple(value.shape)}, the model needs {tuple(old.shape)}")
-            self.weights[name] = value.detach().to(self.device, self.dtype, copy=True)
-        self._fuse()
+            if name in expected:
+                target = self.weights[name]
+                if tuple(target.shape) != tuple(value.shape):
+                    raise ValueError(f"weights: {name} has shape {tuple(value.shape)}, the model needs "
+                                     f"{tuple(target.shape)}")
+                target.copy_(value.detach())
+
+    def _build(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Own copies of every weight, laid out for the forward: q/k/v (weights, biases) and gate/up rows
+        concatenated once, with their HF names as views into them, so a load writes each tensor in place."""
+        s, w = self.shape, {}
+
+        def fused(names: list[str]) -> torch.Tensor:
+            whole = torch.cat([tensors[n].detach().to(self.device, self.dtype) for n in names])
+            w.update(zip(names, whole.split([tensors[n].shape[0] for n in names])))
+            return whole
+
+        self.layers = []
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            layer = dict(qkv_w=fused([p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
+                         qkv_b=fused([p + f"self_attn.{x}_proj.bias" for x in "qkv"]) if s.model_type == "qwen2" else None,
+                         gate_up_w=fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
+            self.layers.append(layer)
+        for name, value in tensors.items():
+            if name not in w:
+                w[name] = value.detach().to(self.device, self.dtype, copy=True)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            layer.update(ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
+                         o_w=w[p + "self_attn.o_proj.weight"], down_w=w[p + "mlp.down_proj.weight"],
+                         q_norm=w.get(p + "self_attn.q_norm.weight"), k_norm=w.get(p + "self_attn.k_norm.weight"))
+        self.weights = w
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = self.embed if s.tie_word_embeddings else w["lm_head.weight"]
+        self.final_norm = w["model.norm.weight"]
 
     def release_weights(self) -> None:
         """Free every weight tensor (release_memory_occupation); their shapes stay for alloc_weights."""
@@ -152,14 +185,12 @@ class LeanDecoder:
     def alloc_weights(self) -> None:
         """Weights again after release_weights: zeros until the next load brings their values."""
         if not self.weights:
-            self.weights = {n: torch.zeros(s, dtype=self.dtype, device=self.device)
-                            for n, s in self.released_shapes.items()}
-            self._fuse()
+            self._build({n: torch.zeros(shape, dtype=self.dtype) for n, shape in self.released_shapes.items()})
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights and their fused copies."""
-        fused = [t for layer in self.layers for k, t in layer.items() if k in ("qkv_w", "gate_up_w", "qkv_b") and t is not None]
-        return sum(t.numel() * t.element_size() for t in [*self.weights.values(), *fused])
+        """Bytes the weights hold (each storage once: the fused tensors and the HF-named views share theirs)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.weights.values()}
+        return sum(storages.values())
 
     def expected_names(self) -> list[str]:
         s = self.shape
@@ -177,25 +208,6 @@ class LeanDecoder:
             if s.model_type == "qwen3":
                 names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         return names
-
-    def _fuse(self) -> None:
-        w, s = self.weights, self.shape
-        self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if s.tie_word_embeddings else w["lm_head.weight"]
-        self.final_norm = w["model.norm.weight"]
-        self.layers = []
-        for i in range(s.num_layers):
-            p = f"model.layers.{i}."
-            qkv_b = (torch.cat([w[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
-                     if s.model_type == "qwen2" else None)
-            self.layers.append(dict(
-                ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
-                qkv_w=torch.cat([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]), qkv_b=qkv_b,
-                o_w=w[p + "self_attn.o_proj.weight"],
-                gate_up_w=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                down_w=w[p + "mlp.down_proj.weight"],
-                q_norm=w.get(p + "self_attn.q_norm.weight"), k_norm=w.get(p + "self_attn.k_norm.weight"),
-            ))
 
     def _mask_bias(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Additive attention mask [n*Hkv, G*T, kv_len]: key j is visible to a query at position p iff j <= p."""

@@ -21,6 +21,7 @@ import httpx
 import torch
 import uvicorn
 
+from infra.tensor_memory import TensorMemoryProbe
 from rollout.engines.batcher import ContinuousBatcher, EngineRequest
 from rollout.engines.lean_forward import LeanDecoder, read_safetensors, read_shape
 from rollout.engines.protocol import (BadRequest, GenerateRequest, InitWeightsUpdateGroupRequest,
@@ -77,6 +78,7 @@ class TorchEngineServer:
         self.update_groups: dict[str, tuple[torch.distributed.ProcessGroup, str]] = {}  # name -> (group, backend)
         self.weight_session_open = False  # between /begin_weight_update and /end_weight_update
         self.update_group_timeout_s = 600.0
+        self.update_peak_bytes = 0  # the most a weight load held beyond the model (take_update_peak_bytes)
         self.memory_events: list[tuple[float, str]] = []  # (monotonic time, release | resume): colocation's order
 
     # ---- lifecycle -----------------------------------------------------------------------------------
@@ -191,9 +193,12 @@ class TorchEngineServer:
 
     def apply_weights_future(self, state_dict: dict[str, torch.Tensor], weight_version: int | str | None):
         batcher = self.batcher
+        incoming = sum(t.numel() * t.element_size() for t in state_dict.values())
 
         def apply() -> None:
-            batcher.decoder.load(state_dict)
+            with TensorMemoryProbe() as probe:  # a load copies in place: it should allocate nothing
+                batcher.decoder.load(state_dict)
+            self.update_peak_bytes = max(self.update_peak_bytes, incoming + probe.peak_bytes)
             if weight_version is not None:
                 batcher.weight_version = weight_version
 

@@ -5,14 +5,18 @@ the two take turns with its memory. Checked on real Ray actors and a real engine
   and after resume + the colocated sync (bucket by bucket, a bucket smaller than the largest tensor) its weights
   equal the learner's bit for bit and it generates the same greedy tokens as before the release;
 - a colocated run of the tiny task goes release -> logprobs -> update -> resume -> weight load in that order in
-  every iteration (read from the learner process's own event log) and its reward rises.
+  every iteration (read from the learner process's own event log) and its reward rises;
+- bench/gpu_smoke.py, the same cycle without Ray for the GPU machine, runs on CPU.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import ray
 
@@ -53,16 +57,16 @@ def test_hosted_engine_releases_for_real_refuses_generation_and_comes_back_with_
         refused = httpx.post(engine.url + "/generate", json={"input_ids": [5, 6], "sampling_params": {}}, timeout=30)
         assert refused.status_code == 503 and "resume_memory_occupation" in refused.text
 
-        sizes = [t[1] for t in ray.get(host.weight_specs.remote())]
         learner = ray.get(policy.weight_digests.remote())
         manager.sync_weights(policy, 1)  # colocated: resume, then the learner's tensors bucket by bucket
         assert ray.get(host.engine_call.remote("memory_bytes")) == held
         assert ray.get(host.engine_call.remote("weight_digests")) == learner
         assert manager.weight_versions == {0: 1}
         assert greedy(manager, prompts) == before
+        largest = max(4 * int(np.prod(shape)) for _, _, shape in ray.get(host.weight_specs.remote()))
+        assert 0 < ray.get(host.engine_call.remote("take_update_peak_bytes")) <= max(20000, largest)  # in place
         log = ray.get(host.take_colocation_log.remote())
         assert log[-3:] == ["release", "resume", "load_weights"], log
-        assert len(sizes) > 1  # (the bucket of 20 kB is smaller than the embedding: several buckets)
     finally:
         if manager is not None:
             manager.shutdown()
@@ -91,3 +95,13 @@ def test_colocated_run_releases_trains_resumes_and_syncs_in_order_every_iteratio
         assert row["colocation_events"] == ["release", "compute_logprobs", "update", "resume", "load_weights"], row
     rewards = [r["reward_mean"] for r in metrics]
     assert sum(rewards[-2:]) > sum(rewards[:2]), rewards
+
+
+def test_gpu_smoke_dry_run_on_cpu(tmp_path):
+    """bench/gpu_smoke.py (the colocated engine without Ray, for the GPU machine) on CPU, so it cannot rot."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench/ is not a package
+    from bench.gpu_smoke import main
+
+    out = main(["--device", "cpu", "--batch", "4", "--max-new", "8", "--bucket-mb", "0.02"])
+    assert out["buckets"] > 1 and out["weights_equal"] == [True, True, True]
+    assert out["released_to_zero"] and out["engine_held_mb"] > 0 and out["greedy_changed"]

@@ -1,0 +1,125 @@
+"""GPU smoke of the colocated engine (issue 13), without Ray or Prefect (the GPU machine has neither): one process
+holds an HF learner model and the torch engine's core (lean decoder + continuous batcher) on the same device, and
+runs three iterations of what a colocated run does:
+
+  generate a batch -> release the engine's memory (weights + KV cache) -> a learner step on the generated tokens
+  -> resume -> load the new weights bucket by bucket, in place -> check them against the learner's
+
+It prints one JSON line: device, engine_gb / freed_gb (CUDA memory the engine held and what its release gave back),
+engine_held_mb and released_to_zero (the engine's own count of its weight and KV bytes, before and after a release),
+gen_tokens_per_s, sync_s per iteration, buckets, weights_equal (every iteration), greedy_changed (the update reached
+the engine). Not covered here: SGLang (not installable on that machine), the distributed protocol (two processes),
+max_split 1 vs 4 (the rollout controller needs Ray).
+
+    python bench/gpu_smoke.py [--model HF_FOLDER] [--device cuda|cpu] [--bucket-mb 64]
+
+Without --model (or SPILLOVER_GPU_MODEL) it builds the tiny test model. `--device cpu` is the dry run used here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rollout.engines.batcher import ContinuousBatcher, EngineRequest  # noqa: E402
+from rollout.engines.lean_forward import LeanDecoder, read_safetensors, read_shape  # noqa: E402
+from rollout.engines.protocol import SamplingParams  # noqa: E402
+from rollout.engines.update_group import plan_buckets, tensor_digest  # noqa: E402
+
+
+def memory_gb(device: torch.device) -> float:
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def generate(batcher: ContinuousBatcher, prompts: list[list[int]], max_new: int, greedy: bool) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0 if greedy else 1.0, ignore_eos=True)
+    requests = [EngineRequest(rid=f"r{i}", input_ids=p, params=params, return_logprob=False, max_output=max_new,
+                              stop_ids=frozenset()) for i, p in enumerate(prompts)]
+    for request in requests:
+        batcher.submit(request)
+    return [request.future.result(timeout=600)["output_ids"] for request in requests]
+
+
+def learner_step(model, optimizer, prompts: list[list[int]], outputs: list[list[int]], device) -> None:
+    """One AdamW step raising the likelihood of the generated tokens (enough to move every weight)."""
+    rows = [p + o for p, o in zip(prompts, outputs)]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=os.environ.get("SPILLOVER_GPU_MODEL"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--max-new", type=int, default=64)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    model_path = args.model
+    if not model_path:
+        from infra.models import build_tiny_model
+
+        model_path = str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    learner = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    optimizer = torch.optim.AdamW(learner.parameters(), lr=1e-4 if args.model else 1e-2)
+    shape = read_shape(model_path)
+    base = memory_gb(device)
+    decoder = LeanDecoder(shape, read_safetensors(model_path), dtype, device)
+    batcher = ContinuousBatcher(decoder, args.batch, min(shape.max_position, 2048))
+    batcher.start()
+    engine_gb = memory_gb(device) - base
+    named = {k: v for k, v in learner.state_dict().items() if k in decoder.weights}
+    specs = [(k, str(v.dtype), list(v.shape)) for k, v in named.items()]
+    buckets = plan_buckets(specs, int(args.bucket_mb * 2**20))
+    prompts = [[(7 * i + j) % (shape.vocab_size - 2) + 2 for j in range(8)] for i in range(args.batch)]
+    probe = prompts[:2]
+    greedy_before = generate(batcher, probe, 8, greedy=True)
+    out = {"device": str(device), "model": model_path, "engine_gb": round(engine_gb, 3), "buckets": len(buckets),
+           "gen_tokens_per_s": [], "sync_s": [], "freed_gb": [], "weights_equal": []}
+    try:
+        for _ in range(3):
+            tic = time.perf_counter()
+            outputs = generate(batcher, prompts, args.max_new, greedy=False)
+            out["gen_tokens_per_s"].append(round(sum(map(len, outputs)) / (time.perf_counter() - tic), 1))
+            held = memory_gb(device)
+            out["engine_held_mb"] = round((decoder.weight_bytes() + batcher.runner.cache_bytes()) / 2**20, 2)
+            batcher.call(lambda: batcher.release_memory(None), when_idle=True).result()
+            out["freed_gb"].append(round(held - memory_gb(device), 3))
+            out["released_to_zero"] = decoder.weight_bytes() + batcher.runner.cache_bytes() == 0
+            learner_step(learner, optimizer, prompts, outputs, device)
+            tic = time.perf_counter()
+            batcher.call(lambda: batcher.resume_memory(None)).result()
+            state = learner.state_dict()
+            for bucket in buckets:
+                tensors = {name: state[name] for name, _, _ in bucket}
+                batcher.call(lambda t=tensors: decoder.load(t)).result()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            out["sync_s"].append(round(time.perf_counter() - tic, 4))
+            out["weights_equal"].append(all(tensor_digest(decoder.weights[n]) == tensor_digest(state[n].to(dtype))
+                                            for n in decoder.weights))
+        out["greedy_changed"] = generate(batcher, probe, 8, greedy=True) != greedy_before
+    finally:
+        batcher.stop()
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""The colocated torch engine on CUDA (bench/gpu_smoke.py): an HF learner and the engine on one GPU, three
+iterations of release -> learner step -> resume -> bucketed in-place load. Skipped without CUDA; the CPU path runs
+in tests/integration/test_colocate.py (and the same script as a dry run there)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_colocated_engine_frees_the_gpu_and_comes_back_with_the_learners_weights():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench/ is not a package
+    from bench.gpu_smoke import main
+
+    out = main(["--device", "cuda", "--bucket-mb", "1"])
+    assert out["weights_equal"] == [True, True, True] and out["released_to_zero"] and out["greedy_changed"]
+    assert min(out["freed_gb"]) > 0  # the release gives CUDA memory back
