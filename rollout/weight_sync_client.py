@@ -47,18 +47,22 @@ class DistributedWeightSync:
             await self.form(policy, urls, client)
         specs = await policy.weight_specs.remote()
         buckets = plan_buckets(specs, self.bucket_bytes)
-        name = self.group_name
+        name, sending = self.group_name, None
         try:
             await asyncio.gather(*(client(u).post("/begin_weight_update", json={"selector": "all"}) for u in urls))
-            sending = policy.broadcast_weights.remote(name, [[n for n, _, _ in b] for b in buckets])
+            sending = asyncio.ensure_future(_awaited(
+                policy.broadcast_weights.remote(name, [[n for n, _, _ in b] for b in buckets])))
             for bucket in buckets:
                 names, dtypes, shapes = zip(*bucket)
                 payload = sgl.update_from_distributed_payload(list(names), list(dtypes), list(shapes), version,
                                                               group_name=name)
-                await asyncio.gather(*(client(u).post(sgl.ENDPOINTS["update_from_distributed"], json=payload,
-                                                      timeout=self.timeout_s) for u in urls))
+                await _unless_sender_fails(asyncio.gather(*(
+                    client(u).post(sgl.ENDPOINTS["update_from_distributed"], json=payload, timeout=self.timeout_s)
+                    for u in urls)), sending)
             report = await sending
         except BaseException:
+            if sending is not None:  # its outcome no longer matters (a sender still blocked fails once we leave)
+                sending.add_done_callback(lambda done: done.cancelled() or done.exception())
             await self.leave(client, wait_learner=False)  # engines drop their ends: a blocked broadcast fails fast
             raise
         finally:
@@ -102,6 +106,22 @@ class DistributedWeightSync:
                  for u in urls]
         learner_leave = policy.leave_weight_group.remote(name)
         await asyncio.gather(*calls, *([learner_leave] if wait_learner else []), return_exceptions=True)
+
+
+async def _awaited(pending: Any) -> Any:
+    return await pending
+
+
+async def _unless_sender_fails(posts: Any, sending: asyncio.Future) -> Any:
+    """The engines' posts of one bucket, given up as soon as the sender fails: the engines would otherwise wait in
+    their broadcast receive until weight_sync_timeout_s (the caller then leaves the group, which ends those
+    receives)."""
+    posts = asyncio.ensure_future(posts)
+    await asyncio.wait({posts, sending}, return_when=asyncio.FIRST_COMPLETED)
+    if not posts.done() and sending.exception() is not None:
+        posts.cancel()
+        raise sending.exception()
+    return await posts
 
 
 def weight_sync_settings(cfg: Any, use_gpu: bool) -> dict[str, Any]:

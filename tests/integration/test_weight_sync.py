@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -87,6 +89,38 @@ def test_three_bucketed_syncs_then_a_killed_engine_rejoins(rollout_manager, poli
         m._call(m._weight_sync.leave, m._client)
         m._latest_weights = None
         m.update_weights(str(varied_model_dir), 0)  # the session's engines back to the checkpoint
+
+
+class SenderFailingAtOnce:
+    """The policy group, except that its broadcast fails before sending anything (it is asked for a tensor it does
+    not hold) while the engines already wait in their receive of the first bucket."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+    @property
+    def broadcast_weights(self):
+        return SimpleNamespace(remote=lambda name, buckets: self.group.broadcast_weights.remote(name, [["no.such"]]))
+
+
+def test_a_failing_sender_ends_the_sync_at_once_and_the_next_sync_works(rollout_manager, policy, varied_model_dir):
+    m = rollout_manager
+    assert m._weight_sync.timeout_s >= 600  # the engines' receive would wait this long for a sender that is gone
+    try:
+        tic = time.monotonic()
+        with pytest.raises(Exception, match="no.such"):
+            m.sync_weights_distributed(SenderFailingAtOnce(policy), 7)
+        assert time.monotonic() - tic < 60
+        version = int(ray.get(policy.weight_version.remote()))
+        assert m.sync_weights_distributed(policy, version) == {h.index: version for h in m.engines}
+        assert_engines_hold(m, ray.get(policy.state_dict_ref.remote()), version)
+    finally:
+        m._call(m._weight_sync.leave, m._client)
+        m._latest_weights = None
+        m.update_weights(str(varied_model_dir), 0)
 
 
 def test_flow_trains_with_distributed_weight_sync(prefect_harness, ray_session, warm_parts, tmp_path, monkeypatch):
