@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from infra.config_learner import LearnerConfig
+from rollout.engines.update_group import tcp_store
 
 __all__ = ["all_reduce", "balanced_shards", "checkpoint_layers", "init_distributed", "load_learner_lm", "shard_model"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -52,8 +53,9 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)  # this actor's process
     if backend == "nccl":
         torch.cuda.set_device(0)  # Ray gives each rank its own GPU as device 0 (CUDA_VISIBLE_DEVICES)
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, store=tcp_store(master_addr, master_port, rank, world_size, timeout), rank=rank,
+                            world_size=world_size, timeout=timeout)
 
 
 def checkpoint_layers(layers) -> None:

@@ -12,13 +12,14 @@ a bucket goes alone), so neither end holds more than one bucket beyond its model
 from __future__ import annotations
 
 import datetime
+import socket
 from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["TensorSpec", "destroy_group", "dtype_from_name", "dtype_name", "init_group", "plan_buckets",
-           "receive_bucket", "send_bucket", "tensor_digest"]
+           "receive_bucket", "send_bucket", "tcp_store", "tensor_digest"]
 
 TensorSpec = tuple[str, str, list[int]]  # (HF name, dtype name as SGLang sends it, shape)
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -68,15 +69,12 @@ def plan_buckets(specs: Iterable[TensorSpec], bucket_bytes: int) -> list[list[Te
 def init_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                backend: str, timeout_s: float = 600.0) -> dist.ProcessGroup:
     """Join (rank 0: host) the weight-update group; returns once every rank has joined (or raises)."""
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the group's world_size {world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
+    store = PrefixStore(group_name, tcp_store(master_address, master_port, rank, world_size, timeout))
     pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), store, group_name=group_name,
                                       backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
@@ -91,6 +89,22 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     digest = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
     digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
+
+
+def tcp_store(host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The rendezvous store at host:port (torch's `tcp://` init). Rank 0 serves it on that address only: torch's
+    own TCPStore server listens on every interface, and a cluster on loopback must not be reachable from outside."""
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))  # a port taken meanwhile fails here (EADDRINUSE): the callers pick another
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 def destroy_group(group: dist.ProcessGroup) -> None:
