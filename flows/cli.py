@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from flows.run_lock import RunLockedError
 from infra.config import ConfigError, load_config
@@ -45,6 +46,15 @@ def cmd_eval(args) -> int:
     result, path = evaluate(resolve_target(args.target, args.overrides, args.config), args.data, args.name)
     print(format_table(result))
     print(path)
+    return EXIT_OK
+
+
+def cmd_export(args) -> int:
+    from flows.eval import export_newest_policy
+    from flows.setup import load_run_config
+
+    out, source = export_newest_policy(load_run_config(args.run_dir, args.overrides), Path(args.run_dir), Path(args.to))
+    print(json.dumps({"path": str(out), **source}))
     return EXIT_OK
 
 
@@ -106,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("overrides", nargs="*", metavar="key=value",  # also after --data: see parse_args
                           help="config overrides, e.g. eval.k=8 eval.temperature=0.6 engines.rollout_num_gpus=1")
     evaluate.set_defaults(fn=cmd_eval)
+
+    export = sub.add_parser("export", help="write a run's newest verified policy as an HF folder",
+                            description="The newest verified checkpoint of RUN_DIR (sharded or not) as an HF folder "
+                            "(config, tokenizer, model.safetensors, sha256.json) that transformers, the engines and "
+                            "model.path (also from s3://) load.")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir of a training run")
+    export.add_argument("--to", required=True, metavar="DIR", help="the folder to write")
+    export.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (e.g. storage.url)")
+    export.set_defaults(fn=cmd_export)
 
     serve = sub.add_parser("serve", help="serve the deployments of prefect.yaml from this process (needs "
                            "PREFECT_API_URL of a running `prefect server`)",

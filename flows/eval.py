@@ -60,8 +60,9 @@ def resolve_target(target: str | Path, overrides: list[str], config: str | None 
     return EvalTarget(cfg, model_dir, path, source)
 
 
-def export_newest_policy(cfg: RunConfig, run_dir: Path) -> tuple[Path, dict]:
-    """The newest verified checkpoint's policy weights as an HF folder under <run_dir>/eval (kept for reuse)."""
+def export_newest_policy(cfg: RunConfig, run_dir: Path, out: Path | None = None) -> tuple[Path, dict]:
+    """The newest verified checkpoint's policy weights as an HF folder: `out`, or under <run_dir>/eval (kept for
+    reuse; `spillover export RUN_DIR --to DIR` and `spillover eval RUN_DIR` both come here)."""
     from infra.checkpoint import load_latest_checkpoint
     from infra.models import resolve_model_path
     from tasks.checkpoint import open_checkpoint_store
@@ -72,12 +73,11 @@ def export_newest_policy(cfg: RunConfig, run_dir: Path) -> tuple[Path, dict]:
                           "train first, or pass an HF model folder")
     source = {"kind": "checkpoint", "path": str(run_dir), "checkpoint_iteration": int(state.iteration),
               "weight_version": int(state.meta.get("weight_version", -1))}
-    out = run_dir / "eval" / f"policy-ckpt-{state.iteration:08d}"
+    out = Path(out) if out is not None else run_dir / "eval" / f"policy-ckpt-{state.iteration:08d}"
     if (out / EXPORT_MARKER).is_file() and json.loads((out / EXPORT_MARKER).read_text()) == source:
         return out, source
-    base = resolve_model_path(cfg.model, run_dir, max_position=max(512, cfg.rollout.max_model_len))
-    write_policy_folder(policy_state(state), Path(base), out)
-    (out / EXPORT_MARKER).write_text(json.dumps(source))
+    base = resolve_model_path(cfg.model, run_dir, max(512, cfg.rollout.max_model_len), cfg.storage)
+    write_policy_folder(policy_state(state), Path(base), out, source)
     return out, source
 
 
@@ -92,8 +92,9 @@ def policy_state(state) -> dict:
     return state.tensors["policy"]
 
 
-def write_policy_folder(learner_tensors: dict, base_model: Path, out: Path) -> Path:
-    """Learner state tensors ('model/<HF name>' -> tensor) + the base folder's config and tokenizer -> HF folder."""
+def write_policy_folder(learner_tensors: dict, base_model: Path, out: Path, source: dict | None = None) -> Path:
+    """Learner state tensors ('model/<HF name>' -> tensor) + the base folder's config and tokenizer -> HF folder,
+    with `source` in its EXPORT_MARKER and every file's sha256 in sha256.json (written last)."""
     import torch
     from safetensors.torch import save_file
 
@@ -101,11 +102,18 @@ def write_policy_folder(learner_tensors: dict, base_model: Path, out: Path) -> P
                for k, v in learner_tensors.items() if k.startswith("model/")}
     if not weights:
         raise ConfigError("the checkpoint's policy state holds no model weights ('model/...' tensors)")
+    from infra.model_staging import SOURCE_DIGESTS, STAGED_MANIFEST, file_sha256
+
     out.mkdir(parents=True, exist_ok=True)
     for f in base_model.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".safetensors.index.json"):
+        if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".safetensors.index.json") and \
+                f.name not in (SOURCE_DIGESTS, STAGED_MANIFEST):
             shutil.copy(f, out / f.name)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if source is not None:
+        (out / EXPORT_MARKER).write_text(json.dumps(source))
+    digests = {f.name: file_sha256(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != SOURCE_DIGESTS}
+    (out / SOURCE_DIGESTS).write_text(json.dumps(digests, indent=1))  # checked when staged from s3:// (model.path)
     return out
 
 

@@ -15,6 +15,7 @@ from flows.parts import active_warm_parts
 from infra.cluster import init_ray
 from infra.config import RunConfig
 from infra.imports import load_function
+from infra.model_staging import is_remote_model, stage_on_other_nodes
 from infra.models import load_tokenizer, resolve_model_path
 from rollout import toy_task
 from rollout.context import EvalSets, RolloutContext
@@ -104,7 +105,7 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
                               required_params=("response", "label"), optional_keywords=REWARD_KEYWORDS)
     envs = EnvPool.from_config(cfg.rollout) if cfg.rollout.env_path else None  # multi-turn tools (rollout/env_pool.py)
     controller = RolloutController(cfg)
-    model_path = resolve_model_path(cfg.model, run_dir, max_position=max(512, cfg.rollout.max_model_len))
+    model_path = resolve_model_path(cfg.model, run_dir, max(512, cfg.rollout.max_model_len), cfg.storage)
     tokenizer = load_tokenizer(model_path)
     max_prompt = cfg.rollout.max_model_len - cfg.rollout.max_tokens
     prompts = read_prompt_file(prepare_data(cfg, run_dir), tokenizer, cfg.data, max_prompt)
@@ -129,6 +130,8 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
         dock = TransferDock.from_config(cfg.rollout, stop_ids)
         cursor = PromptCursor(len(prompts), seed=cfg.model.seed, shuffle=cfg.data.shuffle)
     init_ray(cfg.engines.ray_address)
+    if is_remote_model(cfg.model.path):  # every node reads the model from its own local copy
+        stage_on_other_nodes(str(model_path), cfg.storage)
     reward_models = start_reward_models(cfg.grpo.reward_models, cfg.model.dtype)  # first: a bad folder fails early
     learners, engine = start_learners_and_engines(cfg, model_path)
     builtin = cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD

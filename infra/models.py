@@ -103,8 +103,16 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", device: str | None 
     return model
 
 
-def resolve_model_path(model_cfg, run_dir: str | Path, max_position: int = 512) -> Path:
-    """The HF folder a run uses: `model.path`, or the tiny model built into `<run_dir>/tiny_model`."""
+def resolve_model_path(model_cfg, run_dir: str | Path, max_position: int = 512, storage=None) -> Path:
+    """The HF folder a run uses: `model.path`, its copy in this node's model.cache_dir when it is an s3:// URL
+    (infra/model_staging.py; `storage` gives the endpoint and credentials), or the tiny model built into
+    `<run_dir>/tiny_model`."""
+    from infra.model_staging import is_remote_model, stage_model
+
+    if is_remote_model(model_cfg.path):
+        from infra.config import StorageConfig
+
+        return Path(stage_model(model_cfg.path, storage or StorageConfig(), model_cfg.cache_dir)[0])
     if model_cfg.path:
         return Path(model_cfg.path)
     return build_tiny_model(Path(run_dir) / "tiny_model", model_cfg.tiny, model_cfg.seed, max_position)

@@ -114,6 +114,16 @@ class Store:
             return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != here})
         return self._retry("list", prefix, ls)
 
+    def list_all(self) -> list[str]:
+        """Every object below the root (recursively), as keys relative to it; [] if none."""
+        def find():
+            try:
+                found = self.fs.find(self.root, **({} if self.is_local else self._kw()))
+            except FileNotFoundError:
+                return []
+            return sorted(f[len(self.root) + 1:] for f in found if f.startswith(self.root + "/"))
+        return self._retry("list", "", find)
+
     def delete_object(self, key: str) -> None:
         """Delete one object (one request); missing is fine."""
         def rm_file():

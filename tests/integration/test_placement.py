@@ -8,7 +8,8 @@ at it. Each node offers 2 logical CPUs; a CPU engine slot (bundle) takes 1, so a
 Checks: PACK keeps two engines on one node, STRICT_SPREAD (via create_rollout_engines, serving) puts them
 on different nodes, a 4-slot engine
 spans both nodes and only its node-0 actor serves and is registered with the router, generation goes
-through, and every listening socket of the cluster (Ray, engines, router) is on loopback.
+through, an s3:// model is staged on both nodes (issue 12) and a STRICT_SPREAD world_size 2 learner group
+trains on it, and every listening socket of the cluster (Ray, engines, router, learners) is on loopback.
 """
 from __future__ import annotations
 
@@ -27,10 +28,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def placement_report(tiny_model_dir):
+def placement_report(tiny_model_dir, s3_server, tmp_path_factory):
+    from infra.storage import open_store
+
+    s3_url, storage = s3_server.url("models/placement"), s3_server.storage_config()
+    store = open_store(s3_url, storage)
+    for f in sorted(Path(tiny_model_dir).iterdir()):
+        store.put_bytes(f.name, f.read_bytes())
+    staging = {"url": s3_url, "endpoint_url": storage.endpoint_url,
+               "cache_dir": str(tmp_path_factory.mktemp("model-cache"))}
     tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's unix socket paths live under it
-    env = {**os.environ, "RAY_TMPDIR": tmp, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
-    proc = subprocess.Popen([sys.executable, __file__, str(tiny_model_dir)], cwd=REPO, env=env,
+    env = {**os.environ, "RAY_TMPDIR": tmp, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "RAY_ADDRESS": "",
+           "AWS_ACCESS_KEY_ID": storage.access_key_id.get_secret_value(),  # the nodes' workers inherit them
+           "AWS_SECRET_ACCESS_KEY": storage.secret_access_key.get_secret_value()}
+    proc = subprocess.Popen([sys.executable, __file__, str(tiny_model_dir), json.dumps(staging)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=240)
@@ -69,10 +80,21 @@ def test_multi_node_engine_serves_only_from_node_zero(placement_report):
 
 
 @pytest.mark.slow
+def test_every_node_stages_the_s3_model_and_a_spread_learner_group_trains_on_both(placement_report):
+    """One machine cannot give the nodes separate disks: the second node's staging task finds the driver's copy in
+    the shared cache folder and checks every file against the driver's digests before using it (same path)."""
+    staging, learners = placement_report["staging"], placement_report["learners"]
+    assert len(staging) == 2 and len({s["node_id"] for s in staging}) == 2  # a staging task ran on each node
+    assert staging[0]["downloaded"] and "model.safetensors" in staging[0]["files"]
+    assert len(set(learners["nodes"])) == 2 and learners["model_path"] == staging[0]["path"]
+    assert learners["weight_version"] == 1 and learners["loss_finite"] and learners["weights_changed"]
+
+
+@pytest.mark.slow
 def test_cluster_listens_only_on_loopback(placement_report):
     assert placement_report["node_ips"] == ["127.0.0.1", "127.0.0.1"]
     assert placement_report["gcs_address"].startswith("127.0.0.1:")
-    assert placement_report["non_loopback_listeners"] == []
+    assert placement_report["non_loopback_listeners"] == [] and placement_report["learner_listeners"] == []
 
 
 # ---- the child process ------------------------------------------------------------------------------
@@ -107,7 +129,40 @@ def _non_loopback_listeners(pids: set[int]) -> list[str]:
     return bad
 
 
-def _child(model_dir: str) -> dict:
+def _stage_and_train(staging: dict) -> dict:
+    """Stage the s3:// model on both nodes (as build_run does), then a world_size 2 STRICT_SPREAD learner group on
+    the staged folder: one update from a rank on each node."""
+    import ray
+
+    from infra.config import StorageConfig, build_config
+    from infra.model_staging import stage_model, stage_on_other_nodes
+    from learner_batches import random_batch
+    from tasks.learner_group import create_learner_group
+
+    storage = StorageConfig(endpoint_url=staging["endpoint_url"])
+    path, digests, downloaded = stage_model(staging["url"], storage, staging["cache_dir"])
+    others = stage_on_other_nodes(path, storage)  # checked against this node's digests there (raises if not)
+    report = {"staging": [{"node_id": ray.get_runtime_context().get_node_id(), "downloaded": downloaded,
+                           "files": sorted(digests), "path": path}, *others]}
+    cfg = build_config(overrides=["grpo.kl_coef=0", "grpo.micro_batch_size=2", "rollout.global_batch_size=2",
+                                  "rollout.n_samples_per_prompt=4", "optimizer.lr=0.01", "learner.world_size=2",
+                                  "learner.placement_strategy=STRICT_SPREAD"])
+    group = create_learner_group(path, cfg, trainable=True)
+    try:
+        before = ray.get(group.state_dict_ref.remote())
+        metrics = ray.get(group.update.remote(ray.put(random_batch(1, max_response=14)), None, None))
+        after = ray.get(group.state_dict_ref.remote())
+        report["learners"] = {"nodes": [ray.get(a.node_id.remote()) for a in group.actors], "model_path": path,
+                              "weight_version": int(metrics["weight_version"]),
+                              "loss_finite": bool(abs(float(metrics["loss"])) < float("inf")),
+                              "weights_changed": any(not bool((before[k] == after[k]).all()) for k in before)}
+        report["learner_listeners"] = _non_loopback_listeners(_descendants(os.getpid()))
+    finally:
+        group.shutdown()
+    return report
+
+
+def _child(model_dir: str, staging: dict) -> dict:
     os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                        "RAY_USAGE_STATS_ENABLED": "0"})
     import ray
@@ -147,6 +202,7 @@ def _child(model_dir: str) -> dict:
                                     "router_workers": manager.router.workers(),
                                     "generated": [len(a["output_ids"]) for a in answers]}
             report["non_loopback_listeners"] = _non_loopback_listeners(_descendants(os.getpid()))
+        report.update(_stage_and_train(staging))  # once the engines are gone: the learners need the CPU slots
         return report
     finally:
         ray.shutdown()
@@ -154,4 +210,4 @@ def _child(model_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(sys.argv[1])), flush=True)
+    print(json.dumps(_child(sys.argv[1], json.loads(sys.argv[2]))), flush=True)
