@@ -217,29 +217,6 @@ def test_gradient_checkpointing_and_eager_attention_do_not_change_the_update(tin
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.slow  # 90-110 s on 2 shared cores: engines, router, four learner ranks, two flow runs
-def test_flow_with_two_learner_ranks_then_resume_on_one(prefect_harness, ray_session, warm_parts, tmp_path):
-    """The training flow with learner.world_size=2 (policy and KL reference both sharded: four learner actors
-    next to the engines), then its checkpoint resumed by a world_size 1 run (the state reshards on load)."""
-    import json
-
-    from flows.setup import load_run_config
-    from flows.train import grpo_train
-    from test_train_flow import small_config
-
-    run_dir = tmp_path / "run"
-    grpo_train(small_config(run_dir, iterations=1, **{"learner.world_size": 2, "grpo.kl_coef": 0.05}))
-    written = sorted(p.name for p in (run_dir / "checkpoints" / "ckpt-00000000" / "tensors").iterdir())
-    assert written == ["policy-rank000-00000.safetensors", "policy-rank001-00000.safetensors"]  # each rank its own
-    cfg = load_run_config(run_dir, ["schedule.num_iterations=2", "learner.world_size=1"])
-    assert cfg.learner.world_size == 1 and cfg.grpo.kl_coef == 0.05
-    grpo_train(cfg, resume=True)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == [0, 1] and rows[1]["weight_version"] == 2
-    assert all(np.isfinite(r["loss"]) and r["optimizer_steps"] == 1 for r in rows)  # (all-zero rewards: grad 0)
-    assert sorted(g for r in rows for g in r["trained_stream_ids"]) == list(range(8))  # nothing trained twice
-
-
 def test_sharded_checkpoint_each_rank_writes_its_slices_one_manifest(groups, tiny_model_dir, ray_session, tmp_path):
     """Each rank of the world_size 2 policy writes its own slices (safetensors) under the checkpoint prefix; the
     driver's manifest, written last, lists and verifies them; put back together they are exactly the state

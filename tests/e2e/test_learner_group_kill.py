@@ -1,0 +1,80 @@
+"""A sharded learner under kill -9 (issue 12): `spillover train` with learner.world_size=2 (policy and KL reference each
+two FSDP ranks on gloo, joined to the session's Ray cluster) SIGKILLs itself at the start of iteration 1's update;
+`resume` (in process: fresh ranks, sharded groups are not kept warm) finishes the run from checkpoint 0, whose
+weights and AdamW state are the two ranks' slices. The end equals an uninterrupted world_size 2 run bit for bit
+(metrics rows, and every tensor of the final checkpoint put back together), the reward rises over that run, and the
+uninterrupted run then resumes on one rank (the slices reshard on load) for one more iteration.
+Tokens do not depend on timing or the engine count (test_kill_resume.py's DETERMINISTIC settings), so the reference
+can use the session's two warm engines while the killed run starts one of its own.
+"""
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+from small_run import SMALL_RUN
+from spillover_runs import (ROUTER, assert_joined_runs_left_nothing, metrics_rows,  # noqa: F401
+                            spillover, watch_until_gone)  # (fixtures)
+
+ITERATIONS = 4
+SHARDED = ["learner.world_size=2", "grpo.kl_coef=0.05", "optimizer.lr=0.01",
+           "grpo.reward_function_path=test_learner_group_kill.distinct_ones", "rollout.deterministic_sampling=true",
+           "grpo.skip_old_logprob=false", "grpo.tis=false"]
+
+
+def distinct_ones(response: str, label, **_) -> float:
+    """Easy to learn for the random tiny model (as in test_colocate): the share of '1' characters."""
+    return response.count("1") / max(1, len(response))
+
+
+def run_args(run_dir) -> list[str]:
+    return [f"run_dir={run_dir}", f"schedule.num_iterations={ITERATIONS}", *SMALL_RUN, *SHARDED,
+            "tracking.wandb_mode=disabled", "tracking.progress=false"]
+
+
+def final_policy(run_dir) -> tuple[int, dict[str, torch.Tensor]]:
+    from flows.eval import policy_state
+    from infra.checkpoint import load_latest_checkpoint
+    from infra.storage import open_store
+
+    state = load_latest_checkpoint(open_store(str(run_dir / "checkpoints")))
+    return state.iteration, policy_state(state)
+
+
+@pytest.mark.slow  # ~50 s: three runs with two sharded learner groups each
+@pytest.mark.timeout(500)
+def test_kill_9_at_a_sharded_update_then_resume_equals_the_uninterrupted_run(spillover, prefect_harness, ray_session,
+                                                                            warm_parts, tmp_path):
+    from flows.setup import load_run_config
+    from flows.train import grpo_train
+    from infra.config import load_config
+
+    killed_dir, ref_dir = tmp_path / "killed", tmp_path / "reference"
+    ray_address = ray_session.get_runtime_context().gcs_address
+    killed = spillover.run(["train", "--config", "configs/tiny.yaml", *run_args(killed_dir),
+                            "engines.rollout_num_gpus=1"], SPILLOVER_KILL_AT="update:1", RAY_ADDRESS=ray_address)
+    assert killed.returncode == -signal.SIGKILL and killed.saw(ROUTER), spillover.output(killed)
+    written = sorted(p.name for p in (killed_dir / "checkpoints" / "ckpt-00000000" / "tensors").iterdir())
+    assert written == ["policy-rank000-00000.safetensors", "policy-rank001-00000.safetensors"]  # each rank its own
+    grpo_train(load_run_config(killed_dir, ["engines.rollout_num_gpus=2"]), resume=True)
+    spillover.check_gone(killed)
+    assert_joined_runs_left_nothing()  # Ray ended the killed driver's job: its four learner ranks are gone too
+
+    grpo_train(load_config("configs/tiny.yaml", [*run_args(ref_dir), "engines.rollout_num_gpus=2"]))
+    rows, ref_rows = metrics_rows(killed_dir), metrics_rows(ref_dir)
+    assert [r["iteration"] for r in rows] == [r["iteration"] for r in ref_rows] == list(range(ITERATIONS))
+    for key in ("trained_stream_ids", "reward_mean", "response_length_p50", "weight_version", "loss"):
+        assert [r[key] for r in rows] == [r[key] for r in ref_rows], key
+    rewards = [r["reward_mean"] for r in ref_rows]
+    assert sum(rewards[-2:]) > sum(rewards[:2]), rewards  # world_size 2 learns the easy reward
+    (iteration, got), (ref_iteration, want) = final_policy(killed_dir), final_policy(ref_dir)
+    assert iteration == ref_iteration == ITERATIONS - 1 and sorted(got) == sorted(want)
+    differing = [name for name in want if not torch.equal(got[name], want[name])]
+    assert differing == [], f"{len(differing)} tensors differ from the uninterrupted run, e.g. {differing[:3]}"
+
+    cfg = load_run_config(ref_dir, [f"schedule.num_iterations={ITERATIONS + 1}", "learner.world_size=1"])
+    grpo_train(cfg, resume=True)  # the two ranks' slices reshard onto one
+    rows = metrics_rows(ref_dir)
+    assert [r["iteration"] for r in rows] == list(range(ITERATIONS + 1)) and rows[-1]["weight_version"] == ITERATIONS + 1
+    assert sorted(g for r in rows for g in r["trained_stream_ids"]) == list(range(4 * (ITERATIONS + 1)))
