@@ -5,13 +5,18 @@ runs three iterations of what a colocated run does:
   generate a batch -> release the engine's memory (weights + KV cache) -> a learner step on the generated tokens
   -> resume -> load the new weights bucket by bucket, in place -> check them against the learner's
 
+Then the learner at GPU scale (issue 12, bench/gpu_learner.py): a random-init Qwen2 of --learner-size (0.5b on CUDA:
+Qwen2.5-0.5B's shape, no download) in spillover's LearnerActor, FSDP2 in bfloat16, three iterations of old logprobs
++ GRPO update.
+
 It prints one JSON line: device, engine_gb / freed_gb (CUDA memory the engine held and what its release gave back),
 engine_held_mb and released_to_zero (the engine's own count of its weight and KV bytes, before and after a release),
 gen_tokens_per_s, sync_s per iteration, buckets, weights_equal (every iteration), greedy_changed (the update reached
-the engine). Not covered here: SGLang (not installable on that machine), the distributed protocol (two processes),
-max_split 1 vs 4 (the rollout controller needs Ray).
+the engine), and "learner": {params, step_s, update_tokens_per_s, peak_gpu_gb, ...}. Not covered here: SGLang (not
+installable on that machine), the distributed protocol (two processes), max_split 1 vs 4 (the rollout controller
+needs Ray).
 
-    python bench/gpu_smoke.py [--model HF_FOLDER] [--device cuda|cpu] [--bucket-mb 64]
+    python bench/gpu_smoke.py [--model HF_FOLDER] [--device cuda|cpu] [--bucket-mb 64] [--learner-size 0.5b|tiny|none]
 
 Without --model (or SPILLOVER_GPU_MODEL) it builds the tiny test model. `--device cpu` is the dry run used here.
 """
@@ -66,6 +71,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-new", type=int, default=64)
+    parser.add_argument("--learner-size", choices=["0.5b", "tiny", "none"], default=None,
+                        help="the learner part's model (default: 0.5b on CUDA, tiny on CPU)")
+    parser.add_argument("--learner-samples", type=int, default=64)
+    parser.add_argument("--learner-tokens", type=int, default=512, help="most response tokens per sample")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     model_path = args.model
@@ -117,6 +126,13 @@ def main(argv: list[str] | None = None) -> dict:
         out["greedy_changed"] = generate(batcher, probe, 8, greedy=True) != greedy_before
     finally:
         batcher.stop()
+        batcher.release_memory(None)  # the learner part gets the whole device
+        del learner, optimizer
+    size = args.learner_size or ("0.5b" if device.type == "cuda" else "tiny")
+    if size != "none":
+        from bench.gpu_learner import learner_smoke
+
+        out["learner"] = learner_smoke(size, device.type, samples=args.learner_samples, tokens=args.learner_tokens)
     print(json.dumps(out), flush=True)
     return out
 

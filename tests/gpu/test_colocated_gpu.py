@@ -1,5 +1,6 @@
 """The colocated torch engine on CUDA (bench/gpu_smoke.py): an HF learner and the engine on one GPU, three
-iterations of release -> learner step -> resume -> bucketed in-place load. Skipped without CUDA; the CPU path runs
+iterations of release -> learner step -> resume -> bucketed in-place load, then the 0.5B learner part. Skipped
+without CUDA; the CPU path runs
 in tests/integration/test_colocate.py (and the same script as a dry run there)."""
 from __future__ import annotations
 
@@ -19,3 +20,5 @@ def test_colocated_engine_frees_the_gpu_and_comes_back_with_the_learners_weights
     out = main(["--device", "cuda", "--bucket-mb", "1"])
     assert out["weights_equal"] == [True, True, True] and out["released_to_zero"] and out["greedy_changed"]
     assert min(out["freed_gb"]) > 0  # the release gives CUDA memory back
+    learner = out["learner"]  # issue 12: Qwen2.5-0.5B's shape, FSDP2 bfloat16, three update steps
+    assert learner["params"] > 4e8 and learner["param_dtype"] == "bfloat16" and learner["peak_gpu_gb"] > 0

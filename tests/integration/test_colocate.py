@@ -98,10 +98,15 @@ def test_colocated_run_releases_trains_resumes_and_syncs_in_order_every_iteratio
 
 
 def test_gpu_smoke_dry_run_on_cpu(tmp_path):
-    """bench/gpu_smoke.py (the colocated engine without Ray, for the GPU machine) on CPU, so it cannot rot."""
+    """bench/gpu_smoke.py (the colocated engine without Ray, then the learner part, for the GPU machine) on CPU,
+    so it cannot rot."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench/ is not a package
     from bench.gpu_smoke import main
 
-    out = main(["--device", "cpu", "--batch", "4", "--max-new", "8", "--bucket-mb", "0.02"])
+    out = main(["--device", "cpu", "--batch", "4", "--max-new", "8", "--bucket-mb", "0.02", "--learner-samples", "8",
+                "--learner-tokens", "24"])
     assert out["buckets"] > 1 and out["weights_equal"] == [True, True, True]
     assert out["released_to_zero"] and out["engine_held_mb"] > 0 and out["greedy_changed"]
+    learner = out["learner"]  # issue 12's learner part: spillover's LearnerActor, three update steps
+    assert learner["size"] == "tiny" and learner["params"] > 0 and len(learner["step_s"]) == 3
+    assert learner["update_tokens_per_s"] > 0
