@@ -85,14 +85,12 @@ def _download(url: str, storage: StorageConfig, target: Path, expected: dict[str
     try:
         digests = {}
         for name in (n for n in names if n != SOURCE_DIGESTS):
-            data, _ = store.get_buffer(name)
-            digests[name] = hashlib.sha256(data).hexdigest()
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            digests[name] = store.get_file(name, str(staging / name))
             if want is not None and want.get(name) != digests[name]:
                 raise ValueError(f"model.path {store.key_url(name)}: sha256 {digests[name][:16]}... differs from "
                                  f"{source} ({str(want.get(name))[:16]}...): the upload is torn or was changed; "
                                  "upload the folder again (and its sha256.json)")
-            (staging / name).parent.mkdir(parents=True, exist_ok=True)
-            (staging / name).write_bytes(data)
         if want is not None and set(want) != set(digests):
             raise ValueError(f"model.path {store.url!r}: files {sorted(set(want) ^ set(digests))[:5]} are in only "
                              f"one of the folder and {source}; upload the folder again")

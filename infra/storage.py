@@ -7,6 +7,7 @@ part of a URL, repr, log line or error message. File writes are atomic (temp fil
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import uuid
 from typing import Callable, Sequence
@@ -92,6 +93,17 @@ class Store:
         one `bytes` object. With `size` (e.g. from a manifest) at most that many bytes are read: compare the
         returned size."""
         return self._retry("read", key, lambda: self._get_once(key, size))
+
+    def get_file(self, key: str, local_path: str, chunk_bytes: int = 16 * 2**20) -> str:
+        """Copy the object to local_path chunk by chunk (memory: one chunk, for multi-GB objects) -> its sha256."""
+        def copy() -> str:
+            digest = hashlib.sha256()
+            with self.fs.open(self.path(key), "rb", block_size=chunk_bytes) as src, open(local_path, "wb") as dst:
+                while chunk := src.read(chunk_bytes):
+                    digest.update(chunk)
+                    dst.write(chunk)
+            return digest.hexdigest()
+        return self._retry("read", key, copy)
 
     def _get_once(self, key: str, size: int | None) -> tuple[memoryview, ObjectInfo]:
         if self.is_local:
