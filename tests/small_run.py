@@ -5,3 +5,9 @@ SMALL_RUN = ["rollout.global_batch_size=4", "rollout.n_samples_per_prompt=4", "r
              "model.tiny.num_layers=2", "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128",
              "storage.checkpoint_interval=1",
              "tracking.report=false"]  # the plots cost ~1.5 s a run; tests/unit/test_report.py and the UI test check them
+
+
+def distinct_ones(response: str, label, **_) -> float:
+    """A reward the random tiny model learns within a few iterations: the share of '1' characters in the response
+    (grpo.reward_function_path=small_run.distinct_ones; tests/ is on the path of the suite's subprocesses too)."""
+    return response.count("1") / max(1, len(response))

@@ -20,13 +20,8 @@ from spillover_runs import (ROUTER, assert_joined_runs_left_nothing, metrics_row
 
 ITERATIONS = 4
 SHARDED = ["learner.world_size=2", "grpo.kl_coef=0", "optimizer.lr=0.01",
-           "grpo.reward_function_path=test_learner_group_kill.distinct_ones", "rollout.deterministic_sampling=true",
+           "grpo.reward_function_path=small_run.distinct_ones", "rollout.deterministic_sampling=true",
            "grpo.skip_old_logprob=false", "grpo.tis=false"]
-
-
-def distinct_ones(response: str, label, **_) -> float:
-    """Easy to learn for the random tiny model (as in test_colocate): the share of '1' characters."""
-    return response.count("1") / max(1, len(response))
 
 
 def run_args(run_dir) -> list[str]:

@@ -4,8 +4,9 @@ the two take turns with its memory. Checked on real Ray actors and a real engine
   (their bytes go to 0, and what comes back at resume is not the old weights), generation is refused meanwhile,
   and after resume + the colocated sync (bucket by bucket, a bucket smaller than the largest tensor) its weights
   equal the learner's bit for bit and it generates the same greedy tokens as before the release;
-- a colocated run of the tiny task goes release -> logprobs -> update -> resume -> weight load in that order in
-  every iteration (read from the learner process's own event log) and its reward rises;
+- a colocated run of the tiny task with two learner ranks (each hosting an engine, FSDP gathers collective) goes
+  release -> logprobs -> update -> resume -> weight load in that order in every iteration (read from rank 0's
+  process's own event log) and its reward rises (one rank colocated: the kill -9 test's file chain);
 - bench/gpu_smoke.py, the same cycle without Ray for the GPU machine, runs on CPU.
 """
 from __future__ import annotations
@@ -73,18 +74,14 @@ def test_hosted_engine_releases_for_real_refuses_generation_and_comes_back_with_
         policy.shutdown()
 
 
-def distinct_ones(response: str, label, **_) -> float:
-    """Easy to learn for the random tiny model: the share of '1' characters in the response."""
-    return response.count("1") / max(1, len(response))
-
-
 def test_colocated_run_releases_trains_resumes_and_syncs_in_order_every_iteration(prefect_harness, ray_session,
                                                                                   tmp_path):
     from flows.train import grpo_train
 
     run_dir = tmp_path / "run"
-    cfg = small_config(run_dir, iterations=6, **{"placement.colocate": "true", "engines.rollout_num_gpus": 1,
-                                                  "grpo.reward_function_path": "test_colocate.distinct_ones",
+    cfg = small_config(run_dir, iterations=6, **{"placement.colocate": "true", "engines.rollout_num_gpus": 2,
+                                                  "learner.world_size": 2,
+                                                  "grpo.reward_function_path": "small_run.distinct_ones",
                                                   "grpo.skip_old_logprob": "false", "optimizer.lr": 0.01,
                                                   "engines.weight_bucket_bytes": 20000,
                                                   "rollout.deterministic_sampling": "true"})  # the same run every time
