@@ -12,11 +12,13 @@ Qwen2.5-0.5B's shape, no download) in spillover's LearnerActor, FSDP2 in bfloat1
 It prints one JSON line: device, engine_gb / freed_gb (CUDA memory the engine held and what its release gave back),
 engine_held_mb and released_to_zero (the engine's own count of its weight and KV bytes, before and after a release),
 gen_tokens_per_s, sync_s per iteration, buckets, weights_equal (every iteration), greedy_changed (the update reached
-the engine), and "learner": {params, step_s, update_tokens_per_s, peak_gpu_gb, ...}. Not covered here: SGLang (not
-installable on that machine), the distributed protocol (two processes), max_split 1 vs 4 (the rollout controller
-needs Ray).
+the engine), "learner": {params, step_s, update_tokens_per_s, peak_gpu_gb, ...}, and "rollout": rollout time with
+max_split 1 vs 4 on long-tailed lengths (bench/longtail.py --real --local: the real dock and sync driver, engines in
+this process). Not covered here: SGLang (not installable on that machine), the distributed protocol (two
+processes).
 
     python bench/gpu_smoke.py [--model HF_FOLDER] [--device cuda|cpu] [--bucket-mb 64] [--learner-size 0.5b|tiny|none]
+                              [--rollout small|tiny|none]
 
 Without --model (or SPILLOVER_GPU_MODEL) it builds the tiny test model. `--device cpu` is the dry run used here.
 """
@@ -64,6 +66,22 @@ def learner_step(model, optimizer, prompts: list[list[int]], outputs: list[list[
     optimizer.zero_grad(set_to_none=True)
 
 
+ROLLOUT_SCALES = {  # bench/longtail.py --real --local arguments (the tiny model, lognormal natural lengths)
+    "small": ["--gbs", "64", "--n", "8", "--engines", "1", "--slots", "256", "--max-tokens", "2048", "--median",
+              "256", "--iterations", "2", "--warmup", "1"],
+    "tiny": ["--gbs", "8", "--n", "4", "--engines", "1", "--iterations", "1", "--warmup", "1"],
+}
+
+
+def rollout_split_comparison(device: str, scale: list[str]) -> dict:
+    """max_split 1 vs 4 (issues 13 and 18): the long-tail bench on engines in this process -> {mode: figures}."""
+    from bench.longtail import main as longtail
+
+    results = longtail(["--real", "--local", "--device", device, "--modes", "no_partial,sync_split4", *scale])
+    return {r["mode"]: {k: r[k] for k in ("rollout_s", "speedup", "rollout_speedup", "slot_idle_share",
+                                          "trained_tokens_per_iteration")} for r in results}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=os.environ.get("SPILLOVER_GPU_MODEL"))
@@ -75,6 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the learner part's model (default: 0.5b on CUDA, tiny on CPU)")
     parser.add_argument("--learner-samples", type=int, default=64)
     parser.add_argument("--learner-tokens", type=int, default=512, help="most response tokens per sample")
+    parser.add_argument("--rollout", choices=["small", "tiny", "none"], default=None,
+                        help="max_split 1 vs 4 on long-tailed lengths through the real dock and driver (default: "
+                        "small on CUDA, tiny on CPU)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     model_path = args.model
@@ -133,6 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
         from bench.gpu_learner import learner_smoke
 
         out["learner"] = learner_smoke(size, device.type, samples=args.learner_samples, tokens=args.learner_tokens)
+    scale = args.rollout or ("small" if device.type == "cuda" else "tiny")
+    if scale != "none":
+        out["rollout"] = rollout_split_comparison(device.type, ROLLOUT_SCALES[scale])
     print(json.dumps(out), flush=True)
     return out
 

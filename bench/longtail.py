@@ -1,12 +1,13 @@
 """Long-tail benchmark: partial rollout against plain GRPO generation, through the real dock and drivers.
 
-Every mode runs the same iteration loop (load prompts (tasks.prompts.groups_for_iteration) -> the real
+Every mode runs the same iteration loop (load prompts (rollout.data_source.groups_for_iteration) -> the real
 sync or async driver over the real TransferDock -> select and read the batch -> clear -> weight update) against an
 engine, with the same seed, for --warmup + --iterations iterations; the numbers average the last
 --iterations (steady state: carried-over rows, not the first fill).
 
     python bench/longtail.py            # SimulatedEngine in virtual time, the issue's GPU-scale workload
     python bench/longtail.py --real     # RolloutManager: 2 CPU engines, tiny model, wall time
+    python bench/longtail.py --real --local --device cuda   # engines in this process (no Ray, no router)
 
 Modes: no_partial (max_split 1, the baseline), sync_split{2,4,8}, async (every open row dispatched,
 abort once ready; rows at max age must finish, as flows/setup.py builds the dock in async mode), and
@@ -50,7 +51,7 @@ from rollout.engines.simulated_workload import DEFAULT_EOS, LognormalLengths, si
 from rollout.partial_async import generate_until_ready_async  # noqa: E402
 from rollout.partial_sync import generate_until_ready_sync  # noqa: E402
 from rollout.requests import SamplingSettings  # noqa: E402
-from tasks.prompts import groups_for_iteration  # noqa: E402
+from rollout.data_source import groups_for_iteration  # noqa: E402
 from bench.longtail_modes import MODES, Workload  # noqa: E402
 
 log = logging.getLogger("longtail")
@@ -214,6 +215,9 @@ class SimulatedRun:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--real", action="store_true", help="2 CPU engines with the tiny model, wall time (small workload)")
+    p.add_argument("--local", action="store_true", help="with --real: engines in this process, no Ray or router "
+                   "(bench/local_engines.py; the GPU machine has neither)")
+    p.add_argument("--device", default=None, help="with --real --local: the engines' device (cuda, cpu)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--iterations", type=int, default=None, help="measured iterations per mode (sim 3, real 5)")
     p.add_argument("--warmup", type=int, default=None, help="iterations run before measuring (default 2)")
@@ -256,7 +260,7 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> list[dict]:
     # force: importing Prefect (tasks.prompts) put its own handler on the root logger
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s", force=True)
     args = parse_args(argv)
@@ -288,6 +292,7 @@ def main(argv=None) -> None:
             runner.close()
     for result in results:
         print(json.dumps(result), flush=True)
+    return results
 
 
 if __name__ == "__main__":

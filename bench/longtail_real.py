@@ -22,7 +22,6 @@ from pathlib import Path
 
 import httpx
 
-from infra.cluster import init_ray  # sets Ray's loopback environment before ray is imported
 from rollout.engines.simulated_workload import LognormalLengths
 
 log = logging.getLogger("longtail.real")
@@ -130,20 +129,29 @@ class RealRun:
     def __init__(self, args):
         from infra.config import EnginesConfig
         from infra.models import build_tiny_model, load_tokenizer
-        from rollout.manager import RolloutManager
 
         if args.token_scale != 1:
             raise SystemExit("--token-scale applies to the simulated engine only; drop it with --real")
         self.args = args
-        init_ray()
+        if not args.local:
+            from infra.cluster import init_ray  # sets Ray's loopback environment before ray is imported
+
+            init_ray()
         self.tmp = tempfile.TemporaryDirectory(prefix="longtail-")
         self.model_dir = build_tiny_model(Path(self.tmp.name) / "tiny",
                                          max_position=max(512, args.max_tokens + args.prompt_tokens))
         self.tokenizer = load_tokenizer(self.model_dir)
         cfg = EnginesConfig(rollout_num_gpus=args.engines, gpus_per_engine=1, max_running_requests=args.slots,
                             health_timeout_s=30.0)
-        log.info("starting %d CPU engines (%d slots each)", args.engines, args.slots)
-        self.manager = RolloutManager(cfg, self.model_dir, use_gpu=False)
+        log.info("starting %d %s engines (%d slots each)", args.engines, "local" if args.local else "CPU", args.slots)
+        if args.local:  # in this process, no Ray or router (the GPU machine has neither): bench/local_engines.py
+            from bench.local_engines import LocalEngines
+
+            self.manager = LocalEngines(str(self.model_dir), args.engines, args.slots, args.device)
+        else:
+            from rollout.manager import RolloutManager
+
+            self.manager = RolloutManager(cfg, self.model_dir, use_gpu=False)
         self.sampler = LoadSampler(self.manager.urls)
         self.slots = (args.engines, args.slots)
         self.eos = int(self.tokenizer.eos_token_id)
@@ -179,9 +187,10 @@ class RealRun:
                        prepare)
 
     def close(self) -> None:
-        import ray
-
         self.sampler.close()
         self.manager.shutdown()
-        ray.shutdown()
+        if not self.args.local:
+            import ray
+
+            ray.shutdown()
         self.tmp.cleanup()

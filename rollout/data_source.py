@@ -223,3 +223,16 @@ class PromptCursor:
     @classmethod
     def from_state(cls, state: dict) -> "PromptCursor":
         return cls(**state)
+
+
+def groups_for_iteration(dock, iteration: int, num_iterations: int) -> int:
+    """Every dock slot in the first iteration (2 x GBS with partial rollout, + over-sampling groups), GBS
+    after, capped so that no more than num_iterations x GBS groups are ever loaded (the dock counts its
+    loads in next_load_seq, which its snapshots keep).
+
+    With the cap the dock holds >= GBS groups in every iteration and exactly GBS in the last one (it
+    drains), so exactly num_iterations x GBS groups are loaded and each is trained once. Without
+    over-sampling this is 2 x GBS, then GBS, then none in the last iteration of a partial-rollout run.
+    """
+    remaining = num_iterations * dock.gbs - int(dock.next_load_seq)
+    return max(0, min(dock.groups_to_load(first_iteration=iteration == 0), remaining))

@@ -107,3 +107,5 @@ def test_gpu_smoke_dry_run_on_cpu(tmp_path):
     learner = out["learner"]  # issue 12's learner part: spillover's LearnerActor, three update steps
     assert learner["size"] == "tiny" and learner["params"] > 0 and len(learner["step_s"]) == 3
     assert learner["update_tokens_per_s"] > 0
+    rollout = out["rollout"]  # max_split 1 vs 4 through the real dock and driver, engines in this process
+    assert set(rollout) == {"no_partial", "sync_split4"} and all(r["rollout_s"] > 0 for r in rollout.values())
