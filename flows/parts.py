@@ -54,8 +54,9 @@ def model_shape_digest(model_path: str | Path) -> str:
 
 
 def learner_key(cfg, trainable: bool) -> str | None:
-    """What decides whether a kept learner group can serve a run; None: not kept (sharded)."""
-    if cfg.learner.world_size > 1 or cfg.learner.device == "cuda":
+    """What decides whether a kept learner group can serve a run (the whole learner section, world_size included:
+    a sharded group keeps its process group); None: not kept (CUDA groups, whose reuse is untested)."""
+    if cfg.learner.device == "cuda":
         return None
     return f"{trainable}|{cfg.learner.model_dump_json()}"
 

@@ -62,15 +62,15 @@ class _GroupMethod:
 class LearnerGroup:
     """world_size ranks of one learner (policy or reference); `.method.remote(...)` -> ObjectRef of rank 0's result."""
 
-    def __init__(self, actors: list, pg=None):
-        self.actors, self.pg, self.pending = list(actors), pg, []
+    def __init__(self, actors: list, pg=None, master: tuple[str, int] | None = None):
+        self.actors, self.pg, self.pending, self.master = list(actors), pg, [], master  # master: rank 0's rendezvous
 
     @property
     def world_size(self) -> int:
         return len(self.actors)
 
     def __getattr__(self, name: str) -> _GroupMethod:
-        if name.startswith("_") or name in ("actors", "pg", "pending"):
+        if name.startswith("_") or name in ("actors", "pg", "pending", "master"):
             raise AttributeError(name)
         return _GroupMethod(self, name)
 
@@ -121,7 +121,7 @@ def create_learner_group(model_path, cfg, trainable: bool, lcfg: LearnerConfig |
         actors = start_ranks(master)
         try:
             ray.get(actors[0].weight_version.remote())  # rank 0's constructor returns once every rank has joined
-            return LearnerGroup(actors, pg)
+            return LearnerGroup(actors, pg, master)
         except ray.exceptions.RayActorError as err:
             for actor in actors:
                 ray.kill(actor)
@@ -140,10 +140,13 @@ def rank_options(cfg, trainable: bool, lcfg: LearnerConfig, rank: int = 0, maste
 
 
 def reset_learner_group(group: LearnerGroup, model_path, cfg, trainable: bool) -> None:
-    """An unsharded group started anew for another run (flows/parts.py): weights from model_path, fresh state."""
-    if group.world_size != 1:
-        raise ValueError("only a one-rank learner group can be reset; a sharded one is started anew")
-    ray.get(group.actors[0].reset.remote(str(model_path), **rank_options(cfg, trainable, cfg.learner)))
+    """A group started anew for another run with the same learner section (flows/parts.py): every rank constructs
+    itself again at once (weights from model_path, fresh state); a sharded group keeps its process group."""
+    if group.world_size != cfg.learner.world_size:
+        raise ValueError(f"a learner group of {group.world_size} ranks cannot serve learner.world_size="
+                         f"{cfg.learner.world_size}")
+    ray.get([actor.reset.remote(str(model_path), **rank_options(cfg, trainable, cfg.learner, rank, group.master))
+             for rank, actor in enumerate(group.actors)])
     group.pending = []
 
 

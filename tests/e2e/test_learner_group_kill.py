@@ -1,10 +1,11 @@
 """A sharded learner under kill -9 (issue 12): `spillover train` with learner.world_size=2 (two FSDP ranks on gloo, joined
 to the session's Ray cluster; no KL reference, whose sharded logprobs test_learner_group.py checks: two rank starts
 less per run) SIGKILLs itself at the start of iteration 1's update;
-`resume` (in process: fresh ranks, sharded groups are not kept warm) finishes the run from checkpoint 0, whose
-weights and AdamW state are the two ranks' slices. The end equals an uninterrupted world_size 2 run bit for bit
-(metrics rows, and every tensor of the final checkpoint put back together), the reward rises over that run, and the
-uninterrupted run then resumes on one rank (the slices reshard on load) for one more iteration.
+`resume` (in process, on new ranks) finishes the run from checkpoint 0, whose weights and AdamW state are the two
+ranks' slices. The end equals an uninterrupted world_size 2 run bit for bit (metrics rows, and every tensor of the
+final checkpoint put back together); that run reuses the resumed run's two ranks, reset (flows/parts.py), so the
+comparison also checks a kept sharded group against new ranks. The reward rises over that run, and it then resumes
+on one rank (the slices reshard on load) for one more iteration.
 Tokens do not depend on timing or the engine count (test_kill_resume.py's DETERMINISTIC settings), so the reference
 can use the session's two warm engines while the killed run starts one of its own.
 """
@@ -57,7 +58,9 @@ def test_kill_9_at_a_sharded_update_then_resume_equals_the_uninterrupted_run(spi
     spillover.check_gone(killed)
     assert_joined_runs_left_nothing()  # Ray ended the killed driver's job: its learner ranks are gone too
 
+    started = warm_parts.started
     grpo_train(load_config("configs/tiny.yaml", [*run_args(ref_dir), "engines.rollout_num_gpus=2"]))
+    assert warm_parts.started == started  # the resumed run's two ranks (and engines) were kept and reset for it
     rows, ref_rows = metrics_rows(killed_dir), metrics_rows(ref_dir)
     assert [r["iteration"] for r in rows] == [r["iteration"] for r in ref_rows] == list(range(ITERATIONS))
     for key in ("trained_stream_ids", "reward_mean", "response_length_p50", "weight_version", "loss"):

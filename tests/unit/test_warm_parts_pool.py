@@ -68,11 +68,16 @@ def test_active_is_scoped_to_the_context():
     assert active_warm_parts() is None
 
 
-@pytest.mark.parametrize("override, kept", [([], True), (["learner.world_size=2"], False),
+@pytest.mark.parametrize("override, kept", [([], True), (["learner.world_size=2"], True),
                                             (["learner.device=cuda"], False)])
-def test_sharded_learner_groups_are_not_kept(override, kept):
+def test_cpu_learner_groups_are_kept_cuda_ones_are_not(override, kept):
     cfg = load_config("configs/tiny.yaml", override)
     assert (learner_key(cfg, True) is not None) is kept
+
+
+def test_a_sharded_group_serves_only_its_own_world_size():
+    one, two = (load_config("configs/tiny.yaml", [f"learner.world_size={n}"]) for n in (1, 2))
+    assert learner_key(one, True) != learner_key(two, True)
 
 
 def test_the_engine_digest_ignores_weights_and_sees_the_tokenizer(tmp_path):
