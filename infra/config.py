@@ -50,7 +50,7 @@ class ModelConfig(_Section):
         "into model.cache_dir on every node, sha256-checked; endpoint and credentials from the storage section). "
         "Empty: build the tiny model into <run_dir>/tiny_model.")
     cache_dir: str = Field("~/.cache/spillover/models", description="Where each node keeps its copy of an s3:// "
-                           "model.path (the same path on every node).")
+                           "model.path (expanded on the driver; every node uses that path).")
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Shape of the built tiny model.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
     seed: int = Field(0, description="Seed for model init, sampling and data order.")

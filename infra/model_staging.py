@@ -105,7 +105,7 @@ def _download(url: str, storage: StorageConfig, target: Path, expected: dict[str
 
 def stage_on_other_nodes(path: str, storage: StorageConfig) -> list[dict]:
     """A model staged here (`path`, from stage_model) staged on every other alive node of the joined Ray cluster,
-    against this copy's digests, into the same path. -> one {node_id, downloaded} per other node."""
+    against this copy's digests, into the same (absolute, expanded here) path. -> one {node_id, downloaded} per other node."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -116,8 +116,4 @@ def stage_on_other_nodes(path: str, storage: StorageConfig) -> list[dict]:
     cache_dir = str(Path(path).parent)
     staged = ray.get([stage.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
                       .remote(manifest["url"], storage, cache_dir, manifest["files"]) for node in others])
-    for node, (other_path, _, _) in zip(others, staged):
-        if other_path != path:  # cannot happen with an absolute cache_dir; a guard against relative ones
-            raise ValueError(f"model.cache_dir resolves to {other_path} on node {node} and {path} here: give an "
-                             "absolute path that is the same on every node")
     return [{"node_id": node, "downloaded": downloaded} for node, (_, _, downloaded) in zip(others, staged)]

@@ -121,12 +121,15 @@ class EngineWeights:
     async def _restore_served_weights(self) -> None:
         """After a resume: released weights came back empty; load what the engines served (the latest weights, or
         the model folder at the version they report)."""
-        if self._latest_weights is not None:
-            await self._apply_latest(None) if self._latest_weights[0] in ("distributed", "colocated") else \
-                await asyncio.gather(*(self._apply_latest(h) for h in self.engines))
-            return
-        await asyncio.gather(*(self._client(h.url).update_weights_from_disk(self.model_path, self.weight_versions[h.index])
-                               for h in self.engines))
+        latest = self._latest_weights
+        if latest is None:
+            await asyncio.gather(*(self._client(h.url).update_weights_from_disk(self.model_path,
+                                                                              self.weight_versions[h.index])
+                                   for h in self.engines))
+        elif latest[0] in ("distributed", "colocated"):
+            await self._apply_latest(None)  # every engine in one group (or every hosting rank) at once
+        else:
+            await asyncio.gather(*(self._apply_latest(h) for h in self.engines))
 
     async def _apply_latest(self, handle: EngineHandle | None) -> None:
         if self._latest_weights is None:

@@ -5,7 +5,7 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NONE
 
-from rollout.data_source import PromptCursor, PromptSet, groups_for_iteration  # noqa: F401 (re-exported)
+from rollout.data_source import PromptCursor, PromptSet, groups_for_iteration
 from tasks.results import Loaded
 
 
