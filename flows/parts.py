@@ -16,10 +16,10 @@ makes tokens independent of what the engines served before.
 
 A part is reused only by a run that would start the very same one: the same learner placement (learner
 section, trainable or not) or the same engines section, sampling mode and model shape and tokenizer (every
-file of the model folder but the weights). Sharded learner groups (world_size > 1, CUDA) are not kept: their
-process groups are set up once per actor. At most one idle part per role is kept (idle actors hold Ray
-resources); a run that fails gives its parts up instead of back, unless it stopped on refused input (a
-ValueError, exit 2: every part was idle).
+file of the model folder but the weights). CUDA learner groups are not kept. At most `max_idle` idle parts per
+role are kept (default 1: idle actors hold Ray resources, GPUs included), the least recently used one is shut down
+first, before a part of a new key starts; a run that fails gives its parts up instead of back, unless it stopped on
+refused input (a ValueError, exit 2: every part was idle).
 """
 from __future__ import annotations
 
@@ -71,19 +71,23 @@ def engine_key(engines_cfg, model_path: str | Path, deterministic: bool) -> str:
 class WarmParts:
     """Idle engines and learner groups by role, each with the key of the runs it can serve."""
 
-    def __init__(self):
-        self._idle: dict[str, tuple[str, Any]] = {}
+    def __init__(self, max_idle: int = 1):
+        if max_idle < 1:
+            raise ValueError(f"max_idle must be >= 1 (idle parts kept per role); got {max_idle}")
+        self.max_idle = max_idle
+        self._idle: dict[str, list[tuple[str, Any]]] = {}  # role -> [(key, part)], least recently used first
         # id(part) -> (role, key, part); holding the part keeps its id from coming back as another object's
         self._lent: dict[int, tuple[str, str, Any]] = {}
         self.reused = 0  # parts handed to a run without starting them (tests read it)
         self.started = 0
 
     def borrow(self, role: str, key: str | None, start: Callable[[], Any], reset: Callable[[Any], None]) -> Any:
-        """A kept part with this key, reset; else a new one from start() (an idle one of another key is shut down
-        first, freeing its Ray resources)."""
-        idle = self._idle.pop(role, None)
-        if idle is not None and key is not None and idle[0] == key:
-            part = idle[1]
+        """A kept part with this key, reset; else a new one from start() (with max_idle parts of other keys idle, the
+        least recently used one is shut down first, freeing its Ray resources)."""
+        idle = self._idle.setdefault(role, [])
+        match = next((i for i, (kept, _) in enumerate(idle) if key is not None and kept == key), None)
+        if match is not None:
+            part = idle.pop(match)[1]
             try:
                 reset(part)
             except Exception:
@@ -93,8 +97,8 @@ class WarmParts:
                 self.reused += 1
                 self._lent[id(part)] = (role, key, part)
                 return part
-        elif idle is not None:
-            _shutdown(idle[1])
+        elif len(idle) >= self.max_idle:
+            _shutdown(idle.pop(0)[1])
         part = start()
         self.started += 1
         if key is not None and part is not None:
@@ -110,10 +114,10 @@ class WarmParts:
             _shutdown(part)
             return
         role, key, _ = lent
-        previous = self._idle.get(role)
-        if previous is not None:
-            _shutdown(previous[1])
-        self._idle[role] = (key, part)
+        idle = self._idle.setdefault(role, [])
+        idle.append((key, part))
+        while len(idle) > self.max_idle:
+            _shutdown(idle.pop(0)[1])
 
     def learners(self, model_path, cfg) -> tuple[Any, Any]:
         """The run's policy group and (grpo.kl_coef > 0) reference group: tasks.learner_group.create_learners,
@@ -136,8 +140,9 @@ class WarmParts:
                            lambda manager: manager.reset(model_path, engines_cfg))
 
     def shutdown(self) -> None:
-        for _, part in self._idle.values():
-            _shutdown(part)
+        for idle in self._idle.values():
+            for _, part in idle:
+                _shutdown(part)
         self._idle.clear()
 
     @contextmanager

@@ -11,7 +11,7 @@ import pytest
 def warm_pool(ray_session):
     from flows.parts import WarmParts
 
-    with WarmParts() as pool:
+    with WarmParts(max_idle=3) as pool:  # the suite's runs alternate between a few engine and learner shapes
         yield pool
 
 

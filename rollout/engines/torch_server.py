@@ -116,9 +116,9 @@ class TorchEngineServer:
 
     def _load_tokenizer(self):
         try:
-            from infra.models import load_tokenizer
+            from rollout.engines.engine_tokenizer import load_engine_tokenizer
 
-            return load_tokenizer(self.model_path)
+            return load_engine_tokenizer(self.model_path)
         except Exception:  # a checkpoint without a tokenizer still serves token ids
             log.warning("no tokenizer in %s: responses carry no 'text'", self.model_path)
             return None

@@ -3,7 +3,9 @@ a calculator that takes 0.6 s per step and more stop strings, so that the end of
 pending) SIGKILLs itself inside the first calculator step of iteration 1 -- a call pending since checkpoint 0, asked
 again -- (kill point "tool_step", rollout/env_pool.py, through the kill_hook test plugin), and `resume` (in process, on
 the session's warm parts) finishes the run from checkpoint 0, whose dock holds multi-turn trajectories mid-way.
-Sampling is not seeded (the resumed run need not repeat the killed one; nothing is compared with a reference run).
+Sampling is seeded (rollout.deterministic_sampling), so the rows cut with a call pending do not depend on chance:
+unseeded, the last round before the cut usually stopped 2-3 rows at a tool call and, once in a loaded suite, none.
+Nothing is compared with a reference run.
 Every prompt group is trained exactly once, and every trained trajectory is intact: each tool output in it is the
 calculator's answer to the action before it, once, in order (a lost or repeated tool call, or a replay that went wrong,
 would show). The subprocess joins the session's Ray cluster (as test_kill_resume's joined runs): its own processes
@@ -38,7 +40,7 @@ def tools_args(run_dir) -> list[str]:
             f"schedule.num_iterations={ITERATIONS}", *SMALL_RUN, "rollout.env_path=test_tool_kill_resume.SlowCalculator",
             "rollout.max_tool_output_tokens=6", "rollout.tool_call_stop=['=', '+', '*']", "tracking.wandb_mode=disabled",
             "tracking.progress=false", "tracking.report=false",
-            "engines.rollout_num_gpus=1",
+            "engines.rollout_num_gpus=1", "rollout.deterministic_sampling=true",
             f"storage.save_debug_rollout_data={run_dir}/debug/rollout_{{rollout_id}}.parquet"]
 
 

@@ -198,7 +198,9 @@ class SkippedWaits:
         self.waits: dict[int, list[float]] = {}  # thread -> waits since the outage began
 
     def policy(self, deadline_s: float) -> RetryPolicy:
-        return RetryPolicy(deadline_s=deadline_s, first_backoff_s=0.2, max_backoff_s=2, sleep=self.sleep,
+        # waits are skipped, so a cap above every recorded one costs nothing and keeps them doubling (a cap of 2 s
+        # let two capped waits, jittered, come out in either order)
+        return RetryPolicy(deadline_s=deadline_s, first_backoff_s=0.2, max_backoff_s=16, sleep=self.sleep,
                            clock=self.clock)
 
     def clock(self) -> float:

@@ -60,6 +60,21 @@ def test_unkeyed_and_foreign_parts_are_shut_down_one_idle_part_per_role():
     assert second.down
 
 
+def test_with_max_idle_parts_of_several_keys_wait_and_the_least_recently_used_goes_first():
+    pool = WarmParts(max_idle=2)
+    a, b = borrow(pool, "k1", "a"), borrow(pool, "k2", "b")
+    pool.give_back(a)
+    pool.give_back(b)
+    assert borrow(pool, "k1", "a2") is a and not b.down  # the other key's part stays kept
+    pool.give_back(a)  # now k2 (b) is the least recently used
+    c = borrow(pool, "k3", "c")  # a third key: b is shut down before c starts, a stays
+    assert b.down and not a.down and pool.started == 3
+    pool.give_back(c)
+    assert borrow(pool, "k1", "a3") is a and borrow(pool, "k3", "c2") is c and pool.reused == 3
+    with pytest.raises(ValueError, match="max_idle"):
+        WarmParts(max_idle=0)
+
+
 def test_active_is_scoped_to_the_context():
     pool = WarmParts()
     assert active_warm_parts() is None
