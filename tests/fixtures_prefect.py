@@ -9,6 +9,8 @@ joins it at its end, idle 0-1 s per run (py-spy: ~0.9 s of a refused run's 1.2 s
 short flows. No test is about heartbeats; `spillover` subprocesses and users keep Prefect's default."""
 from __future__ import annotations
 
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 from typing import NamedTuple
 
@@ -30,3 +32,11 @@ def prefect_harness() -> PrefectServer:
             temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         db = PREFECT_API_DATABASE_CONNECTION_URL.value() or ""
         yield PrefectServer(PREFECT_API_URL.value(), Path(db.split(":///", 1)[-1]) if ":///" in db else None)
+
+
+def copy_migrated_database(source: Path, prefect_home: Path) -> None:
+    """A consistent copy (SQLite's backup API; the source server keeps running) of a database this Prefect version
+    has migrated, where `prefect server start` looks for its own (PREFECT_HOME/prefect.db)."""
+    prefect_home.mkdir(parents=True, exist_ok=True)
+    with closing(sqlite3.connect(source)) as src, closing(sqlite3.connect(prefect_home / "prefect.db")) as dst:
+        src.backup(dst)

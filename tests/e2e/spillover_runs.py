@@ -54,11 +54,12 @@ class Spillover:
 
     def __init__(self, prefect_api_url: str, tmp_path: Path):
         self.api_url, self.tmp_path, self.runs, self.count = prefect_api_url, tmp_path, [], itertools.count(1)
+        self.prefect_home = tmp_path / "prefect-home"  # every run's PREFECT_HOME (an ephemeral server's database)
 
     def env(self, ephemeral_prefect: bool = False, **extra) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_ADDRESS", "AWS_",
                                                                           "SPILLOVER_"))}
-        env.update(PREFECT_HOME=str(self.tmp_path / "prefect-home"), SPILLOVER_TEST_HOOKS="kill_hook",
+        env.update(PREFECT_HOME=str(self.prefect_home), SPILLOVER_TEST_HOOKS="kill_hook",
                    PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1]),
                                                env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         if not ephemeral_prefect:

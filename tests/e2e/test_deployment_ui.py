@@ -15,17 +15,17 @@ import json
 import os
 import secrets
 import shutil
-import sqlite3
 import subprocess
 import sys
 import time
-from contextlib import ExitStack, closing, contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
 from flows.report import PLOTS
+from fixtures_prefect import copy_migrated_database
 from processes import free_port, running, wait_http
 from small_run import SMALL_RUN
 
@@ -75,14 +75,6 @@ def _flow_run(api: httpx.Client, run_id: str) -> dict:
 
 def _artifacts(api: httpx.Client, flow_run_ids: list[str]) -> list[dict]:
     return api.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": flow_run_ids}}}).json()
-
-
-def copy_migrated_database(source: Path, prefect_home: Path) -> None:
-    """A consistent copy (SQLite's backup API; the source server keeps running) of a database this Prefect version
-    has migrated, where `prefect server start` looks for its own (PREFECT_HOME/prefect.db)."""
-    prefect_home.mkdir(parents=True, exist_ok=True)
-    with closing(sqlite3.connect(source)) as src, closing(sqlite3.connect(prefect_home / "prefect.db")) as dst:
-        src.backup(dst)
 
 
 def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(ray_session, prefect_harness, tmp_path):
