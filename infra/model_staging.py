@@ -105,7 +105,8 @@ def _download(url: str, storage: StorageConfig, target: Path, expected: dict[str
 
 def stage_on_other_nodes(path: str, storage: StorageConfig) -> list[dict]:
     """A model staged here (`path`, from stage_model) staged on every other alive node of the joined Ray cluster,
-    against this copy's digests, into the same (absolute, expanded here) path. -> one {node_id, downloaded} per other node."""
+    against this copy's digests, into the same (absolute, expanded here) path. -> one {node_id, downloaded} per other
+    node."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -39,7 +39,8 @@ def backend_is_enough(tokenizer_json: dict, config: dict) -> bool:
     special = {t["content"] for t in tokenizer_json.get("added_tokens", []) if t.get("special")}
     wanted = [config.get(key) for key in SPECIAL_TOKEN_KEYS]
     wanted += list(config.get("additional_special_tokens") or config.get("extra_special_tokens") or [])
-    wanted += [t for t in (config.get("added_tokens_decoder") or {}).values() if isinstance(t, dict) and t.get("special")]
+    wanted += [t for t in (config.get("added_tokens_decoder") or {}).values()
+               if isinstance(t, dict) and t.get("special")]
     return all(_content(t) is None or _content(t) in special for t in wanted)
 
 
@@ -48,9 +49,10 @@ def load_engine_tokenizer(model_path: str | Path):
     folder = Path(model_path)
     config_file, tokenizer_file = folder / "tokenizer_config.json", folder / "tokenizer.json"
     if tokenizer_file.is_file():
+        text = tokenizer_file.read_text()  # read once: a real model's tokenizer.json is ~10 MB
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        if backend_is_enough(json.loads(tokenizer_file.read_text()), config):
-            return BackendTokenizer(Tokenizer.from_file(str(tokenizer_file)))
+        if backend_is_enough(json.loads(text), config):
+            return BackendTokenizer(Tokenizer.from_str(text))
     from infra.models import load_tokenizer
 
     return load_tokenizer(folder)

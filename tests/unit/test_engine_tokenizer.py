@@ -30,7 +30,8 @@ def bpe_folder(tmp_path: Path) -> Path:
     backend.train_from_iterator(TEXTS * 20 + ["the quick brown fox jumps over the lazy dog"] * 20,
                                 trainers.BpeTrainer(vocab_size=300, special_tokens=["<|end|>", "<|pad|>"],
                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|end|>", pad_token="<|pad|>").save_pretrained(tmp_path)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|end|>", pad_token="<|pad|>")
+    tokenizer.save_pretrained(tmp_path)
     return tmp_path
 
 
