@@ -1,6 +1,8 @@
 """Session fixture: a real S3 server (SeaweedFS `weed mini`) on 127.0.0.1 with free ports, a temporary data
 dir, an s3.json identity with random keys and one bucket; stopped with SIGTERM, then SIGKILL, even when
-tests fail. `storage_target` runs a test once against file:// and once against that server."""
+tests fail. `storage_target` runs a test once against file:// and once against that server. Tests that kill or pause
+a server (outages) get `outage_s3_server`, a second one: background runs (tests/background.py) use the first while the
+other tests run."""
 from __future__ import annotations
 
 import re
@@ -16,6 +18,16 @@ from seaweed_server import SeaweedS3
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     server = SeaweedS3(tmp_path_factory.mktemp("seaweed"), bucket="spillover-test")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def outage_s3_server(tmp_path_factory):
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweed-outages"), bucket="spillover-test")
     server.start()
     try:
         yield server

@@ -11,3 +11,9 @@ def distinct_ones(response: str, label, **_) -> float:
     """A reward the random tiny model learns within a few iterations: the share of '1' characters in the response
     (grpo.reward_function_path=small_run.distinct_ones; tests/ is on the path of the suite's subprocesses too)."""
     return response.count("1") / max(1, len(response))
+
+
+def distinct_chars(response: str, label, **_) -> float:
+    """A reward that varies within a group (the tiny model never solves the built-in task), so that every update moves
+    the weights and a wrong resume would show in them (grpo.reward_function_path=small_run.distinct_chars)."""
+    return len(set(response)) / 16.0

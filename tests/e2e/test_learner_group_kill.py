@@ -1,6 +1,7 @@
 """A sharded learner under kill -9 (issue 12): `spillover train` with learner.world_size=2 (two FSDP ranks on gloo, joined
-to the session's Ray cluster; no KL reference, whose sharded logprobs test_learner_group.py checks: two rank starts
-less per run) SIGKILLs itself at the start of iteration 1's update;
+to the background Ray cluster: the run starts with the session as background work, tests/fixtures_early.py; no KL
+reference, whose sharded logprobs test_learner_group.py checks: two rank starts less per run) SIGKILLs itself at the
+start of iteration 1's update;
 `resume` (in process, on new ranks) finishes the run from checkpoint 0, whose weights and AdamW state are the two
 ranks' slices. The end equals an uninterrupted world_size 2 run bit for bit (metrics rows, and every tensor of the
 final checkpoint put back together); that run reuses the resumed run's two ranks, reset (flows/parts.py), so the
@@ -16,8 +17,7 @@ import signal
 import pytest
 import torch
 from small_run import SMALL_RUN
-from spillover_runs import (ROUTER, assert_joined_runs_left_nothing, metrics_rows,  # noqa: F401
-                            spillover, watch_until_gone)  # (fixtures)
+from spillover_runs import ROUTER, assert_joined_runs_left_nothing, metrics_rows
 
 ITERATIONS = 4
 SHARDED = ["learner.world_size=2", "grpo.kl_coef=0", "optimizer.lr=0.01",
@@ -40,23 +40,23 @@ def final_policy(run_dir) -> tuple[int, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.slow  # ~50 s: three runs, each starting a sharded learner group
-@pytest.mark.timeout(500)
-def test_kill_9_at_a_sharded_update_then_resume_equals_the_uninterrupted_run(spillover, prefect_harness, ray_session,
-                                                                            warm_parts, tmp_path):
+@pytest.mark.early("sharded_killed_run")
+@pytest.mark.timeout(900)
+def test_kill_9_at_a_sharded_update_then_resume_equals_the_uninterrupted_run(sharded_killed_run, background,
+                                                                            prefect_harness, warm_parts, tmp_path):
     from flows.setup import load_run_config
     from flows.train import grpo_train
     from infra.config import load_config
 
-    killed_dir, ref_dir = tmp_path / "killed", tmp_path / "reference"
-    ray_address = ray_session.get_runtime_context().gcs_address
-    killed = spillover.run(["train", "--config", "configs/tiny.yaml", *run_args(killed_dir),
-                            "engines.rollout_num_gpus=1"], SPILLOVER_KILL_AT="update:1", RAY_ADDRESS=ray_address)
+    spillover, killed, killed_dir = sharded_killed_run.result()
+    ref_dir = tmp_path / "reference"
     assert killed.returncode == -signal.SIGKILL and killed.saw(ROUTER), spillover.output(killed)
     written = sorted(p.name for p in (killed_dir / "checkpoints" / "ckpt-00000000" / "tensors").iterdir())
     assert written == ["policy-rank000-00000.safetensors", "policy-rank001-00000.safetensors"]  # each rank its own
     grpo_train(load_run_config(killed_dir, ["engines.rollout_num_gpus=2"]), resume=True)
     spillover.check_gone(killed)
-    assert_joined_runs_left_nothing()  # Ray ended the killed driver's job: its learner ranks are gone too
+    # Ray ended the killed driver's job: its learner ranks are gone too
+    assert_joined_runs_left_nothing(lambda: background.actors_of([killed.session]))
 
     started = warm_parts.started
     grpo_train(load_config("configs/tiny.yaml", [*run_args(ref_dir), "engines.rollout_num_gpus=2"]))

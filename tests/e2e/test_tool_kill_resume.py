@@ -10,7 +10,7 @@ Every prompt group is trained exactly once, and every trained trajectory is inta
 calculator's answer to the action before it, once, in order (a lost or repeated tool call, or a replay that went wrong,
 would show). The subprocess joins the session's Ray cluster (as test_kill_resume's joined runs): its own processes
 must all be gone, and so must every actor it created (the helpers and leftover checks of
-tests/e2e/spillover_runs.py)."""
+tests/spillover_runs.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +19,7 @@ import signal
 import numpy as np
 import pytest
 from small_run import SMALL_RUN
-from spillover_runs import (ROUTER, assert_joined_runs_left_nothing, metrics_rows,  # noqa: F401
-                              spillover, watch_until_gone)  # (fixtures)
+from spillover_runs import ROUTER, assert_joined_runs_left_nothing, metrics_rows
 
 from rollout.calculator import CalculatorEnv
 from rollout.tools_env import observation_tokens, split_actions
@@ -68,7 +67,7 @@ def assert_trajectory_intact(sample, tokenizer, stops: list[str], cap: int, max_
 
 
 @pytest.mark.timeout(400)
-def test_kill_9_inside_a_tool_call_then_resume(spillover, prefect_harness, ray_session, warm_parts,  # noqa: F811
+def test_kill_9_inside_a_tool_call_then_resume(spillover, prefect_harness, ray_session, warm_parts,
                                                tmp_path):
     from flows.setup import load_run_config
     from flows.train import grpo_train

@@ -236,20 +236,20 @@ def _outage_store(s3_server, name, waits: SkippedWaits, deadline_s, timeout_s=(1
     return store
 
 
-def test_s3_down_past_the_deadline_fails_and_the_half_checkpoint_is_ignored(s3_server):
+def test_s3_down_past_the_deadline_fails_and_the_half_checkpoint_is_ignored(outage_s3_server):
     waits = SkippedWaits()
-    store = _outage_store(s3_server, "outage-deadline", waits, deadline_s=2)
+    store = _outage_store(outage_s3_server, "outage-deadline", waits, deadline_s=2)
     save_checkpoint(store, CheckpointState(1, {"policy": _BIG}, {}, {"v": 1}))
 
     def outage():
         waits.outage_on = True
-        s3_server.kill()
+        outage_s3_server.kill()
     _outage_after(store, 3, outage)
     try:
         with pytest.raises(StorageUnreachable, match="ckpt-00000002") as err:
             save_checkpoint(store, CheckpointState(2, {"policy": _BIG}, {}, {"v": 2}), max_object_bytes=300_000)
     finally:
-        s3_server.start()
+        outage_s3_server.start()
     failed_for, attempts = re.search(r"kept failing for (\d+\.\d) s \((\d+) attempts\)", str(err.value)).groups()
     assert float(failed_for) >= 2 and int(attempts) >= 3  # it backed off until the (skipped-wait) deadline
     assert [(i.iteration, i.complete) for i in list_checkpoints(store)] == [(1, True), (2, False)]
@@ -257,14 +257,15 @@ def test_s3_down_past_the_deadline_fails_and_the_half_checkpoint_is_ignored(s3_s
 
 
 @pytest.mark.parametrize("how", ["killed", "paused"])
-def test_s3_down_during_write_retries_with_backoff(s3_server, how, caplog):
+def test_s3_down_during_write_retries_with_backoff(outage_s3_server, how, caplog):
     """weed SIGKILLed (connection refused) or SIGSTOPped (timeouts) mid-checkpoint; it comes back once one
     object's write has failed 4 times with growing waits (skipped, see SkippedWaits), and the checkpoint
     completes."""
-    stop, restart = (s3_server.kill, s3_server.start) if how == "killed" else (s3_server.pause, s3_server.resume)
+    server = outage_s3_server
+    stop, restart = (server.kill, server.start) if how == "killed" else (server.pause, server.resume)
     waits = SkippedWaits(end_outage=restart, end_after=4)
     # paused: every attempt runs into the time limits, so they are short (a healthy request takes milliseconds)
-    store = _outage_store(s3_server, f"outage-{how}", waits, deadline_s=60,
+    store = _outage_store(server, f"outage-{how}", waits, deadline_s=60,
                           timeout_s=(1, 2) if how == "killed" else (0.25, 0.25))
     save_checkpoint(store, CheckpointState(1, {"policy": _BIG}, {}, {"v": 1}))
 

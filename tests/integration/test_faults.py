@@ -65,8 +65,8 @@ class Records(logging.Handler):
         self.records.append(record)
 
 
-def test_s3_down_during_two_checkpoint_writes_the_run_goes_on(prefect_harness, ray_session, warm_parts, s3_server,
-                                                               monkeypatch, tmp_path):
+def test_s3_down_during_two_checkpoint_writes_the_run_goes_on(prefect_harness, ray_session, warm_parts,
+                                                               outage_s3_server, monkeypatch, tmp_path):
     """One run, two outages of OUTAGE_S each, after the first object of a checkpoint: iteration 1's
     checkpoint meets a killed server (restarted on the same ports), iteration 2's a paused one."""
     import tasks.checkpoint as checkpoint_task
@@ -74,11 +74,12 @@ def test_s3_down_during_two_checkpoint_writes_the_run_goes_on(prefect_harness, r
     from infra.storage import open_store
     from flows.train import grpo_train
 
-    url = s3_server.url(f"faults-{uuid.uuid4().hex[:8]}")
+    url = outage_s3_server.url(f"faults-{uuid.uuid4().hex[:8]}")
     cfg = small_config(tmp_path / "run", iterations=3, **{
-        "storage.url": url, "storage.endpoint_url": s3_server.endpoint_url, "storage.region": "us-east-1",
-        "storage.access_key_id": s3_server.access_key, "storage.secret_access_key": s3_server.secret_key})
-    outages = {1: (s3_server.kill, s3_server.start), 2: (s3_server.pause, s3_server.resume)}
+        "storage.url": url, "storage.endpoint_url": outage_s3_server.endpoint_url, "storage.region": "us-east-1",
+        "storage.access_key_id": outage_s3_server.access_key, "storage.secret_access_key": outage_s3_server.secret_key})
+    server = outage_s3_server
+    outages = {1: (server.kill, server.start), 2: (server.pause, server.resume)}
     real_save = checkpoint_task.save_checkpoint
     log: dict[int, dict] = {}
     timers: list[threading.Timer] = []
@@ -115,7 +116,7 @@ def test_s3_down_during_two_checkpoint_writes_the_run_goes_on(prefect_harness, r
         storage_log.removeHandler(caplog)
         for timer in timers:
             timer.join()
-        s3_server.start()  # a no-op when it is up
+        outage_s3_server.start()  # a no-op when it is up
     assert summary["iterations"] == 3
     got = assert_each_group_trained_once(tmp_path / "run", 3)
     for iteration in (1, 2):  # the write waited each outage out
@@ -125,8 +126,8 @@ def test_s3_down_during_two_checkpoint_writes_the_run_goes_on(prefect_harness, r
     # server accepts connections, so its requests stall and complete without a retry
     retried = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
     assert len(retried) >= 2 and all(f"{url}/ckpt-00000001/" in m for m in retried), retried
-    assert not any(s3_server.secret_key in r.getMessage() for r in caplog.records)
-    store = open_store(url, s3_server.storage_config())
+    assert not any(outage_s3_server.secret_key in r.getMessage() for r in caplog.records)
+    store = open_store(url, outage_s3_server.storage_config())
     assert [(c.iteration, c.complete) for c in list_checkpoints(store)] == [(1, True), (2, True)]
     for iteration in (1, 2):  # both checkpoints written through an outage verify
         assert load_checkpoint(store, iteration).meta["next_iteration"] == iteration + 1

@@ -1,58 +1,32 @@
 """Engine placement on a two-node Ray cluster on this machine (`ray.cluster_utils.Cluster`).
 
-The cluster runs in a child process (this file run as a script): a Ray driver can join only one cluster,
-and the session's Ray is already joined. The child sets the loopback variable before importing Ray and
-uses a private RAY_TMPDIR, so the cluster's address file never points another process's `ray.init()`
-at it. Each node offers 2 logical CPUs; a CPU engine slot (bundle) takes 1, so a node holds 2 slots.
+The cluster runs in a child process (this file run as a script, started with the session as background work:
+tests/fixtures_early.py): a Ray driver can join only one cluster, and the session's Ray is already joined. The child
+sets the loopback variable before importing Ray and uses a private RAY_TMPDIR, so the cluster's address file never
+points another process's `ray.init()` at it. Each node offers 2 logical CPUs; a CPU engine slot (bundle) takes 1, so
+a node holds 2 slots.
 
-Checks: PACK keeps two engines on one node, STRICT_SPREAD (via create_rollout_engines, serving) puts them
-on different nodes, a 4-slot engine
-spans both nodes and only its node-0 actor serves and is registered with the router, generation goes
-through, an s3:// model is staged on both nodes (issue 12) and a STRICT_SPREAD world_size 2 learner group
-trains on it, and every listening socket of the cluster (Ray, engines, router, learners) is on loopback.
+Checks: PACK keeps two engines on one node, STRICT_SPREAD (via create_rollout_engines, serving) puts them on different
+nodes, a 4-slot engine spans both nodes and only its node-0 actor serves and is registered with the router, generation
+goes through, an s3:// model is staged on both nodes (issue 12) and a STRICT_SPREAD world_size 2 learner group trains
+on it, and every listening socket of the cluster (Ray, engines, router, learners) is on loopback.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.early("placement_child")  # the child runs in the background (tests/fixtures_early.py)
 
 
 @pytest.fixture(scope="module")
-def placement_report(tiny_model_dir, s3_server, tmp_path_factory):
-    from infra.storage import open_store
-
-    s3_url, storage = s3_server.url("models/placement"), s3_server.storage_config()
-    store = open_store(s3_url, storage)
-    for f in sorted(Path(tiny_model_dir).iterdir()):
-        store.put_bytes(f.name, f.read_bytes())
-    staging = {"url": s3_url, "endpoint_url": storage.endpoint_url,
-               "cache_dir": str(tmp_path_factory.mktemp("model-cache"))}
-    tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's unix socket paths live under it
-    env = {**os.environ, "RAY_TMPDIR": tmp, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "RAY_ADDRESS": "",
-           "AWS_ACCESS_KEY_ID": storage.access_key_id.get_secret_value(),  # the nodes' workers inherit them
-           "AWS_SECRET_ACCESS_KEY": storage.secret_access_key.get_secret_value()}
-    proc = subprocess.Popen([sys.executable, __file__, str(tiny_model_dir), json.dumps(staging)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, f"placement child failed ({proc.returncode}):\n{err[-4000:]}"
-    return json.loads(lines[-1])
+def placement_report(placement_child) -> dict:
+    return placement_child.result()
 
 
 @pytest.mark.slow
@@ -171,6 +145,7 @@ def _child(model_dir: str, staging: dict) -> dict:
     from infra.config import EnginesConfig
     import httpx
 
+    from background import lower_priority
     from rollout.engine_pool import EnginePool, create_rollout_engines
     from rollout.manager import RolloutManager
 
@@ -180,6 +155,7 @@ def _child(model_dir: str, staging: dict) -> dict:
         cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
+        lower_priority(os.getpid())  # background work (tests/background.py), once the nodes are up
         report: dict = {"gcs_address": cluster.address,
                         "node_ips": sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])}
         one_slot = EnginesConfig(rollout_num_gpus=2, gpus_per_engine=1, num_cpus_per_engine=1, max_running_requests=4)

@@ -191,18 +191,19 @@ def test_only_transient_errors_are_retried():
     assert len(calls) == 3 and clock.sleeps == []  # one attempt each, no wait
 
 
-def test_a_hung_server_cannot_block_a_call_forever(s3_server):
+def test_a_hung_server_cannot_block_a_call_forever(outage_s3_server):
     """SIGSTOPped server: the request body fills the socket buffers and botocore's read timeout never
     starts; the per-call time limit must end the attempt so the deadline can fail it."""
-    store = open_store(s3_server.url("hung"), s3_server.storage_config(), connect_timeout_s=0.5, read_timeout_s=0.5,
+    store = open_store(outage_s3_server.url("hung"), outage_s3_server.storage_config(), connect_timeout_s=0.5,
+                       read_timeout_s=0.5,
                        retry=RetryPolicy(deadline_s=1, first_backoff_s=0.1))  # one attempt: its limit is ~2 s
-    s3_server.pause()
+    outage_s3_server.pause()
     start = time.monotonic()
     try:
         with pytest.raises(StorageUnreachable, match="hung/big"):
             store.put_bytes("big", b"x" * (8 << 20))
     finally:
-        s3_server.resume()
+        outage_s3_server.resume()
     assert time.monotonic() - start < 12
     store.put_bytes("big", b"ok")  # and it works again once the server runs
 

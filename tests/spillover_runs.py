@@ -8,7 +8,10 @@ gone within LEFTOVER_GRACE_S -- except Ray's dashboard and runtime-env agents af
 raylet's death at once, then block for Ray's hard-coded 60 s trying to report it to the (dead) GCS, and exit; they
 must be gone within AGENT_GRACE_S of the kill (`watch_until_gone`, in the background while the suite goes on;
 whatever is still there at a deadline is SIGKILLed and fails the suite). Runs that join the session's Ray cluster
-(RAY_ADDRESS) leave actors in it instead: `assert_joined_runs_left_nothing` reads them from the GCS."""
+(RAY_ADDRESS) leave actors in it instead: `assert_joined_runs_left_nothing` reads them from the GCS.
+
+A pytest plugin (tests/conftest.py): the background runs' fixtures (tests/fixtures_early.py) use its fixtures too.
+`Spillover(..., nice=True)` starts its runs at a low CPU priority (tests/background.py)."""
 from __future__ import annotations
 
 import itertools
@@ -22,9 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from background import start_background
 from run_processes import reap, session_processes, wait_until_gone
 
-REPO = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 BIN = Path(sys.executable).parent
 LEFTOVER_GRACE_S = 30.0
 AGENT_GRACE_S = 90.0
@@ -52,27 +57,31 @@ class Spillover:
     """Runs `spillover ...` subprocesses, each leading its own session; `check_gone` / `reap` find their
     processes by that session."""
 
-    def __init__(self, prefect_api_url: str, tmp_path: Path):
+    def __init__(self, prefect_api_url: str, tmp_path: Path, nice: bool = False):
         self.api_url, self.tmp_path, self.runs, self.count = prefect_api_url, tmp_path, [], itertools.count(1)
+        self.nice = nice
+        tmp_path.mkdir(parents=True, exist_ok=True)
         self.prefect_home = tmp_path / "prefect-home"  # every run's PREFECT_HOME (an ephemeral server's database)
 
     def env(self, ephemeral_prefect: bool = False, **extra) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_ADDRESS", "AWS_",
                                                                           "SPILLOVER_"))}
         env.update(PREFECT_HOME=str(self.prefect_home), SPILLOVER_TEST_HOOKS="kill_hook",
-                   PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1]),
+                   PYTHONPATH=os.pathsep.join([str(TESTS / "e2e"), str(TESTS),
                                                env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         if not ephemeral_prefect:
             env["PREFECT_API_URL"] = self.api_url
         env.update({k: str(v) for k, v in extra.items()})
         return env
 
-    def run(self, args: list[str], timeout_s: float = 600, ephemeral_prefect: bool = False, **env_extra) -> Run:
+    def run(self, args: list[str], timeout_s: float = 600, ephemeral_prefect: bool = False, nice: bool | None = None,
+            **env_extra) -> Run:
         run = Run(args, self.tmp_path / f"spillover-{next(self.count)}-{args[0]}.log")
         self.runs.append(run)
         with open(run.log, "wb") as out:
-            proc = subprocess.Popen([str(BIN / "spillover"), *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                    env=self.env(ephemeral_prefect, **env_extra), start_new_session=True)
+            proc = start_background([str(BIN / "spillover"), *args], lower=self.nice if nice is None else nice,
+                                    cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                    env=self.env(ephemeral_prefect, **env_extra))
         run.session = proc.pid
         deadline = time.monotonic() + timeout_s
         while proc.poll() is None:  # record the session's processes while it is alive (it may kill itself)
@@ -145,16 +154,17 @@ def other_jobs_actors() -> list[dict]:
     return [a for a in actors().values() if a["JobID"] != mine]
 
 
-def assert_joined_runs_left_nothing(grace_s: float = LEFTOVER_GRACE_S) -> None:
-    """Every actor the joined runs created is dead and its worker process gone within grace_s: Ray ends a
+def assert_joined_runs_left_nothing(list_actors=other_jobs_actors, grace_s: float = LEFTOVER_GRACE_S) -> None:
+    """Every actor the joined runs created (list_actors: those of the session's cluster by default; for background
+    runs, `lambda: background.actors_of(pids)`) is dead and its worker process gone within grace_s: Ray ends a
     driver's job when the driver dies (SIGKILL included) and kills the job's actors."""
     deadline = time.monotonic() + grace_s
     while True:
-        seen = other_jobs_actors()
+        seen = list_actors()
         left = [(a["ActorClassName"], a["State"], a["Pid"]) for a in seen
                 if a["State"] != "DEAD" or (a["Pid"] > 0 and Path(f"/proc/{a['Pid']}").exists())]
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert seen, "no run joined the session's Ray cluster"
+    assert seen, "no run joined the Ray cluster"
     assert left == [], f"actors of ended runs still alive {grace_s:.0f} s later: {left}"

@@ -1,0 +1,84 @@
+"""Session fixtures of background work (tests/background.py): each submits a test's subprocess runs when the session
+starts and returns their future; the test (`@pytest.mark.early("<fixture>")`, run last) waits for it.
+
+The test-side helpers are imported when the fixture runs: their folders (tests/e2e) are on sys.path once pytest has
+collected them, and a fixture is only set up for a collected test that names it."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from background import start_background
+from spillover_runs import Spillover
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def kill_chain_runs(background, s3_server, prefect_harness, watch_until_gone, tmp_path_factory):
+    """tests/e2e/test_kill_resume.py's two kill -9 chains."""
+    from kill_chains import start_kill_chains
+
+    return start_kill_chains(background, s3_server, prefect_harness, watch_until_gone,
+                             tmp_path_factory.mktemp("kill-chains"))
+
+
+@pytest.fixture(scope="session")
+def sharded_killed_run(background, prefect_harness, watch_until_gone, tmp_path_factory):
+    """tests/e2e/test_learner_group_kill.py's `spillover train` (learner.world_size=2) SIGKILLed at iteration 1's
+    update -> (its runner, the run, its run_dir)."""
+    from test_learner_group_kill import run_args
+
+    tmp = tmp_path_factory.mktemp("sharded-kill")
+    spillover, run_dir = Spillover(prefect_harness.api_url, tmp, nice=True), tmp / "killed"
+
+    def job():
+        args = ["train", "--config", "configs/tiny.yaml", *run_args(run_dir), "engines.rollout_num_gpus=1"]
+        run = spillover.run(args, SPILLOVER_KILL_AT="update:1", RAY_ADDRESS=background.ray_address())
+        watch_until_gone(run)
+        return spillover, run, run_dir
+
+    return background.submit(job)
+
+
+@pytest.fixture(scope="session")
+def placement_child(background, tiny_model_dir, s3_server, tmp_path_factory):
+    """tests/integration/test_placement.py run as a script: its two-node Ray cluster's report (a dict)."""
+    from infra.storage import open_store
+
+    s3_url, storage = s3_server.url("models/placement"), s3_server.storage_config()
+    store = open_store(s3_url, storage)
+    for f in sorted(Path(tiny_model_dir).iterdir()):
+        store.put_bytes(f.name, f.read_bytes())
+    staging = {"url": s3_url, "endpoint_url": storage.endpoint_url,
+               "cache_dir": str(tmp_path_factory.mktemp("model-cache"))}
+    env = {**os.environ, "PYTHONPATH": f"{TESTS.parent}{os.pathsep}{TESTS}", "RAY_ADDRESS": "",
+           "AWS_ACCESS_KEY_ID": storage.access_key_id.get_secret_value(),  # the nodes' workers inherit them
+           "AWS_SECRET_ACCESS_KEY": storage.secret_access_key.get_secret_value()}
+    script = TESTS / "integration" / "test_placement.py"
+
+    def job() -> dict:
+        tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's unix socket paths live under it
+        proc = start_background([sys.executable, str(script), str(tiny_model_dir), json.dumps(staging)], lower=False,
+                                cwd=TESTS.parent, env={**env, "RAY_TMPDIR": tmp}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        assert proc.returncode == 0 and lines, f"placement child failed ({proc.returncode}):\n{err[-4000:]}"
+        return json.loads(lines[-1])
+
+    return background.submit(job)
