@@ -59,6 +59,7 @@ class BackgroundWork:
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="background")
+        self.stopping = threading.Event()  # set when the session ends: jobs stop between runs (e.g. after `pytest -x`)
         self._lock = threading.Lock()
         self._ray: subprocess.Popen | None = None
         self._ray_tmp = ""
@@ -90,7 +91,8 @@ class BackgroundWork:
             return json.loads(self._ray.stdout.readline())
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self.stopping.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
         if self._ray is not None:
             self._ray.stdin.close()
             try:

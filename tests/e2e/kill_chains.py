@@ -37,16 +37,19 @@ def assert_checkpoints(url: str, expected: list[tuple[int, bool]], storage_cfg=N
 
 def kill_chain(spillover: Spillover, run_dir: Path, url: str, storage_cfg, first_args: list[str],
                kills: list[tuple[str, list[tuple[int, bool]]]], ray_address: str, own_ray: tuple[int, ...] = (),
-               ephemeral_link: int | None = None, migrated_db: Path | None = None, **env) -> None:
+               ephemeral_link: int | None = None, migrated_db: Path | None = None, stopping=None, **env) -> None:
     """`train` (first_args) killed at kills[0], then `resume` killed at each further point, then a `resume` that
     finishes; after each kill, the checkpoints at url are the given (iteration, complete) list. Links numbered
     in own_ray (-1: the last, finishing one) start their own local Ray; the others join ray_address. The
     ephemeral link's Prefect server starts on a copy of migrated_db (an empty database costs ~100 migrations,
-    ~8 s on 2 cores; what is checked is that the server dies with the run)."""
+    ~8 s on 2 cores; what is checked is that the server dies with the run). `stopping` (an Event) ends the chain
+    before its next link."""
     previous = None
     links = [*kills, (None, [(1, True), (2, True)])]
     own_ray = {link % len(links) for link in own_ray}
     for link, (kill_at, left_behind) in enumerate(links):
+        if stopping is not None and stopping.is_set():
+            raise RuntimeError(f"the session ended before the chain's link {link}")
         args = first_args if link == 0 else ["resume", str(run_dir)]
         last = link == len(links) - 1
         ray = {} if link in own_ray else {"RAY_ADDRESS": ray_address}
@@ -101,7 +104,7 @@ def start_kill_chains(background, s3_server, prefect_harness, watch, tmp: Path) 
 
     def chain(spillover: Spillover, *args, **kwargs) -> None:
         try:
-            kill_chain(spillover, *args, ray_address=background.ray_address(), **kwargs)
+            kill_chain(spillover, *args, ray_address=background.ray_address(), stopping=background.stopping, **kwargs)
         finally:
             for run in spillover.runs:
                 watch(run)
