@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from run_processes import reap
 
 NICE = 19
 TESTS = Path(__file__).resolve().parent
@@ -94,13 +96,14 @@ class BackgroundWork:
         self.stopping.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._ray is not None:
-            self._ray.stdin.close()
+            self._ray.stdin.close()  # the helper shuts its Ray down
             try:
                 self._ray.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                self._ray.kill()
-                self._ray.wait()
-            subprocess.run(["rm", "-rf", self._ray_tmp], check=False)
+                pass
+            reap([self._ray.pid])  # whatever of its session is still there (nothing, when it shut down cleanly)
+            self._ray.wait()
+            shutil.rmtree(self._ray_tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -21,15 +21,19 @@ def test_ray_actor_joins_the_driver_run_offline(ray_session, tmp_path):
             return out
 
     driver = wandb_shared.start_driver_run(tmp_path, "offline", "spillover", name="driver")
+    actor = MetricsActor.remote()
     try:
-        wandb_shared.log_at_iteration(driver, {"rollout/reward_mean": 0.5}, 0)
-        actor = MetricsActor.remote()
-        run_id, label = ray.get(actor.log.remote(driver.id, str(tmp_path)), timeout=120)
-        ray.kill(actor)
+        try:
+            wandb_shared.log_at_iteration(driver, {"rollout/reward_mean": 0.5}, 0)
+            run_id, label = ray.get(actor.log.remote(driver.id, str(tmp_path)), timeout=120)
+        finally:
+            wandb_shared.finish(driver)
+        assert (run_id, label) == (driver.id, "learner")
+        segments = read_segments(tmp_path, 2)
     finally:
-        wandb_shared.finish(driver)
-    assert (run_id, label) == (driver.id, "learner")
-    segments = read_segments(tmp_path, 2)
+        # only once its segment is read to the end: wandb's writer may still be busy after run.finish() returns, and
+        # it dies with the actor's process (a kill right after finish() once left a segment without its run record)
+        ray.kill(actor)
     assert [s["run_id"] for s in segments] == [driver.id, driver.id]  # one run id, two writers
     actor_rows = [(h["iteration"], h["train/actor_grad_norm"]) for s in segments for h in s["history"]
                   if "train/actor_grad_norm" in h]
