@@ -55,6 +55,19 @@ def start_background(args: list[str], lower: bool = True, **popen_kwargs) -> sub
     return proc
 
 
+def run_background(args: list[str], timeout_s: float, lower: bool = True, **popen_kwargs) -> tuple[int, str, str]:
+    """start_background(args), then wait for it -> (returncode, stdout, stderr); on timeout its whole session is
+    SIGKILLed (returncode -9)."""
+    proc = start_background(args, lower=lower, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **popen_kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        reap([proc.pid])
+        out, err = proc.communicate()
+    return proc.returncode, out, err
+
+
 class BackgroundWork:
     """Two worker threads for the background jobs (each job runs subprocesses one after the other: two at a time keep
     the spare CPU busy without holding the memory of more), and the background Ray cluster, started on first use."""

@@ -8,15 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from background import start_background
+from background import run_background
 from spillover_runs import Spillover
 
 TESTS = Path(__file__).resolve().parent
@@ -67,18 +65,23 @@ def placement_child(background, tiny_model_dir, s3_server, tmp_path_factory):
 
     def job() -> dict:
         tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's unix socket paths live under it
-        proc = start_background([sys.executable, str(script), str(tiny_model_dir), json.dumps(staging)], lower=False,
-                                cwd=TESTS.parent, env={**env, "RAY_TMPDIR": tmp}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        try:
-            out, err = proc.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+        try:  # the child lowers its priority once its nodes are up (tests/background.py: Ray's 30 s)
+            code, out, err = run_background([sys.executable, str(script), str(tiny_model_dir), json.dumps(staging)],
+                                            600, lower=False, cwd=TESTS.parent, env={**env, "RAY_TMPDIR": tmp})
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         lines = [line for line in out.splitlines() if line.startswith("{")]
-        assert proc.returncode == 0 and lines, f"placement child failed ({proc.returncode}):\n{err[-4000:]}"
+        assert code == 0 and lines, f"placement child failed ({code}):\n{err[-4000:]}"
         return json.loads(lines[-1])
 
     return background.submit(job)
+
+
+@pytest.fixture(scope="session")
+def gpu_smoke_dry_run(background):
+    """tests/integration/test_colocate.py's bench/gpu_smoke.py on CPU -> (returncode, stdout, stderr)."""
+    from test_colocate import GPU_SMOKE_CPU_ARGS, WITHOUT_RAY_OR_PREFECT
+
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    return background.submit(run_background, [sys.executable, "-c", WITHOUT_RAY_OR_PREFECT, *GPU_SMOKE_CPU_ARGS], 300,
+                             cwd=TESTS.parent, env=env)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -106,18 +104,17 @@ main(sys.argv[1:])
 """
 
 
-def test_gpu_smoke_dry_run_on_cpu(tmp_path):
+GPU_SMOKE_CPU_ARGS = ["--device", "cpu", "--batch", "4", "--max-new", "8", "--bucket-mb", "0.02", "--learner-samples",
+                      "8", "--learner-tokens", "24"]
+
+
+@pytest.mark.early("gpu_smoke_dry_run")  # a subprocess: it runs in the background (tests/fixtures_early.py)
+def test_gpu_smoke_dry_run_on_cpu(gpu_smoke_dry_run):
     """bench/gpu_smoke.py (the colocated engine, the learner, max_split 1 vs 4; for the GPU machine) on CPU, in a
     process where Ray, Prefect and the other packages that machine lacks cannot be imported, so it cannot rot."""
-    import subprocess
-
-    repo = Path(__file__).resolve().parents[2]
-    args = ["--device", "cpu", "--batch", "4", "--max-new", "8", "--bucket-mb", "0.02", "--learner-samples", "8",
-            "--learner-tokens", "24"]
-    done = subprocess.run([sys.executable, "-c", WITHOUT_RAY_OR_PREFECT, *args], cwd=repo, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(repo)})
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    code, stdout, stderr = gpu_smoke_dry_run.result()
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert code == 0 and lines, stderr[-3000:]
     out = json.loads(lines[-1])
     assert out["buckets"] > 1 and out["weights_equal"] == [True, True, True]
     assert out["released_to_zero"] and out["engine_held_mb"] > 0 and out["greedy_changed"]
