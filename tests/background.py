@@ -13,11 +13,11 @@ gives a raylet 30 s to register (hard-coded), which a starved start can miss, so
 priority and lower it afterwards (the background cluster, the placement cluster) or keep it (a run that starts its own
 Ray).
 
-A test marked `@pytest.mark.early("fixture")` names a session fixture (defined in a plugin, so that it is visible from
-here) that only submits its work (`background.submit`) and returns the future; it is set up before the first test, and
-the test, moved to the end of the session, waits for the result. Runs that would join a Ray cluster join the background
-one (`background.ray_address()`, tests/background_ray.py): Ray starts its workers with the raylet's priority, and the
-session's cluster is not niced."""
+A test marked `@pytest.mark.early("fixture", cpu_s=N)` names a session fixture (defined in a plugin, so that it is
+visible from here) that only submits its work (`background.submit`) and returns the future; it is set up before the
+first test, and the test, moved to the end of the session, waits for the result. Runs that would join a Ray cluster join
+the background one (`background.ray_address()`, tests/background_ray.py): Ray starts its workers with the raylet's
+priority, and the session's cluster is not niced."""
 from __future__ import annotations
 
 import json
@@ -130,15 +130,16 @@ def background():
 
 @pytest.fixture(scope="session", autouse=True)
 def start_early_work(request):
-    """Set up, before the first test, the fixtures that the session's `early` tests name."""
-    names = dict.fromkeys(m.args[0] for item in request.session.items for m in item.iter_markers("early"))
-    for name in names:
+    """Set up, before the first test, the fixtures that the session's `early` tests name: the most CPU first (their
+    `cpu_s`), so that the short jobs, not a long one, are what is left when the other tests are done."""
+    cpu_s = {m.args[0]: m.kwargs.get("cpu_s", 0) for item in request.session.items for m in item.iter_markers("early")}
+    for name in sorted(cpu_s, key=cpu_s.get, reverse=True):
         request.getfixturevalue(name)
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "early(fixture): the fixture's background work starts with the session; "
-                                       "the test runs last (tests/background.py)")
+    config.addinivalue_line("markers", "early(fixture, cpu_s=0): the fixture's background work (about cpu_s CPU "
+                                       "seconds) starts with the session; the test runs last (tests/background.py)")
 
 
 def pytest_collection_modifyitems(items):

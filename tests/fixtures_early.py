@@ -1,5 +1,5 @@
 """Session fixtures of background work (tests/background.py): each submits a test's subprocess runs when the session
-starts and returns their future; the test (`@pytest.mark.early("<fixture>")`, run last) waits for it.
+starts and returns their future; the test (`@pytest.mark.early("<fixture>", cpu_s=N)`, run last) waits for it.
 
 The test-side helpers are imported when the fixture runs: their folders (tests/e2e) are on sys.path once pytest has
 collected them, and a fixture is only set up for a collected test that names it."""

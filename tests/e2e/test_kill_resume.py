@@ -85,7 +85,7 @@ def run_reference(ref_dir: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.early("kill_chain_runs")
+@pytest.mark.early("kill_chain_runs", cpu_s=150)
 @pytest.mark.timeout(1500)
 def test_kill_9_at_every_point_then_resume_matches_uninterrupted_and_leaks_nothing(
         kill_chain_runs, background, s3_server, prefect_harness, warm_parts, tmp_path):

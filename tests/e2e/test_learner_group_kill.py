@@ -40,7 +40,7 @@ def final_policy(run_dir) -> tuple[int, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.slow  # ~50 s: three runs, each starting a sharded learner group
-@pytest.mark.early("sharded_killed_run")
+@pytest.mark.early("sharded_killed_run", cpu_s=15)
 @pytest.mark.timeout(900)
 def test_kill_9_at_a_sharded_update_then_resume_equals_the_uninterrupted_run(sharded_killed_run, background,
                                                                             prefect_harness, warm_parts, tmp_path):

@@ -108,7 +108,7 @@ GPU_SMOKE_CPU_ARGS = ["--device", "cpu", "--batch", "4", "--max-new", "8", "--bu
                       "8", "--learner-tokens", "24"]
 
 
-@pytest.mark.early("gpu_smoke_dry_run")  # a subprocess: it runs in the background (tests/fixtures_early.py)
+@pytest.mark.early("gpu_smoke_dry_run", cpu_s=10)  # a subprocess: it runs in the background
 def test_gpu_smoke_dry_run_on_cpu(gpu_smoke_dry_run):
     """bench/gpu_smoke.py (the colocated engine, the learner, max_split 1 vs 4; for the GPU machine) on CPU, in a
     process where Ray, Prefect and the other packages that machine lacks cannot be imported, so it cannot rot."""

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.early("placement_child")  # the child runs in the background (tests/fixtures_early.py)
+# the child runs in the background (tests/fixtures_early.py)
+pytestmark = pytest.mark.early("placement_child", cpu_s=35)
 
 
 @pytest.fixture(scope="module")
