@@ -15,24 +15,23 @@ from infra.config import StorageConfig
 from seaweed_server import SeaweedS3
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory):
-    server = SeaweedS3(tmp_path_factory.mktemp("seaweed"), bucket="spillover-test")
+def _running_server(directory):
+    server = SeaweedS3(directory, bucket="spillover-test")
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    yield from _running_server(tmp_path_factory.mktemp("seaweed"))
 
 
 @pytest.fixture(scope="session")
 def outage_s3_server(tmp_path_factory):
-    server = SeaweedS3(tmp_path_factory.mktemp("seaweed-outages"), bucket="spillover-test")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _running_server(tmp_path_factory.mktemp("seaweed-outages"))
 
 
 @dataclass
