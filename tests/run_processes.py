@@ -12,26 +12,28 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 
 def stat_of(pid: int | str) -> tuple[str, int, int, int]:
     """(state, ppid, process group, session) of a live process, from /proc/PID/stat (the command name in
     parentheses may hold spaces: the fields are read after its closing parenthesis)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return fields[0], int(fields[1]), int(fields[2]), int(fields[3])
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3])
 
 
 def session_processes(session_id: int) -> list[tuple[int, str]]:
-    """(pid, command line) of every live process (zombies excluded) of this session."""
+    """(pid, command line) of every live process (zombies excluded) of this session. Plain reads of /proc: the
+    background runs' watchers call this twice a second for minutes."""
     found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
-            state, _, _, session = stat_of(proc.name)
+            state, _, _, session = stat_of(name)
             if session == session_id and state not in ("Z", "X"):
-                found.append((int(proc.name), (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:300]))
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    found.append((int(name), f.read().replace(b"\0", b" ").decode()[:300]))
         except (OSError, IndexError, ValueError):  # gone meanwhile
             pass
     return found
@@ -40,10 +42,10 @@ def session_processes(session_id: int) -> list[tuple[int, str]]:
 def children_of(parent_pid: int) -> list[int]:
     """Pids of the live children of a process."""
     found = []
-    for proc in Path("/proc").iterdir():
+    for name in os.listdir("/proc"):
         try:
-            if proc.name.isdigit() and stat_of(proc.name)[1] == parent_pid:
-                found.append(int(proc.name))
+            if name.isdigit() and stat_of(name)[1] == parent_pid:
+                found.append(int(name))
         except (OSError, IndexError, ValueError):
             pass
     return found
