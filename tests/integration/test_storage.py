@@ -100,6 +100,14 @@ def test_credentials_and_endpoint_from_standard_env(s3_server, monkeypatch):
     assert "EnvWrongSecret123" not in str(err.value)
 
 
+def test_stores_have_their_own_sessions_and_share_botocores_parsed_data(s3_server):
+    first, second = (open_store(s3_server.url("shared"), s3_server.storage_config()) for _ in range(2))
+    assert first.fs.session is not second.fs.session  # each its own credential chain
+    assert first.fs.session.get_component("data_loader") is second.fs.session.get_component("data_loader")
+    first.put_bytes("k", b"v")
+    assert second.get_bytes("k") == b"v"
+
+
 def test_bad_urls_are_refused_clearly(tmp_path):
     with pytest.raises(StorageError) as err:
         open_store("s3://AKID:TopSecret42@bucket/x")
