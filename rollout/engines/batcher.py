@@ -25,7 +25,9 @@ from rollout.engines.protocol import SamplingParams
 from rollout.engines.slot_runner import SlotRunner
 
 log = logging.getLogger(__name__)
-IDLE_TICK_S = 0.05
+# An idle loop wakes only to advance its heartbeat (/health_generate while paused); work wakes it at once. At 20 Hz
+# the ticks cost an idle engine ~2.5 ms of CPU per second (measured), as much as everything else it does idle.
+IDLE_TICK_S = 0.25
 ADMIT_BATCH_DIVISOR = 8
 ADMIT_MAX_WAIT_STEPS = 8
 
