@@ -25,9 +25,9 @@ def stat_of(pid: int | str) -> tuple[str, int, int, int]:
 def session_processes(session_id: int) -> list[tuple[int, str]]:
     """(pid, command line) of every live process (zombies excluded) of this session. Plain reads of /proc: the
     background runs' watchers call this twice a second for minutes."""
-    found = []
+    found, me = [], str(os.getpid())
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
+        if not name.isdigit() or name == me:
             continue
         try:
             state, _, _, session = stat_of(name)
