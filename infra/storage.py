@@ -3,7 +3,8 @@
 A URL is a plain path, `file:///abs/path`, or `s3://bucket/prefix` (s3fs; endpoint, region and credentials
 from StorageConfig or the standard AWS_* environment variables). Every call retries transient errors
 (connection refused, timeouts, 5xx) with exponential backoff under a total deadline. Credentials are never
-part of a URL, repr, log line or error message. File writes are atomic (temp file + rename).
+part of a URL, repr, log line or error message. File writes are atomic (temp file + rename); an S3 upload
+carries its sha256, so the server refuses a body that differs (storage_io.s3_put).
 """
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ class Store:
     """An fsspec filesystem and a root; keys are '/'-separated paths below the root."""
 
     def __init__(self, fs, root: str, url: str, redact: Redactor, retry: RetryPolicy, fixes: Fixes,
-                 timeout: CallTimeout | None = None):
+                 timeout: CallTimeout | None = None, send_checksums: bool = True):
         self.fs, self.root, self.url, self.retry, self.timeout = fs, root.rstrip("/"), url, retry, timeout
+        self.send_checksums = send_checksums
         self._redact, self._fixes = redact, fixes
         self.is_local = isinstance(fs, LocalFileSystem)
 
@@ -77,7 +79,7 @@ class Store:
     def _put_once(self, key: str, buffers: Sequence) -> ObjectInfo:
         if self.is_local:
             return local_put(self.path(key), buffers)
-        return s3_put(self.fs, self.path(key), buffers, self.timeout)
+        return s3_put(self.fs, self.path(key), buffers, self.timeout, self.send_checksums)
 
     # ---- reads
     def _kw(self) -> dict:
@@ -215,7 +217,8 @@ def open_store(url: str, cfg: StorageConfig | None = None, *, retry: RetryPolicy
              "storage.secret_access_key, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
         unreachable=f"start {server}, or set storage.endpoint_url (or AWS_ENDPOINT_URL_S3) to a reachable one")
     root = f"{bucket}/{prefix}" if prefix else bucket
-    return Store(fs, root, f"s3://{root}", redact, retry, fixes, CallTimeout(connect_timeout_s + read_timeout_s))
+    return Store(fs, root, f"s3://{root}", redact, retry, fixes, CallTimeout(connect_timeout_s + read_timeout_s),
+                 cfg.write_checksums)
 
 
 def _aio_session():

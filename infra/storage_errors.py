@@ -21,7 +21,9 @@ T = TypeVar("T")
 _TRANSIENT_ERRNOS = {errno.EREMOTEIO, errno.EBUSY, errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED,
                      errno.ETIMEDOUT, errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN}
 _TRANSIENT_S3_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "RequestTimeTooSkewed",
-                       "500", "502", "503", "504"}
+                       "500", "502", "503", "504",
+                       # the server got a body other than the one sent (cut or damaged on the way): send it again
+                       "BadDigest", "IncompleteBody", "XAmzContentSHA256Mismatch"}
 _TRANSIENT_TYPE_NAMES = {  # by name, so botocore/aiohttp stay optional imports here
     "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
     "ResponseStreamingError", "IncompleteReadError", "ResponseParserError", "ProxyConnectionError",

@@ -2,7 +2,9 @@
 files and for S3 (s3fs), with no retries here (Store wraps every call in them)."""
 from __future__ import annotations
 
+import base64
 import contextlib
+import errno
 import hashlib
 import mmap
 import os
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 CHUNK_BYTES = 16 << 20  # granularity of S3 ranged reads and of buffers cut for writing
+PART_BYTES = 50 << 20  # s3fs uploads a body in one PUT below 2 parts, else as a multipart upload of such parts
 WRITE_BATCH_BYTES = 4 << 20  # hashed, then written while still in the CPU cache
 IOV_BATCH = 512  # buffers per writev (Linux allows 1024)
 MMAP_MIN_BYTES = 1 << 20  # below this a copy into a fresh buffer is cheaper than mapping the file
@@ -166,22 +169,45 @@ def local_get_bytes(path: str) -> bytes:
         return f.readall()
 
 
-def s3_put(fs, path: str, buffers: Sequence, timeout: CallTimeout) -> ObjectInfo:
+def s3_put(fs, path: str, buffers: Sequence, timeout: CallTimeout, send_checksum: bool = True) -> ObjectInfo:
     """One contiguous bytes body (what botocore takes), joined in one copy without zero-filling first;
-    s3fs uploads it in parallel parts when large."""
+    s3fs uploads it in parallel parts when large.
+
+    send_checksum: a single PUT carries the body's sha256 (x-amz-checksum-sha256, hashed here anyway), so the
+    server refuses a body that differs. An attempt abandoned by its time limit can still reach the server
+    later, after the retry that succeeded: SeaweedFS stores such a request that lost its body as an empty
+    object (measured: headers queued at a paused server, client gone before the body). A multipart upload
+    names its parts' ETags when it completes instead, and loading checks every object's sha256."""
     hasher, chunks = Hasher(), chunks_of(buffers)
     for chunk in chunks:
         hasher.update(chunk)
+    info = hasher.result()
     body = buffers[0] if len(buffers) == 1 and isinstance(buffers[0], (bytes, bytearray)) else b"".join(chunks)
-    fs.pipe_file(path, body, timeout=timeout(len(body)))
-    return hasher.result()
+    extra = {}
+    if send_checksum and len(body) < 2 * PART_BYTES:
+        extra["ChecksumSHA256"] = base64.b64encode(bytes.fromhex(info.sha256)).decode()
+    fs.pipe_file(path, body, chunksize=PART_BYTES, timeout=timeout(len(body)), **extra)
+    return info
 
 
 def s3_get(fs, path: str, size: int | None, timeout: CallTimeout) -> tuple[memoryview, ObjectInfo]:
     """A view of one `bytes` object holding the object (what safetensors' load takes, without another copy),
-    fetched by ranged GETs in parallel batches and hashed in order."""
+    fetched by ranged GETs in parallel batches and hashed in order. An object shorter than `size` comes back
+    short (the caller compares sizes), also when a range starts past its end (HTTP 416)."""
     if size is None:
         size = fs.info(path, timeout=timeout())["size"]
+    try:
+        return _s3_get_sized(fs, path, size, timeout)
+    except OSError as err:
+        if err.errno != errno.EINVAL:  # s3fs's errno for InvalidRange (and for other bad requests)
+            raise
+        actual = fs.info(path, timeout=timeout())["size"]
+        if actual >= size:
+            raise
+        return _s3_get_sized(fs, path, actual, timeout)
+
+
+def _s3_get_sized(fs, path: str, size: int, timeout: CallTimeout) -> tuple[memoryview, ObjectInfo]:
     hasher = Hasher()
     if size == 0:
         fs.info(path, timeout=timeout())  # still an error when it does not exist

@@ -99,8 +99,9 @@ def _flip_bytes(store, key):
 def test_corrupt_truncated_or_missing_objects_fall_back(storage_target, model_and_opt, caplog):
     model, opt = model_and_opt
     store = open_store(storage_target.url, storage_target.cfg)
-    for it in (1, 2, 3, 4):
+    for it in (1, 2, 3, 4, 5):
         save_checkpoint(store, _state(it, model, opt, extra=it))
+    store.put_bytes("ckpt-00000005/meta.json", b"")  # on S3 a ranged read of an empty object is refused (416)
     _flip_bytes(store, "ckpt-00000004/tensors/optimizer-00000.safetensors")
     manifest = store.get_bytes("ckpt-00000003/manifest.json")
     store.put_bytes("ckpt-00000003/manifest.json", manifest[: len(manifest) // 2])
@@ -109,10 +110,11 @@ def test_corrupt_truncated_or_missing_objects_fall_back(storage_target, model_an
     got = load_latest_checkpoint(store)
     assert got.iteration == 1 and got.meta["data_cursor"]["position"] == 18
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 3
-    assert "ckpt-00000004/tensors/optimizer-00000.safetensors is corrupt" in warnings[0]
-    assert "ckpt-00000003/manifest.json is unreadable" in warnings[1]
-    assert "ckpt-00000002/arrays/dock-00000.safetensors listed in the manifest is missing" in warnings[2]
+    assert len(warnings) == 4
+    assert "ckpt-00000005/meta.json is corrupt: 0 bytes" in warnings[0]
+    assert "ckpt-00000004/tensors/optimizer-00000.safetensors is corrupt" in warnings[1]
+    assert "ckpt-00000003/manifest.json is unreadable" in warnings[2]
+    assert "ckpt-00000002/arrays/dock-00000.safetensors listed in the manifest is missing" in warnings[3]
     with pytest.raises(CheckpointError, match="corrupt"):
         load_checkpoint(store, 4)
 

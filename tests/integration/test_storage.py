@@ -6,7 +6,9 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import socket
 import time
+from urllib.parse import urlsplit
 
 import pytest
 from pydantic import SecretStr
@@ -131,6 +133,7 @@ def test_transient_classification():
     assert is_transient(EndpointConnectionError(endpoint_url="http://x"))
     assert is_transient(OSError(errno.EREMOTEIO, "InternalError"))
     assert is_transient(client_error("ServiceUnavailable", 503)) and is_transient(client_error("Weird", 502))
+    assert is_transient(client_error("BadDigest", 400)) and is_transient(client_error("IncompleteBody", 400))
     wrapped = OSError(errno.EIO, "wrapped")
     wrapped.__cause__ = ConnectionResetError()
     assert is_transient(wrapped)
@@ -216,6 +219,32 @@ def test_a_hung_server_cannot_block_a_call_forever(outage_s3_server):
     # and it works again once the server runs, under the default limits: a just-resumed server on a busy machine can
     # miss the 0.5 s connect limit above (it did once, with background work running)
     open_store(outage_s3_server.url("hung"), outage_s3_server.storage_config()).put_bytes("big", b"ok")
+
+
+def test_an_upload_that_lost_its_body_cannot_replace_the_object(outage_s3_server):
+    """A timed-out attempt can reach the server after its retry succeeded. Here our own signed PutObject request
+    reaches a paused server as headers only (the client gave up before `100 Continue`): on resume SeaweedFS
+    stored such a request as an empty object until uploads carried their sha256; now it refuses it."""
+    store = open_store(outage_s3_server.url("lost-body"), outage_s3_server.storage_config())
+    store.put_bytes("meta.json", b"old")  # connects the client, so the hook below can be registered
+    sent = []
+    store.fs.s3.meta.events.register("before-send.s3.PutObject", lambda request, **_: sent.append(request))
+    store.put_bytes("meta.json", b'{"v": 2}')
+    url = urlsplit(sent[-1].url)
+    head = f"PUT {url.path} HTTP/1.1\r\nHost: {url.netloc}\r\n" + "".join(
+        f"{k}: {v.decode() if isinstance(v, bytes) else v}\r\n" for k, v in sent[-1].headers.items()) + "\r\n"
+    assert "x-amz-checksum-sha256" in head.lower()
+    outage_s3_server.pause()
+    try:
+        with socket.create_connection((url.hostname, url.port), timeout=30) as conn:
+            conn.sendall(head.encode())
+            conn.shutdown(socket.SHUT_WR)  # gone before the body
+            outage_s3_server.resume()
+            reply = b"".join(iter(lambda: conn.recv(1 << 16), b""))  # the server answers, then closes
+    finally:
+        outage_s3_server.resume()
+    assert b"HTTP/1.1 200" not in reply, reply[-300:]
+    assert store.get_bytes("meta.json") == b'{"v": 2}'
 
 
 def test_large_local_objects_are_mapped_copy_on_write_and_verified(tmp_path):
