@@ -202,7 +202,7 @@ class StorageConfig(_Section):
     access_key_id: SecretStr | None = Field(None, description="S3 key id; empty = AWS_ACCESS_KEY_ID.")
     secret_access_key: SecretStr | None = Field(None, description="S3 secret; empty = AWS_SECRET_ACCESS_KEY.")
     write_checksums: bool = Field(True, description="Send each object's sha256 with its upload (x-amz-checksum-sha256; "
-                                  "objects under 100 MiB) so the server refuses a body that differs, e.g. a timed-out "
+                                  "objects under 320 MiB) so the server refuses a body that differs, e.g. a timed-out "
                                   "attempt arriving after its retry; false only for a server that rejects the header.")
     checkpoint_interval: int = Field(1, ge=1, description="Checkpoint every k iterations.")
     keep_checkpoints: int = Field(2, ge=1, description="Verified checkpoints kept; older ones are pruned.")
