@@ -1,0 +1,20 @@
+"""docs/config.md is generated from the config models: it must list every field as the models define it today."""
+from pathlib import Path
+
+from infra.config import RunConfig
+from infra.config_reference import render_reference
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+
+
+def test_the_committed_reference_is_current():
+    assert PAGE.read_text() == render_reference(), (
+        "docs/config.md is out of date: run `python -m infra.config_reference > docs/config.md`")
+
+
+def test_every_field_is_listed_with_its_default():
+    page = render_reference()
+    assert f"| `rollout.max_split` | int | `{RunConfig().rollout.max_split}` |" in page
+    for name, field in RunConfig.model_fields["rollout"].annotation.model_fields.items():
+        assert f"`rollout.{name}`" in page
+    assert f"| `optimizer.lr` | float | `{RunConfig().optimizer.lr}` |" in page
