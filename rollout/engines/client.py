@@ -44,6 +44,8 @@ def _error_message(raw: bytes) -> str:
         err = body.get("error")
         if isinstance(err, dict):
             return str(err.get("message", body))
+        if isinstance(err, str):  # SGLang's /generate gate: {"error": "unknown field `x`, expected one of ..."}
+            return err
         return str(body.get("message", body))
     return str(body)
 

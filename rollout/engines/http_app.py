@@ -5,11 +5,12 @@ Errors follow SGLang's shape: HTTP 400 with {"object": "error", "message", "type
 from __future__ import annotations
 
 import asyncio
-import orjson
+import os
 import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -101,18 +102,14 @@ def build_app(server: "TorchEngineServer") -> FastAPI:
         batcher.abort(body.rid, body.abort_all)
         return Response(status_code=200)
 
-    @app.get("/health")
-    async def health():
-        return Response(status_code=200 if batcher.alive else 503)
-
-    @app.get("/health_generate")
-    async def health_generate():
-        """Healthy when the engine loop advances: a 1-token generation when idle, else a loop heartbeat."""
-        if not batcher.alive:
+    async def probe_generation() -> Response:
+        """SGLang's health handler: 200 when the engine can generate a token (a 1-token generation when idle, else
+        a loop heartbeat), 503 otherwise: dead, or memory released (nothing to generate with)."""
+        if not batcher.alive or batcher.released:
             return Response(status_code=503)
         tic = time.monotonic()
         running, waiting = batcher.counts()
-        if not (running or waiting or batcher.paused or batcher.cache is None):
+        if not (running or waiting or batcher.paused):
             probe = server.make_request(GenerateRequest(
                 input_ids=[0], rid=f"HEALTH_CHECK_{new_rid()}", sampling_params={"max_new_tokens": 1, "temperature": 0}))
             try:
@@ -126,6 +123,18 @@ def build_app(server: "TorchEngineServer") -> FastAPI:
                 return Response(status_code=200)
             await asyncio.sleep(0.01)
         return Response(status_code=503)
+
+    @app.get("/health")
+    async def health():
+        """As SGLang's /health: the generation probe, unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 (then 200
+        while the engine runs, released or not)."""
+        if os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1") in ("0", "false", "False"):
+            return Response(status_code=200 if batcher.alive else 503)
+        return await probe_generation()
+
+    @app.get("/health_generate")
+    async def health_generate():
+        return await probe_generation()
 
     @app.get("/v1/loads")
     async def loads():

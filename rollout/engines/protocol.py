@@ -34,12 +34,25 @@ class BadRequest(ValueError):
     """A request the engine refuses with HTTP 400; the message names the field and the fix."""
 
 
+# SGLang 0.5.23's sampling_params keys this engine does not implement, with their defaults: a request may send
+# one at its default (it changes nothing), any other value is refused rather than silently ignored.
+UNIMPLEMENTED_SAMPLING_DEFAULTS: dict[str, Any] = {
+    "stop_regex": None, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+    "spaces_between_special_tokens": True, "stream_interval": None, "logit_bias": {}, "custom_params": None,
+    "beam_width": None, "watermark": None, "choice": []}
+
+
 class SamplingParams(BaseModel):
-    """SGLang's sampling_params subset. temperature 0 = greedy; top_k -1 = off; top_p 1 = off."""
+    """SGLang's sampling_params subset. temperature 0 = greedy; top_k -1 = off; top_p 1 = off.
+
+    Keys are checked as SGLang's /generate gate checks them: a key SGLang does not know is refused (HTTP 400,
+    "unknown field `X`"); null means the default (max_new_tokens null: up to the context length)."""
 
     model_config = ConfigDict(extra="ignore")
 
-    max_new_tokens: int = Field(128, description="Most tokens to generate (SGLang's default is 128).")
+    max_new_tokens: int | None = Field(128, description="Most tokens to generate (SGLang's default is 128); null: "
+                                       "up to the context length.")
     temperature: float = Field(1.0, ge=0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, description="-1 (or 0) disables top-k.")
@@ -55,10 +68,26 @@ class SamplingParams(BaseModel):
         None, description="Per-request seed (SGLang's; it needs --enable-deterministic-inference there): the "
         "sample is a function of (seed, position, token) only, independent of batching and timing.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields) | set(UNIMPLEMENTED_SAMPLING_DEFAULTS)
+        for key in data:
+            if key not in known:
+                hint = " (SGLang's seed key is sampling_seed)" if key == "seed" else ""
+                raise ValueError(f"unknown field `{key}`{hint}, expected one of {', '.join(sorted(known))}")
+        for key, default in UNIMPLEMENTED_SAMPLING_DEFAULTS.items():
+            if key in data and data[key] is not None and data[key] != default:
+                raise ValueError(f"{key}={data[key]!r} is SGLang's but not implemented by the torch engine: leave it "
+                                 f"out (or send its default {default!r}), or use the sglang backend")
+        return {k: v for k, v in data.items() if v is not None or k == "max_new_tokens"}
+
     @field_validator("max_new_tokens")
     @classmethod
-    def _non_negative(cls, v: int) -> int:
-        if v < 0:
+    def _non_negative(cls, v: int | None) -> int | None:
+        if v is not None and v < 0:
             raise ValueError(f"must be >= 0; got {v}")
         return v
 
@@ -290,6 +319,32 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
         if self.load_format not in (None, "direct"):
             raise ValueError(f"load_format {self.load_format!r} is not supported by this engine: send null")
         return self
+
+
+class UpdateWeightsFromTensorRequest(BaseModel):
+    """POST /update_weights_from_tensor: serialized_named_tensors holds one entry per TP rank (this engine has one:
+    it reads entry 0), each base64 text (see rollout/engines/tensor_wire.py for this engine's encoding)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    serialized_named_tensors: list[str] = Field(..., min_length=1)
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: int | str | None = None
+    selector: Literal["all", "target", "draft"] = "all"
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _version(cls, v: Any) -> Any:
+        return _normalise_version(v)
+
+    @field_validator("load_format")
+    @classmethod
+    def _format(cls, v: str | None) -> str | None:
+        if v not in (None, "direct"):
+            raise ValueError(f"load_format {v!r} is not supported by this engine: send null")
+        return v
 
 
 class GetWeightsByNameRequest(BaseModel):

@@ -28,11 +28,14 @@ ENDPOINTS = {
     "init_update_group": "/init_weights_update_group",
     "destroy_update_group": "/destroy_weights_update_group",
     "update_from_disk": "/update_weights_from_disk",
+    "begin_weight_update": "/begin_weight_update",
+    "end_weight_update": "/end_weight_update",
     "model_info": "/get_model_info",
     "abort": "/abort_request",
     "flush_cache": "/flush_cache",
 }
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # torch_memory_saver regions SGLang can release
+WEIGHT_SELECTORS = ("all", "target", "draft")  # which model a weight-update session covers (draft: speculative)
 
 
 @dataclass(frozen=True)
@@ -107,15 +110,31 @@ def resume_memory_payload(tags: Sequence[str] | None = None) -> dict[str, Any]:
     return {"tags": _tags(tags)}
 
 
-def update_from_tensor_payload(serialized_named_tensors: list[str], weight_version: int | str,
+def begin_weight_update_payload(selector: str = "all") -> dict[str, Any]:
+    """BeginWeightUpdateReqInput: open the session that update_weights_from_tensor / _from_distributed need (SGLang
+    0.5.23 answers success:false to them outside one); one session covers every bucket of one update."""
+    if selector not in WEIGHT_SELECTORS:
+        raise ValueError(f"selector must be one of {list(WEIGHT_SELECTORS)}; got {selector!r}")
+    return {"selector": selector}
+
+
+def end_weight_update_payload() -> dict[str, Any]:
+    """EndWeightUpdateReqInput (no fields of its own): close the session, also after a failed update."""
+    return {}
+
+
+def update_from_tensor_payload(serialized_named_tensors: list[str], weight_version: int | str | None,
                                load_format: str | None = None, flush_cache: bool = True,
                                abort_all_requests: bool = False) -> dict[str, Any]:
-    """UpdateWeightsFromTensorReqInput: one serialized [(name, tensor)] list per tensor-parallel rank."""
+    """UpdateWeightsFromTensorReqInput: one serialized [(name, tensor)] list per tensor-parallel rank (see
+    serialize_named_tensors). weight_version None leaves the engine's version as it is (a bucket before the last)."""
     if not serialized_named_tensors:
         raise ValueError("serialized_named_tensors is empty: pass one serialized list per TP rank")
-    return {"serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format,
-            "flush_cache": flush_cache, "abort_all_requests": abort_all_requests,
-            "weight_version": str(weight_version)}
+    payload = {"serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format,
+               "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+    if weight_version is not None:
+        payload["weight_version"] = str(weight_version)
+    return payload
 
 
 def update_from_distributed_payload(names: list[str], dtypes: list[str], shapes: list[list[int]],
@@ -145,10 +164,24 @@ def update_from_disk_payload(model_path: str, weight_version: int | str, load_fo
             "weight_version": str(weight_version)}
 
 
-def serialize_named_tensors(named_tensors: list[tuple[str, Any]], tp_size: int) -> list[str]:
-    """SGLang's own serializer (CUDA IPC handles, base64 text), one copy per TP rank. Needs sglang + GPU."""
-    from sglang.srt.utils import MultiprocessingSerializer
+def serialize_named_tensors(named_tensors: list[tuple[str, Any]], tp_size: int, backend: str = "sglang") -> list[str]:
+    """The serialized_named_tensors entries (base64 text), one per TP rank. backend "sglang": SGLang's own
+    serializer (CUDA IPC handles: needs sglang, a GPU and a receiver on the same node; the caller keeps the tensors
+    alive until the call returns). backend "torch": the torch engine's CPU stand-in, a safetensors blob of the
+    tensors' data (rollout/engines/tensor_wire.py), which it decodes without unpickling anything."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1; got {tp_size}")
+    if backend == "torch":
+        from rollout.engines.tensor_wire import encode_named_tensors
 
+        entry = encode_named_tensors(named_tensors)
+        return [entry] * tp_size
+    if backend != "sglang":
+        raise ValueError(f"serialize_named_tensors: backend must be 'sglang' or 'torch'; got {backend!r}")
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()  # GPU UUIDs, not indices: the engine may see other CUDA_VISIBLE_DEVICES
     return [MultiprocessingSerializer.serialize(named_tensors, output_str=True) for _ in range(tp_size)]
 
 

@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import httpx
@@ -77,6 +78,8 @@ class TorchEngineServer:
         self._thread: threading.Thread | None = None
         self.update_groups: dict[str, tuple[torch.distributed.ProcessGroup, str]] = {}  # name -> (group, backend)
         self.weight_session_open = False  # between /begin_weight_update and /end_weight_update
+        # the session and update routes' outcomes in order, the latest few (tests read them: EngineActor)
+        self.weight_update_events: deque[str] = deque(maxlen=256)
         self.update_group_timeout_s = 600.0
         self.update_peak_bytes = 0  # the most a weight load held beyond the model (take_update_peak_bytes)
         self.memory_events: list[tuple[float, str]] = []  # (monotonic time, release | resume): colocation's order
@@ -166,7 +169,8 @@ class TorchEngineServer:
                                  "stop_token_ids instead")
             tail = 1 + max(len(self.tokenizer.encode(s, add_special_tokens=False)) for s in strings)
         return EngineRequest(rid=rid, input_ids=list(ids), params=params, return_logprob=body.return_logprob,
-                             max_output=min(params.max_new_tokens, self.max_len - len(ids)), stop_ids=frozenset(stop),
+                             max_output=min(self.max_len if params.max_new_tokens is None else params.max_new_tokens,
+                                            self.max_len - len(ids)), stop_ids=frozenset(stop),
                              stop_strings=strings, stop_tail_tokens=tail, decode=self._decode_tail if strings else None)
 
     def _decode_tail(self, ids: list[int]) -> str:

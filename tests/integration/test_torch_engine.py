@@ -321,3 +321,38 @@ def test_a_row_carried_across_a_weight_update_continues_under_the_new_weights(va
     old = greedy_tokens(varied_hf, kept, rest_len)
     assert new != old  # the two weight sets disagree here, so the check below can tell them apart
     assert rest.output_ids == new
+
+
+def test_unknown_sampling_keys_are_refused_as_sglang_does(varied_engine):
+    """SGLang's /generate gate answers 400 to a sampling_params key it does not know, naming it; a key SGLang knows
+    but this engine does not implement is refused unless at its default; null means the default."""
+    url = varied_engine.url
+    base = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    for key, value, needles in (("temprature", 0.5, ["unknown field `temprature`"]),
+                                ("seed", 3, ["unknown field `seed`", "sampling_seed"]),
+                                ("repetition_penalty", 1.3, ["repetition_penalty", "not implemented"])):
+        r = httpx.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": {**base, key: value}})
+        assert r.status_code == 400 and all(n in r.json()["message"] for n in needles), r.text
+    plain = httpx.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": base}).json()["output_ids"]
+    quiet = {**base, "repetition_penalty": 1.0, "n": 1, "top_p": None, "temperature": 0}
+    assert httpx.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": quiet}).json()["output_ids"] == plain
+    uncapped = {"temperature": 0, "ignore_eos": True, "max_new_tokens": None}
+    answer = httpx.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": uncapped}, timeout=60).json()
+    assert len(answer["output_ids"]) == varied_engine.max_len - 2  # null: up to the context length
+
+
+def test_a_released_engine_fails_health_as_sglang(varied_engine, monkeypatch):
+    """SGLang's /health and /health_generate run a 1-token generation, which a released engine cannot do: both
+    answer 503 until resume (with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0, /health answers 200 at once)."""
+    url = varied_engine.url
+    assert httpx.post(url + "/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    try:
+        assert httpx.get(url + "/health", timeout=30).status_code == 503
+        assert httpx.get(url + "/health_generate", timeout=30).status_code == 503
+        monkeypatch.setenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        monkeypatch.delenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION")
+    finally:
+        assert httpx.post(url + "/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    assert httpx.get(url + "/health_generate", timeout=30).status_code == 200

@@ -125,3 +125,56 @@ def test_get_weights_by_name_truncates_rows_like_sglang(engine):
     full = weights_by_name(engine, "model.embed_tokens.weight", 10**6)
     assert weights_by_name(engine, "model.embed_tokens.weight", 3).shape == (3, full.shape[1])
     assert torch.equal(weights_by_name(engine, "lm_head.weight", 10**6), full) == engine.shape.tie_word_embeddings
+
+
+def tensor_payload(tensors: dict, version, *, flush_cache: bool = True) -> dict:
+    """The client's own body (sglang_backend's serializer with the torch engine's encoding), checked against
+    SGLang's recorded request fields."""
+    payload = sgl.update_from_tensor_payload(sgl.serialize_named_tensors(list(tensors.items()), 1, backend="torch"),
+                                             version, flush_cache=flush_cache)
+    check_payload("/update_weights_from_tensor", payload)
+    return payload
+
+
+def test_tensor_update_is_refused_outside_a_session_like_sglang(engine, varied_model_dir):
+    """SGLang 0.5.23 answers success:false (HTTP 400) to tensor and distributed updates outside
+    /begin_weight_update ... /end_weight_update; from disk needs no session."""
+    assert route("/update_weights_from_tensor")["needs_weight_update_session"] is True
+    assert route("/update_weights_from_disk")["needs_weight_update_session"] is False
+    norm = load_file(str(next(Path(varied_model_dir).glob("*.safetensors"))))["model.norm.weight"]
+    before = weights_by_name(engine, "model.norm.weight", 10**6)
+    r = post(engine, "/update_weights_from_tensor", tensor_payload({"model.norm.weight": norm}, 11))
+    assert r.status_code == 400 and r.json()["success"] is False and "begin_weight_update" in r.json()["message"]
+    assert torch.equal(weights_by_name(engine, "model.norm.weight", 10**6), before)
+    assert httpx.get(engine.url + "/model_info").json()["weight_version"] != 11
+    r = post(engine, "/update_weights_from_disk", sgl.update_from_disk_payload(str(engine.model_path), 0))
+    assert r.status_code == 200 and r.json()["success"], r.text
+
+
+def test_tensor_update_in_a_session_in_buckets_sets_weights_and_version(engine, varied_model_dir, tiny_model_dir):
+    """The route takes SGLang's request shape; buckets before the last leave the version; the weights then equal
+    the sent ones bit for bit. An entry in SGLang's own encoding (a pickle) is refused, never unpickled."""
+    import base64
+    import pickle
+
+    target = load_file(str(next(Path(varied_model_dir).glob("*.safetensors"))))
+    names = list(engine.batcher.decoder.expected_names())
+    half = len(names) // 2
+    assert post(engine, "/begin_weight_update", sgl.begin_weight_update_payload()).json()["success"]
+    try:
+        first = post(engine, "/update_weights_from_tensor",
+                     tensor_payload({n: target[n] for n in names[:half]}, None, flush_cache=False))
+        assert first.status_code == 200 and first.json()["success"], first.text
+        assert httpx.get(engine.url + "/model_info").json()["weight_version"] not in (12, "12")
+        pickled = base64.b64encode(pickle.dumps([("model.norm.weight", target["model.norm.weight"])])).decode()
+        r = post(engine, "/update_weights_from_tensor", sgl.update_from_tensor_payload([pickled], 12))
+        assert r.status_code == 400 and not r.json()["success"] and "safetensors" in r.json()["message"]
+        last = post(engine, "/update_weights_from_tensor", tensor_payload({n: target[n] for n in names[half:]}, 12))
+        assert last.status_code == 200 and last.json()["success"], last.text
+    finally:
+        assert post(engine, "/end_weight_update", sgl.end_weight_update_payload()).json()["success"]
+    assert httpx.get(engine.url + "/model_info").json()["weight_version"] in (12, "12")
+    for name in names:
+        assert torch.equal(weights_by_name(engine, name, 10**6), target[name].float()), name
+    reset = post(engine, "/update_weights_from_disk", sgl.update_from_disk_payload(str(tiny_model_dir), 0))
+    assert reset.json()["success"], reset.text

@@ -84,6 +84,36 @@ def test_weight_and_memory_payloads_use_sglang_field_names():
     assert sgl.ENDPOINTS["update_from_tensor"] == "/update_weights_from_tensor"
 
 
+
+def test_weight_update_session_bodies_and_tensor_encodings():
+    """begin/end bodies are SGLang's (selector all|target|draft); a bucket before the last sends no weight_version;
+    the torch engine's encoding round-trips the tensors (tied ones included) and one entry goes to each TP rank."""
+    import torch
+    from sglang_contract import check_payload
+
+    from rollout.engines.tensor_wire import decode_named_tensors
+
+    assert sgl.begin_weight_update_payload() == {"selector": "all"}
+    assert sgl.begin_weight_update_payload("draft") == {"selector": "draft"}
+    with pytest.raises(ValueError, match="selector"):
+        sgl.begin_weight_update_payload("both")
+    assert sgl.end_weight_update_payload() == {}
+    check_payload(sgl.ENDPOINTS["begin_weight_update"], sgl.begin_weight_update_payload())
+    check_payload(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload())
+    assert "weight_version" not in sgl.update_from_tensor_payload(["a"], None, flush_cache=False)
+    embed = torch.randn(5, 3)
+    named = [("model.embed_tokens.weight", embed), ("lm_head.weight", embed), ("w", torch.ones(2, dtype=torch.bfloat16))]
+    entries = sgl.serialize_named_tensors(named, 2, backend="torch")
+    assert len(entries) == 2 and all(isinstance(e, str) for e in entries)
+    check_payload(sgl.ENDPOINTS["update_from_tensor"], sgl.update_from_tensor_payload(entries, 3))
+    decoded = decode_named_tensors(entries[1])
+    assert set(decoded) == {n for n, _ in named}
+    assert all(torch.equal(decoded[n], t) and decoded[n].dtype == t.dtype for n, t in named)
+    with pytest.raises(ValueError, match="backend"):
+        sgl.serialize_named_tensors(named, 1, backend="vllm")
+    with pytest.raises(ValueError, match="safetensors"):
+        decode_named_tensors("not base64 at all!")
+
 def test_process_stop_takes_the_whole_group(tmp_path, monkeypatch):
     """SGLangProcess.stop() signals the process group: a child the server spawned goes too."""
     script = tmp_path / "fake_server.py"
