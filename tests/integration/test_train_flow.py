@@ -1,9 +1,13 @@
 """The training flow end to end on CPU: real Ray actors, real torch engines behind the real sglang
-router, Prefect's test harness. A few small iterations with partial rollout on."""
+router, Prefect's test harness. A few small iterations with partial rollout on, shown to happen: rows are cut,
+carried over in checkpoint 0's dock and trained stale by the next iteration, and by a run resumed from that
+checkpoint (seeded sampling makes the cuts the same in every run: tests/integration/test_seeded_sampling.py)."""
 import json
+import shutil
 import time
 
 from infra.config import load_config
+from partial_evidence import assert_cut_rows_trained, assert_partial_rollout_happened, cut_rows, trained_samples
 from small_run import SMALL_RUN
 
 # The seven steps of the algorithm, and the checkpoint as a task of its own.
@@ -35,10 +39,33 @@ def task_names_by_iteration(parent_id, flow_names):
         return out
 
 
-def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_harness, ray_session, warm_parts, tmp_path):
+# Seeded sampling: the same rows are cut in every run. Checkpoint 0 is kept (2 by default) and each rollout's
+# samples are written (debug rollout data): the test follows checkpoint 0's cut rows into what iteration 1 trains.
+PARTIAL_EVIDENCE = {"rollout.deterministic_sampling": "true", "storage.keep_checkpoints": 3}
+
+
+def debug_template(run_dir) -> str:
+    return f"{run_dir}/debug/{{rollout_id}}.parquet"
+
+
+def resume_from_checkpoint_0(run_dir, resumed_dir):
+    """A run resumed from `run_dir`'s checkpoint 0 (as after a crash in iteration 1), in `resumed_dir`."""
+    from flows.setup import load_run_config
     from flows.train import grpo_train
 
-    cfg = small_config(tmp_path / "run")
+    resumed_dir.mkdir()
+    shutil.copy(run_dir / "config.json", resumed_dir / "config.json")
+    shutil.copytree(run_dir / "checkpoints" / "ckpt-00000000", resumed_dir / "checkpoints" / "ckpt-00000000")
+    grpo_train(load_run_config(resumed_dir, [f"storage.save_debug_rollout_data={debug_template(resumed_dir)}"]),
+               resume=True)
+
+
+def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_harness, ray_session, warm_parts, tmp_path):
+    from flows.train import grpo_train
+    from infra.storage import open_store
+
+    run_dir = tmp_path / "run"
+    cfg = small_config(run_dir, **PARTIAL_EVIDENCE, **{"storage.save_debug_rollout_data": debug_template(run_dir)})
     state = grpo_train(cfg, return_state=True)
     summary = state.result()
     assert summary["iterations"] == 3
@@ -52,12 +79,23 @@ def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_
         assert key in rows[0], key
     max_age = cfg.rollout.effective_max_age  # the staleness bound is on by default
     assert all(0 <= r["token_staleness_max"] <= max_age - 1 for r in rows), [r["token_staleness_max"] for r in rows]
+    assert_partial_rollout_happened(rows, max_age)  # rows were cut, and trained max_age - 1 versions stale
     trained = [g for r in rows for g in r["trained_stream_ids"]]
     assert sorted(trained) == list(range(3 * 4))  # every loaded group trained exactly once, none twice
     assert all(len(r["trained_group_ids"]) == 4 for r in rows)
     assert rows[-1]["partial_rows"] == 0  # the last iteration drains
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["prompt_independent_baseline"] > 0
     assert not (tmp_path / "run" / "report").exists()  # tracking.report=false (SMALL_RUN): no plots
+
+    cut = cut_rows(open_store(str(run_dir / "checkpoints")), 0)  # what checkpoint 0's dock carries over unfinished
+    assert cut and all(0 < len(row.tokens) < cfg.rollout.max_tokens for row in cut), cut
+    assert {row.group_id for row in cut} <= set(rows[1]["trained_stream_ids"])
+    assert_cut_rows_trained(cut, trained_samples(debug_template(run_dir), 1), trained_version=1)
+    resumed_dir = tmp_path / "resumed"
+    resume_from_checkpoint_0(run_dir, resumed_dir)
+    assert_cut_rows_trained(cut, trained_samples(debug_template(resumed_dir), 1), trained_version=1)
+    resumed_rows = [json.loads(line) for line in (resumed_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trained_stream_ids"] for r in resumed_rows] == [r["trained_stream_ids"] for r in rows]
 
     names = [f"iteration-{i:04d}" for i in range(3)]
     deadline = time.time() + 20  # the server records task runs in batches (see infra/prefect_env.py)
