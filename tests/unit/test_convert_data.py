@@ -11,7 +11,7 @@ from infra.models import build_char_tokenizer
 from rollout.convert_data import ConvertError, convert, last_boxed, main
 from rollout.data_source import read_prompts
 
-GPU_CONFIGS = sorted(Path("configs/gpu").glob("*.yaml"))
+GPU_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "gpu").glob("*.yaml"))  # from any cwd
 
 
 def test_gsm8k_to_parquet_reads_as_chat_prompts(tmp_path):
@@ -55,4 +55,8 @@ def test_gpu_recipes_load(path):
     cfg = load_config(path)
     assert cfg.grpo.reward_function_path == "rollout.math_reward.reward" and cfg.engines.backend == "sglang"
     assert cfg.data.apply_chat_template and cfg.learner.device == "cuda" and cfg.rollout.partial
-    assert len(GPU_CONFIGS) == 4
+
+
+def test_the_four_gpu_recipes_are_found():  # outside the parametrized test: an empty glob would run no case there
+    assert [p.stem for p in GPU_CONFIGS] == ["qwen2.5-0.5b-gsm8k", "qwen2.5-0.5b-math", "qwen2.5-1.5b-gsm8k",
+                                             "qwen2.5-1.5b-math"]
