@@ -43,7 +43,7 @@ class Run:
     controller: RolloutController
     context: RolloutContext          # rollout functions' data_source (per iteration: context.for_iteration)
     reward: RewardSetup
-    policy: Any                      # tasks.learner_group.LearnerGroup (an actor handle's interface)
+    policy: Any                      # tasks.learner_group.LearnerGroup; None: rollout only (no learner)
     ref: Any                         # LearnerGroup, or None (no KL)
     engine: Any                      # rollout.manager.RolloutManager, or None
     baseline: float | None = None    # the built-in task's prompt-independent baseline reward
@@ -133,7 +133,7 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
     if is_remote_model(cfg.model.path):  # every node reads the model from its own local copy
         stage_on_other_nodes(str(model_path), cfg.storage)
     reward_models = start_reward_models(cfg.grpo.reward_models, cfg.model.dtype)  # first: a bad folder fails early
-    learners, engine = start_learners_and_engines(cfg, model_path)
+    learners, engine = start_learners_and_engines(cfg, model_path, resuming=saved is not None)
     builtin = cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD
     context = RolloutContext(dock=dock, engine=engine, tokenizer=tokenizer, prompts=prompts, cursor=cursor,
                              stop_token_ids=stop_ids, reward_fn=reward_fn,
@@ -141,18 +141,23 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
     reward = RewardSetup(tokenizer, stop_ids, reward_fn, cfg.grpo.reward_function_path, cfg.grpo.rule_reward_weight,
                          exact_match=toy_task.exact_match if builtin else None,
                          prompt_texts=lambda ids: [prompts.texts[i] for i in cursor.dataset_indices(ids).tolist()],
-                         concurrency=cfg.grpo.reward_concurrency, reward_models=reward_models)
+                         concurrency=cfg.grpo.reward_concurrency, reward_models=reward_models,
+                         keep_sample_rewards=builtin)  # a custom rollout function's own rewards, unless one is set
     return Run(cfg, run_dir, Path(model_path), dock, cursor, controller, context, reward, learners[0], learners[1],
                engine, baseline=toy_task.prompt_independent_baseline(prompts.labels)[1] if builtin else None)
 
 
-def start_learners_and_engines(cfg: RunConfig, model_path: Path) -> tuple[tuple[Any, Any], Any]:
+def start_learners_and_engines(cfg: RunConfig, model_path: Path, resuming: bool = False) -> tuple[tuple[Any, Any], Any]:
     """((policy, ref), engine): borrowed from the active flows.parts.WarmParts if any, else started. Colocated
-    engines live in the policy's ranks (placement.colocate): both are started for the run and never kept."""
+    engines live in the policy's ranks (placement.colocate): both are started for the run and never kept.
+    schedule.debug_rollout_only starts no learner ((None, None)), unless resuming: the policy then carries the
+    checkpoint's weights to the engines (it never trains)."""
     if cfg.placement.colocate:
         return start_colocated(cfg, model_path)
     warm = active_warm_parts()
-    if warm is not None:
+    if cfg.schedule.debug_rollout_only and not resuming:
+        learners = (None, None)
+    elif warm is not None:
         learners = warm.learners(model_path, cfg)
     else:
         from tasks.learner_group import create_learners

@@ -71,21 +71,22 @@ def run_iteration(run: Run, iteration: int, version: int, wandb_run_id: str | No
     rollout = clock.run("generate_until_ready", generate_until_ready, run.controller,
                         run.context.for_iteration(version, on_round), iteration)
     scored = clock.run("compute_reward", compute_reward, rollout, run.reward)
-    ref = clock.run("compute_ref_logprob", compute_ref_logprob, run.ref, scored)
-    old = clock.run("compute_old_logprob", compute_old_logprob, run.policy, scored, version, cfg.grpo.skip_old_logprob)
-    stages = [loaded, rollout, scored, ref, old]
-    if not cfg.schedule.debug_rollout_only:
+    stages = [loaded, rollout, scored]
+    if not cfg.schedule.debug_rollout_only:  # rollout only: no learner, so no logprobs and no update
+        ref = clock.run("compute_ref_logprob", compute_ref_logprob, run.ref, scored)
+        old = clock.run("compute_old_logprob", compute_old_logprob, run.policy, scored, version,
+                        cfg.grpo.skip_old_logprob)
         updated = clock.run("update", update, run.policy, run.engine, scored, old, ref)
         version = updated.weight_version
-        stages.append(updated)
+        stages += [ref, old, updated]
     interval = cfg.schedule.eval_interval
     if interval and (iteration + 1) % interval == 0:
         stages.append(Evaluated(metrics=clock.run("eval", run.controller.eval, iteration,
                                                   run.context.for_iteration(version), version)))
     stages.append(clock.run("clear_and_age_sort", clear_and_age_sort, run.dock, run.cursor, rollout))
     row = iteration_row(iteration, stages, clock.task_s)  # also the checkpoint's copy (restored on resume)
-    saved = clock.run("save_checkpoint", save_run_checkpoint, store, run.policy, run.dock, run.cursor, cfg,
-                      iteration, version, row, wandb_run_id)
+    saved = clock.run("save_checkpoint", save_run_checkpoint, store if run.policy is not None else None, run.policy,
+                      run.dock, run.cursor, cfg, iteration, version, row, wandb_run_id)  # no learner: no checkpoint
     stages.append(saved)
     row = {**row, **saved.metrics, "task_s": dict(clock.task_s), "time_s": time.perf_counter() - start}
     return IterationOutcome(row, iteration_scalars(stages, clock.task_s) | {"time/iteration_s": row["time_s"]},

@@ -23,8 +23,11 @@ class RolloutController:
         # Loaded now: a wrong path or signature stops the run at start-up, naming the setting.
         self.rollout_fn = None if cfg.storage.load_debug_rollout_data else load_rollout_function(
             rollout.rollout_function_path, "rollout.rollout_function_path")
+        # A custom eval function runs without data.eval_paths too (it may bring its own data, as in slime); the
+        # default one needs them.
         eval_path = rollout.eval_function_path or DEFAULT_ROLLOUT
-        self.eval_fn = load_rollout_function(eval_path, "rollout.eval_function_path") if cfg.data.eval_paths else None
+        wanted = bool(cfg.data.eval_paths or rollout.eval_function_path)
+        self.eval_fn = load_rollout_function(eval_path, "rollout.eval_function_path") if wanted else None
 
     @property
     def uses_dock(self) -> bool:

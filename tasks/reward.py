@@ -17,7 +17,8 @@ from tasks.results import Rollout, Scored
 REWARD_KEYWORDS = ("sample", "samples", "metadata")  # passed only to reward functions that name them
 
 __all__ = ["REWARD_KEYWORDS", "RewardError", "RewardSetup", "batch_decode", "build_advantages", "compute_reward",
-           "decode_responses", "response_texts", "reward_metrics", "score_batch", "score_samples"]
+           "decode_responses", "response_texts", "reward_metrics", "rule_rewards", "sample_rewards", "score_batch",
+           "score_samples"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class RewardSetup:
     prompt_texts: Callable | None = None      # group stream ids[G] -> prompt texts[G]
     concurrency: int = 32                     # grpo.reward_concurrency: async reward calls at once
     reward_models: Any = None                 # rollout.reward_models.RewardModels (grpo.reward_models), or None
+    keep_sample_rewards: bool = False         # samples a rollout function scored keep their reward (no reward
+                                              # function configured: grpo.reward_function_path left at its default)
 
 
 def response_texts(batch: RolloutBatch, tokenizer, stop_token_ids) -> list[str]:
@@ -67,6 +70,25 @@ def _group_prompts(batch: RolloutBatch, setup: RewardSetup) -> list[str]:
     return [""] * len(batch.group_ids)
 
 
+def sample_rewards(batch: RolloutBatch) -> np.ndarray | None:
+    """float64[R]: the rewards a custom rollout function set on its samples (NaN: not set, e.g. Sample.reward None);
+    None for a batch not built from samples (the dock's)."""
+    if batch.samples is None:
+        return None
+    return np.array([np.nan if s.reward is None else float(s.reward) for g in batch.samples for s in g])
+
+
+def rule_rewards(batch: RolloutBatch, texts: list[str], setup: RewardSetup) -> np.ndarray:
+    """float64[R]: rule_weight x the reward function's score; with keep_sample_rewards, a sample its rollout function
+    scored keeps that reward instead (slime: samples that carry a reward are not scored again), and when every
+    sample carries one the reward function is not called."""
+    own = sample_rewards(batch) if setup.keep_sample_rewards else None
+    if own is not None and np.isfinite(own).all():
+        return own
+    scored = setup.rule_weight * score_batch(batch, texts, setup)
+    return scored if own is None else np.where(np.isfinite(own), own, scored)
+
+
 def build_advantages(batch: RolloutBatch, rewards: np.ndarray) -> np.ndarray:
     """rewards[R] -> advantages[R]: group-normalised (GRPO), or 1 for every SFT sample (the NLL gradient at
     ratio 1, see rollout/sft.py)."""
@@ -95,7 +117,7 @@ def compute_reward(rollout: Rollout, setup: RewardSetup) -> Scored:
 
     batch = rollout.batch
     texts = response_texts(batch, setup.tokenizer, setup.stop_token_ids)
-    rewards = np.zeros(len(batch)) if batch.sft else setup.rule_weight * score_batch(batch, texts, setup)
+    rewards = np.zeros(len(batch)) if batch.sft else rule_rewards(batch, texts, setup)
     model_metrics = {}
     if setup.reward_models and not batch.sft:  # + sum of weight x reward model score, on prompt + response text
         prompts = _group_prompts(batch, setup)
