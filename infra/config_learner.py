@@ -41,9 +41,6 @@ class LearnerConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "LearnerConfig":
-        if self.device == "cpu" and (self.param_dtype != "float32" or self.reduce_dtype != "float32"):
-            raise ValueError("learner.param_dtype and learner.reduce_dtype must be float32 with learner.device=cpu "
-                             "(bfloat16 is for GPUs)")
         if self.attn_implementation == "flash_attention_2" and self.device != "cuda":
             raise ValueError("learner.attn_implementation=flash_attention_2 needs learner.device=cuda; use sdpa")
         return self

@@ -11,6 +11,9 @@ One actor is one rank of a learner group (tasks/learner_group.py). With learner.
 model is sharded with FSDP2 and each rank trains on a token-balanced share of every mini-batch with global loss
 denominators (tasks/learner_dist.py); results and metrics are the same on every rank.
 
+Precision: float32 parameters and AdamW state, compute in learner.param_dtype, weights to engines in model.dtype
+(`dtype`), on every path (tasks/learner_dist.py).
+
 The model stays in eval mode for the update too: dropout would make the loss's logprobs differ from
 the ones computed for old/ref logprobs (and break bitwise reproducibility on resume).
 """
@@ -28,21 +31,22 @@ from infra.config_learner import LearnerConfig
 from tasks.batching import MicroBatch, RolloutBatch, check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
 from tasks.grpo_loss import aggregate, clipped_policy_loss, kl_penalty, off_policy_correction
 from tasks.kl_control import next_kl_coef
-from tasks.learner_dist import (all_reduce, balanced_shards, checkpoint_layers, init_distributed, load_learner_lm,
-                                shard_model)
+from tasks.learner_dist import (all_reduce, balanced_shards, checkpoint_layers, compute_precision, init_distributed,
+                                load_learner_lm, shard_model)
 from tasks.learner_state import (STATE_FORMAT, full_model_state, load_state, save_hf_folder, save_state,
                                  unique_state_keys)
 from tasks.engine_host import EngineHostMixin
 from tasks.logprobs import ResponseLogprobModel
 from tasks.offpolicy_metrics import OffPolicyStats
-from tasks.weight_sync import WeightSenderMixin
+from tasks.weight_sync import WeightSenderMixin, for_engines
 
 __all__ = ["LearnerActor"]
 
 
 class LearnerActor(WeightSenderMixin, EngineHostMixin):
     """Policy (trainable=True) or frozen reference (trainable=False) over an HF causal LM folder; one rank (the
-    host of a colocated engine too: tasks/engine_host.py)."""
+    host of a colocated engine too: tasks/engine_host.py). dtype: model.dtype, the dtype of the weights engines
+    get; the learner's own parameters are float32."""
 
     def __init__(self, model_path: str, grpo_cfg: GRPOConfig, optim_cfg: OptimizerConfig, temperature: float,
                  seed: int, trainable: bool, dtype: str = "float32", num_threads: int | None = 1,
@@ -63,7 +67,8 @@ class LearnerActor(WeightSenderMixin, EngineHostMixin):
             if master is None:
                 raise ValueError("a sharded learner rank needs master=(address, port) of rank 0")
             init_distributed(self.rank, lcfg.world_size, master[0], master[1], lcfg.backend)
-        lm = load_learner_lm(self.model_path, dtype, lcfg)
+        self.weight_dtype = getattr(torch, dtype)
+        lm = load_learner_lm(self.model_path, lcfg)
         self.state_keys = unique_state_keys(lm)
         self.param_names = [name for name, _ in lm.named_parameters()]
         if not trainable:
@@ -90,8 +95,9 @@ class LearnerActor(WeightSenderMixin, EngineHostMixin):
     def _forward(self, mb: MicroBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs[B, R], entropy[B, R]) of the micro-batch's response tokens, float32."""
         d = self.device
-        return self.net(mb.input_ids.to(d), mb.attention_mask.to(d), mb.logit_positions.to(d), mb.targets.to(d),
-                          mb.response_mask.to(d), with_entropy=with_entropy)
+        with compute_precision(self.lcfg, self.sharded, d):
+            return self.net(mb.input_ids.to(d), mb.attention_mask.to(d), mb.logit_positions.to(d), mb.targets.to(d),
+                            mb.response_mask.to(d), with_entropy=with_entropy)
 
     def _micro_batches(self, batch: RolloutBatch, subset: list[int] | None = None, all_rows: bool = False):
         """This rank's micro-batches of `subset` (all rows when None). Sharded: a token-balanced share, and the
@@ -259,14 +265,18 @@ class LearnerActor(WeightSenderMixin, EngineHostMixin):
         return self._version
 
     def state_dict_ref(self) -> dict[str, torch.Tensor]:
-        """The model's HF-named tensors (sharded: gathered, on rank 0 only; Ray serialises them once)."""
-        return full_model_state(self.net, self.model, self.sharded)
+        """The model's HF-named tensors in model.dtype, as engines load them (sharded: gathered, on rank 0 only;
+        Ray serialises them once)."""
+        return {k: for_engines(v, self.weight_dtype) for k, v in full_model_state(self.net, self.model,
+                                                                                    self.sharded).items()}
 
     def save_weights(self, folder: str) -> str:
-        """Write an HF folder (safetensors + config + tokenizer) for /update_weights_from_disk (rank 0 writes)."""
+        """Write an HF folder (safetensors + config + tokenizer, model.dtype) for /update_weights_from_disk (rank 0
+        writes)."""
         state = full_model_state(self.net, self.model, self.sharded)
         if self.rank == 0:
-            save_hf_folder(self.model, {k: state[k] for k in self.state_keys}, self.model_path, folder, self._version)
+            save_hf_folder(self.model, {k: for_engines(state[k], self.weight_dtype) for k in self.state_keys},
+                           self.model_path, folder, self._version)
         return str(folder)
 
     def write_state_shards(self, store_url: str, storage_cfg, prefix: str, group: str = "policy") -> dict:

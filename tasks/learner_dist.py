@@ -4,6 +4,11 @@ A learner of world_size 1 on CPU uses none of it (no process group, a plain mode
 every rank holds the whole RolloutBatch (its columns are small), trains on its own share of every mini-batch
 (`balanced_shards`), and the loss of every rank is normalised by the same global token / sequence counts, so
 the summed gradient (FSDP reduces with a divide factor of 1) equals world_size 1's.
+
+Precision, the same rule on every path: parameters (the masters), and so AdamW's moments, are float32 whatever
+model.dtype is (at lr 1e-6 an Adam step is ~1% of a bfloat16 ulp: bfloat16 masters would round it away);
+forward and backward run in learner.param_dtype (FSDP2's MixedPrecisionPolicy when sharded, autocast when not:
+`compute_precision`); engines receive model.dtype (tasks/weight_sync.for_engines casts what is sent).
 """
 from __future__ import annotations
 
@@ -18,8 +23,10 @@ import torch.distributed as dist
 from infra.config_learner import LearnerConfig
 from rollout.engines.update_group import tcp_store
 
-__all__ = ["all_reduce", "balanced_shards", "checkpoint_layers", "init_distributed", "load_learner_lm", "shard_model"]
+__all__ = ["MASTER_DTYPE", "all_reduce", "balanced_shards", "checkpoint_layers", "compute_precision", "init_distributed",
+           "load_learner_lm", "shard_model"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MASTER_DTYPE = torch.float32
 
 
 def balanced_shards(lengths, world_size: int) -> list[list[int]]:
@@ -69,15 +76,27 @@ def checkpoint_layers(layers) -> None:
         layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
 
 
-def load_learner_lm(model_path: str, dtype: str, lcfg: LearnerConfig) -> torch.nn.Module:
-    """The HF causal LM with the learner's attention kernel (learner.attn_implementation), in eval mode."""
+def load_learner_lm(model_path: str, lcfg: LearnerConfig) -> torch.nn.Module:
+    """The HF causal LM with the learner's attention kernel (learner.attn_implementation), in eval mode, its
+    parameters in float32 (the masters; a bfloat16 checkpoint is widened exactly)."""
     from transformers import AutoModelForCausalLM
 
     if not (Path(model_path) / "config.json").is_file():
         raise FileNotFoundError(f"model.path {model_path!r} has no config.json: point it at an HF checkpoint folder")
-    lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), local_files_only=True,
+    lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=MASTER_DTYPE, local_files_only=True,
                                               attn_implementation=lcfg.attn_implementation)
     return lm.eval()
+
+
+def compute_precision(lcfg: LearnerConfig, sharded: bool, device: str):
+    """The context a forward runs in: unsharded with learner.param_dtype below float32, autocast to it (matmuls
+    and attention in bfloat16 from the float32 masters, the gradients float32 like the masters); sharded, nothing
+    (FSDP2's MixedPrecisionPolicy casts the gathered parameters itself)."""
+    import contextlib
+
+    if sharded or lcfg.param_dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device, dtype=DTYPES[lcfg.param_dtype])
 
 
 def shard_model(root: torch.nn.Module, layers, lcfg, trainable: bool) -> torch.nn.Module:

@@ -139,7 +139,8 @@ def local_state_bytes(net: torch.nn.Module, optimizer) -> dict[str, int]:
 
 
 def save_hf_folder(lm, state: dict[str, torch.Tensor], model_path: str, folder: str, version: int) -> str:
-    """An HF folder (safetensors + config + the model's tokenizer) of `state`, for /update_weights_from_disk."""
+    """An HF folder (safetensors + config + the model's tokenizer) of `state` (config.json's dtype: the tensors'),
+    for /update_weights_from_disk."""
     from pathlib import Path
 
     from infra.models import load_tokenizer
@@ -147,6 +148,11 @@ def save_hf_folder(lm, state: dict[str, torch.Tensor], model_path: str, folder: 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     lm.save_pretrained(out, state_dict=state, safe_serialization=True)
+    floats = {v.dtype for v in state.values() if v.is_floating_point()}
+    if len(floats) == 1:  # save_pretrained records the model's (float32 master) dtype, not the tensors' it wrote
+        config = json.loads((out / "config.json").read_text())
+        config["dtype"] = str(floats.pop()).removeprefix("torch.")
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     try:
         load_tokenizer(model_path).save_pretrained(out)
     except (OSError, ValueError):  # a model folder without a tokenizer: engines keep theirs

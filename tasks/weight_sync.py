@@ -21,7 +21,14 @@ from infra.process_memory import peak_rss_bytes, reset_peak_rss
 from rollout.engines.update_group import (TensorSpec, destroy_group, dtype_name, init_group, send_bucket,
                                           tensor_digest)
 
-__all__ = ["WeightSenderMixin", "full_tensor"]
+__all__ = ["WeightSenderMixin", "for_engines", "full_tensor"]
+
+
+def for_engines(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A learner tensor (or FSDP shard) as engines load it: in model.dtype (`dtype`), while the learner's masters are
+    float32. Every tensor bound for an engine passes here (object store, HF folder, distributed and colocated
+    buckets, digests); an FSDP shard is cast before its gather, so the gather moves the engines' bytes."""
+    return tensor.detach().to(dtype)  # no copy when it is already dtype
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -30,11 +37,14 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class WeightSenderMixin:
-    """Actor methods for the weight-update group. Needs self.model (the HF LM), self.state_keys, self.rank."""
+    """Actor methods for the weight-update group. Needs self.model (the HF LM), self.state_keys, self.rank,
+    self.weight_dtype (model.dtype: what engines load)."""
 
     def _named_weights(self) -> dict[str, torch.Tensor]:
-        state = self.model.state_dict()  # references (DTensor shards when sharded), no copies
-        return {k: state[k].detach() for k in self.state_keys}
+        """The tensors engines load, as this rank holds them (DTensor shards when sharded), in model.dtype:
+        references when the masters are already model.dtype, else cast copies (of the shards only, when sharded)."""
+        state = self.model.state_dict()
+        return {k: for_engines(state[k], self.weight_dtype) for k in self.state_keys}
 
     def weight_specs(self) -> list[TensorSpec]:
         """(HF name, dtype name, full shape) of every tensor the engines load, in sending order."""
