@@ -13,8 +13,11 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -m pip install -q "$(TORCH_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m pip install -q -e ".[test,sglang-contract]" 2>&1 | grep -v "^WARNING: Location" || true
+	# SGLang's own classes for tests/contract: sglang pins a CUDA torch, so it goes in without its dependencies
+	$(PY) -m pip install -q --no-deps $$($(PY) tests/contract/sglang_env.py no-deps) 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -c "import torch, prefect, ray, transformers, sglang_router, s3fs"
+	$(PY) tests/contract/sglang_env.py verify "$(TORCH_SPEC)"
 	touch $(STAMP)
 
 install: $(STAMP)
