@@ -1,13 +1,19 @@
 """The layers import cleanly and without cycles: every module of flows/, tasks/, rollout/ and infra/ imports on
 its own, and the graph of their imports (read with ast from the source) has no cycle. Function-level imports
-count (a lazy import is still a dependency); imports under `if TYPE_CHECKING:` do not (annotations only)."""
+count (a lazy import is still a dependency); imports under `if TYPE_CHECKING:` do not (annotations only).
+
+"On its own" means in a process that holds no other project module (the test's own process holds them all, so an
+import there proves nothing): one `python -c` process imports the third-party packages the modules import at top
+level, then forks a child per module that imports only that module. A fresh interpreter per module would cost
+~2 CPU-s each (torch, ray, prefect) for 120-odd modules; a fork costs milliseconds, and what it shares is no
+project code."""
 from __future__ import annotations
 
 import ast
-import importlib
+import json
+import subprocess
+import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("flows", "tasks", "rollout", "infra")
@@ -114,6 +120,78 @@ def test_no_import_cycle_among_the_layers():
     assert KNOWN_CYCLES - found == set(), f"fixed cycles still listed as known: {sorted(KNOWN_CYCLES - found)}"
 
 
-@pytest.mark.parametrize("name", sorted(project_modules()))
-def test_every_module_imports_on_its_own(name):
-    importlib.import_module(name)
+# Run as `python -c IMPORT_EACH_ALONE '{"preload": [...], "modules": [...]}'` with the modules' root on sys.path:
+# prints one JSON line, {module: the last line of its error} for each module that fails to import alone.
+IMPORT_EACH_ALONE = r"""
+import gc, importlib, json, os, sys, traceback
+spec = json.loads(sys.argv[1])
+for name, attrs in spec["preload"]:
+    try:
+        module = importlib.import_module(name)
+        for attr in attrs:  # `from transformers import X` loads X's submodule lazily: load it here, once
+            getattr(module, attr, None)
+    except Exception:  # the module that needs it fails on its own below and says why
+        pass
+gc.freeze()  # the children's collections then leave the preloaded objects' pages shared
+failures = {}
+for name in spec["modules"]:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            importlib.import_module(name)
+            code, message = 0, b""
+        except BaseException:
+            code, message = 1, traceback.format_exc().strip().splitlines()[-1].encode()
+        os.write(write, message)
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        message = pipe.read().decode()
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        failures[name] = message or f"exit status {status}"
+print(json.dumps(failures))
+"""
+
+
+def top_level_third_party(modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """What the modules import from outside the project at module level, as (module, names taken from it): preloaded
+    once, not in each child."""
+    ours = {name.split(".")[0] for name in modules} | {"__future__"}
+    found: dict[str, set[str]] = {}
+    for path in modules.values():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    found.setdefault(alias.name, set())
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found.setdefault(node.module, set()).update(alias.name for alias in node.names)
+    return [(name, sorted(attrs)) for name, attrs in sorted(found.items()) if name.split(".")[0] not in ours]
+
+
+def modules_failing_alone(modules: list[str], preload: list[str], root: Path) -> dict[str, str]:
+    """{module: error} for each of `modules` that does not import in a process holding no other module of root."""
+    proc = subprocess.run([sys.executable, "-c", IMPORT_EACH_ALONE, json.dumps({"preload": preload, "modules": modules})],
+                          cwd=root, env=None, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_alone_check_sees_a_module_that_imports_only_after_another(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("import pkg.c\n")
+    (pkg / "b.py").write_text("import pkg\nTHING = pkg.c.thing\n")  # works only once pkg.c was imported elsewhere
+    (pkg / "c.py").write_text("thing = 1\n")
+    failing = modules_failing_alone(["pkg.a", "pkg.b", "pkg.c"], [], tmp_path)
+    assert list(failing) == ["pkg.b"] and "has no attribute 'c'" in failing["pkg.b"], failing
+
+
+def test_every_module_imports_on_its_own():
+    modules = project_modules()
+    assert len(modules) > 100  # the four packages were found
+    failing = modules_failing_alone(sorted(modules), top_level_third_party(modules), ROOT)
+    assert failing == {}, failing
