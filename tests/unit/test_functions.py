@@ -36,15 +36,20 @@ def user_module(tmp_path, monkeypatch):
     return "my_rollouts"
 
 
-@pytest.mark.parametrize("name", ["seed_style", "with_kwargs"])
-def test_fitting_functions_load_and_are_called_like_the_seed(user_module, name):
+@pytest.mark.parametrize("name, called_with", [("seed_style", [[7, True]]), ("with_kwargs", {"evaluation": True})])
+def test_fitting_functions_load_and_are_called_like_the_seed(user_module, name, called_with):
     fn = load_rollout_function(f"{user_module}.{name}", "rollout.rollout_function_path")
-    assert fn("cfg", 7, None, evaluation=True) is not None
+    assert (fn.__module__, fn.__name__) == (user_module, name)  # the user's function itself, not a stand-in
+    assert fn("cfg", 7, None, evaluation=True) == called_with  # the rollout id and `evaluation` reach it
 
 
 def test_the_shipped_functions_fit():
-    for path in ("rollout.sft.generate_sft_rollout",):
-        load_rollout_function(path, "rollout.rollout_function_path")
+    from rollout.partial import generate_rollout
+    from rollout.sft import generate_sft_rollout
+
+    for path, function in (("rollout.partial.generate_rollout", generate_rollout),
+                           ("rollout.sft.generate_sft_rollout", generate_sft_rollout)):
+        assert load_rollout_function(path, "rollout.rollout_function_path") is function, path
 
 
 @pytest.mark.parametrize("name, match", [
