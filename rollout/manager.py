@@ -9,7 +9,8 @@ be short and must not call the manager; one that returns True stops the round (e
 Failures: a request that fails in transport or with a 5xx (the router has already retried the other
 workers) triggers one shared health check; an engine that does not answer /health_generate within
 engines.health_timeout_s is taken off the router and killed (so its requests fail over), restarted in its
-own bundles with the latest weights, and registered again; the request is then sent again.
+own bundles with the latest weights, and registered again; the request is then sent again. Engines whose memory
+is released (offload) are never probed: they cannot generate, so they would fail SGLang's /health.
 """
 from __future__ import annotations
 
@@ -171,8 +172,9 @@ class RolloutManager(EngineWeights):
 
     # ---- health -------------------------------------------------------------------------------------
     def health_check(self) -> dict[int, str]:
-        """Probe every engine's /health_generate (/health while offloaded); restart dead or hung ones.
-        Returns index -> ok | restarted."""
+        """Probe every engine's /health_generate; restart dead or hung ones. Engines whose memory is released
+        (offload) are not probed: they cannot generate, so SGLang fails them (its /health generates a token too), and
+        a restart would cut into the colocated update. Returns index -> ok | restarted | released."""
         return self._call(self._health_check)
 
     def start_health_monitor(self, interval_s: float) -> None:
@@ -199,8 +201,10 @@ class RolloutManager(EngineWeights):
 
     async def _health_check(self) -> dict[int, str]:
         async with self._engine_lock:
-            timeout, generate = self.cfg.health_timeout_s, not self._offloaded  # released memory cannot generate
-            healthy = await asyncio.gather(*(self._client(h.url).health(generate=generate, timeout_s=timeout)
+            if self._offloaded:
+                return {h.index: "released" for h in self.engines}
+            timeout = self.cfg.health_timeout_s
+            healthy = await asyncio.gather(*(self._client(h.url).health(generate=True, timeout_s=timeout)
                                              if h.url else _false() for h in self.engines))
             for handle, ok in zip(self.engines, healthy):
                 if not ok:

@@ -152,6 +152,6 @@ class EngineWeights:
             reported = (await client.get(sgl.ENDPOINTS["model_info"])).json().get("weight_version")
             reported = int(reported) if isinstance(reported, str) and reported.isdigit() else reported
         else:
-            reported = await handle.actors[0].update_weights.remote(source, version)
+            reported = await handle.actors[0].update_weights.remote(source, version, self.cfg.weight_bucket_bytes)
         handle.weight_version = self.weight_versions[handle.index] = reported
 

@@ -49,7 +49,8 @@ class DistributedWeightSync:
         buckets = plan_buckets(specs, self.bucket_bytes)
         name, sending = self.group_name, None
         try:
-            await asyncio.gather(*(client(u).post("/begin_weight_update", json={"selector": "all"}) for u in urls))
+            await asyncio.gather(*(client(u).post(sgl.ENDPOINTS["begin_weight_update"],
+                                                  json=sgl.begin_weight_update_payload()) for u in urls))
             sending = asyncio.ensure_future(_awaited(
                 policy.broadcast_weights.remote(name, [[n for n, _, _ in b] for b in buckets])))
             for bucket in buckets:
@@ -65,8 +66,9 @@ class DistributedWeightSync:
                 sending.add_done_callback(lambda done: done.cancelled() or done.exception())
             await self.leave(client, wait_learner=False)  # engines drop their ends: a blocked broadcast fails fast
             raise
-        finally:
-            await asyncio.gather(*(client(u).post("/end_weight_update", json={}) for u in urls),
+        finally:  # also after a failure (or a begin refused on some engine): the next sync must be able to begin
+            end = sgl.end_weight_update_payload()
+            await asyncio.gather(*(client(u).post(sgl.ENDPOINTS["end_weight_update"], json=end) for u in urls),
                                  return_exceptions=True)
         self.last = {"buckets": len(buckets), "bucket_bytes": self.bucket_bytes, **report}
 

@@ -8,15 +8,16 @@ and the new weights go to each engine bucket by bucket.
   server on a thread of this process; sglang: its server process on this rank's GPU, fate-shared with it).
   rollout/colocated_pool.py routes the engine pool's actor calls to engine_call.
 - load_colocated_weights(version, bucket_bytes): every rank gathers each bucket's full tensors (FSDP shards; a
-  collective), and a hosting rank hands them to its engine: in process to the torch engine (which copies them
-  into its own, resumed weights), as CUDA IPC handles to SGLang's /update_weights_from_tensor. No rank holds more
-  than one bucket beyond its model.
+  collective), and a hosting rank posts them to its engine's /update_weights_from_tensor inside one weight-update
+  session (SGLang: CUDA IPC handles; the torch engine: the tensors' data, which it copies into its own, resumed
+  weights). No rank holds more than one bucket beyond its model.
 - colocation_log(): this process's memory release/resume, logprob, update and weight-load events in order (the
   colocation test reads it).
 """
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -63,36 +64,27 @@ class EngineHostMixin:
 
     def load_colocated_weights(self, weight_version: int | str, bucket_bytes: int) -> dict:
         """This rank's part of a colocated sync (every rank calls it): the model's tensors to the hosted engine,
-        bucket by bucket; the last bucket sets weight_version. -> {"buckets", "bytes", "version"}."""
+        bucket by bucket, inside one weight-update session (ended also on failure); the last bucket sets
+        weight_version. -> {"buckets", "bytes", "version"}."""
         named = self._named_weights()
         buckets = plan_buckets(self.weight_specs(), bucket_bytes)
         device = "cuda" if getattr(self, "device", "cpu") == "cuda" else "cpu"
+        # Only an engine's node 0 serves HTTP. The torch engine takes the buckets over HTTP too, although it runs in
+        # this process: that costs a few copies of one bucket (encoded, decoded), never of the model, and runs the
+        # session and route that SGLang needs, so the CPU suite exercises them.
+        engine = self._hosted if self._hosted is not None and self._hosted.url is not None else None
         loaded = 0
-        with torch.no_grad():
+        with torch.no_grad(), (engine.weight_update_session() if engine is not None else nullcontext()):
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
-                tensors = {name: full_tensor(named[name]).to(device) for name, _, _ in bucket}
-                if self._hosted is not None:
-                    self._load_bucket(tensors, weight_version if last else None, last)
+                tensors = {name: full_tensor(named[name]).to(device) for name, _, _ in bucket}  # a collective
+                if engine is not None:
+                    engine.post_tensor_bucket(tensors, weight_version if last else None, flush_cache=last)
                     loaded += sum(t.numel() * t.element_size() for t in tensors.values())
                 del tensors
-        version = self._hosted.reported_weight_version() if self._hosted is not None else None
+        version = engine.reported_weight_version() if engine is not None else None
         self._note("load_weights")
         return {"buckets": len(buckets), "bytes": loaded, "version": version}
-
-    def _load_bucket(self, tensors: dict[str, torch.Tensor], version: int | str | None, last: bool) -> None:
-        engine = self._hosted
-        if engine.backend == "torch":
-            if engine.url is not None:  # node 0 serves; the copy into the engine's weights is its own
-                engine._server.load_weights(tensors, version)
-            return
-        from rollout.engines import sglang_backend as sgl
-
-        serialized = sgl.serialize_named_tensors(list(tensors.items()), engine.tp_size)
-        payload = sgl.update_from_tensor_payload(serialized, version if version is not None else "", flush_cache=last)
-        if version is None:
-            payload.pop("weight_version")  # only the last bucket moves the engine's version
-        engine._post(sgl.ENDPOINTS["update_from_tensor"], payload)
 
     def take_colocation_log(self) -> list[str]:
         """The events of this process since the last take, in time order: release / resume (the hosted engine's

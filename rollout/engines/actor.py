@@ -1,8 +1,9 @@
 """`EngineActor`: one node of one rollout engine, as a Ray actor.
 
-backend "torch": the actor holds a `TorchEngineServer` in-process (HTTP from a background thread), so
-weights arrive as a Ray object and are applied without touching disk. The torch engine has no tensor
-parallelism: a multi-node torch engine serves from node 0 and its other nodes only hold their slots.
+backend "torch": the actor holds a `TorchEngineServer` in-process (HTTP from a background thread); weights arrive
+as a Ray object and go to it over HTTP, as to SGLang (/update_weights_from_tensor inside a weight-update session),
+without touching disk. The torch engine has no tensor parallelism: a multi-node torch engine serves from node 0
+and its other nodes only hold their slots.
 
 backend "sglang": the actor launches `sglang.launch_server` as a child process on its node (node 0
 serves HTTP; other nodes join node 0's torch.distributed group) and maps weight updates to SGLang's
@@ -13,8 +14,10 @@ actor reports its URL back; only node 0 of an engine has one.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -22,6 +25,7 @@ import httpx
 from rollout.engines import sglang_backend as sgl
 
 BACKENDS = ("torch", "sglang")
+log = logging.getLogger(__name__)
 
 
 def free_ports(host: str, count: int, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
@@ -112,20 +116,58 @@ class EngineActor:
             self._process = None
 
     # ---- weights ------------------------------------------------------------------------------------
-    def update_weights(self, state_dict: dict[str, Any], weight_version: int | str) -> int | str | None:
-        """Apply HF-named tensors (Ray resolves an ObjectRef argument); returns the version the engine reports."""
+    def update_weights(self, state_dict: dict[str, Any], weight_version: int | str,
+                       bucket_bytes: int | None = None) -> int | str | None:
+        """Apply HF-named tensors (Ray resolves an ObjectRef argument) by /update_weights_from_tensor, in buckets of
+        about bucket_bytes (None: one), inside one weight-update session; returns the version the engine reports.
+        Both backends go over HTTP (the torch engine takes its CPU encoding: sglang_backend.serialize_named_tensors)."""
         if self.node_rank > 0:
             return None
-        if self.backend == "torch":
-            self._server.load_weights(state_dict, weight_version)
-            return self._server.weight_version
-        # SGLang's serializer shares CUDA memory (IPC handles); CPU tensors would not cross processes over HTTP.
-        # This path holds one full copy on the GPU; large models want update_weights_from_distributed.
-        device = f"cuda:{self.base_gpu_id}"
-        named = [(name, tensor.to(device)) for name, tensor in state_dict.items()]
-        payload = sgl.update_from_tensor_payload(sgl.serialize_named_tensors(named, self.tp_size), weight_version)
-        self._post(sgl.ENDPOINTS["update_from_tensor"], payload)
+        from rollout.engines.update_group import dtype_name, plan_buckets
+
+        specs = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in state_dict.items()]
+        buckets = plan_buckets(specs, bucket_bytes) if bucket_bytes else [specs]
+        with self.weight_update_session():
+            for i, bucket in enumerate(buckets):
+                last = i == len(buckets) - 1
+                self.post_tensor_bucket({name: state_dict[name] for name, _, _ in bucket},
+                                        weight_version if last else None, flush_cache=last)
         return self.reported_weight_version()
+
+    @contextmanager
+    def weight_update_session(self):
+        """/begin_weight_update ... /end_weight_update around tensor updates (SGLang 0.5.23 refuses them outside
+        one); the session is ended also when an update fails, so the next update can begin."""
+        self._post(sgl.ENDPOINTS["begin_weight_update"], sgl.begin_weight_update_payload())
+        try:
+            yield
+        except BaseException:
+            try:
+                self._post(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload(), timeout_s=60.0)
+            except Exception as err:  # the update's own error is the one to report
+                log.warning("engine %d: /end_weight_update after a failed update failed too: %r", self.engine_index,
+                            err)
+            raise
+        self._post(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload())
+
+    def post_tensor_bucket(self, tensors: dict[str, Any], weight_version: int | str | None,
+                           flush_cache: bool = True) -> None:
+        """One /update_weights_from_tensor call (inside a session); weight_version None keeps the engine's version.
+        SGLang: CUDA IPC handles, so the tensors go to this engine's GPU first (one bucket there at a time) and stay
+        alive until the call returns. Torch engine: the tensors' data, safetensors-encoded."""
+        if self.backend == "sglang":
+            device = f"cuda:{self.base_gpu_id}"
+            tensors = {name: tensor.to(device) for name, tensor in tensors.items()}
+        serialized = sgl.serialize_named_tensors(list(tensors.items()), self.tp_size, backend=self.backend)
+        self._post(sgl.ENDPOINTS["update_from_tensor"],
+                   sgl.update_from_tensor_payload(serialized, weight_version, flush_cache=flush_cache))
+
+    def take_weight_update_events(self) -> list[str]:
+        """Torch backend: the engine's session and update route outcomes since the last take, in order
+        (begin_weight_update, update_weights_from_tensor, ..., end_weight_update; "... refused" / "... failed")."""
+        events = list(self._server.weight_update_events)
+        self._server.weight_update_events.clear()
+        return events
 
     def weight_digests(self) -> dict[str, str]:
         """sha256 of every loaded tensor's bytes (torch backend; benchmarks compare them with the learner's)."""

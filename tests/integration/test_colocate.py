@@ -57,7 +57,11 @@ def test_hosted_engine_releases_for_real_refuses_generation_and_comes_back_with_
         assert refused.status_code == 503 and "resume_memory_occupation" in refused.text
 
         learner = ray.get(policy.weight_digests.remote())
+        ray.get(host.engine_call.remote("take_weight_update_events"))
         manager.sync_weights(policy, 1)  # colocated: resume, then the learner's tensors bucket by bucket
+        events = ray.get(host.engine_call.remote("take_weight_update_events"))  # over HTTP, in SGLang's session
+        assert events[0] == "begin_weight_update" and events[-1] == "end_weight_update", events
+        assert set(events[1:-1]) == {"update_weights_from_tensor"} and len(events) > 4, events
         assert ray.get(host.engine_call.remote("memory_bytes")) == held
         assert ray.get(host.engine_call.remote("weight_digests")) == learner
         assert manager.weight_versions == {0: 1}

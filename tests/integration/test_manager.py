@@ -25,6 +25,16 @@ def batch(params: dict, prompts=PROMPTS) -> list[dict]:
     return [{"input_ids": p, "sampling_params": dict(params)} for p in prompts]
 
 
+IN_ONE_SESSION = ["begin_weight_update", "update_weights_from_tensor", "end_weight_update"]
+
+
+def engine_events(manager) -> list[list[str]]:
+    """Each engine's weight-update session and route outcomes since the last call, in order."""
+    import ray
+
+    return ray.get([h.actors[0].take_weight_update_events.remote() for h in manager.engines])
+
+
 def loads(url: str) -> tuple[int, int]:
     entry = httpx.get(url + "/v1/loads", timeout=10).json()["loads"][0]
     return entry["num_running_reqs"], entry["num_waiting_reqs"]
@@ -92,9 +102,11 @@ def test_weight_update_changes_outputs_and_versions(rollout_manager, tiny_model_
     m = rollout_manager
     before = m.generate(batch(GREEDY))
     tiny = load_file(str(next(tiny_model_dir.glob("*.safetensors"))))
+    engine_events(m)
     try:
-        versions = m.update_weights(tiny, 7)  # a state dict: put in Ray's object store once, loaded in-process
+        versions = m.update_weights(tiny, 7)  # a state dict: put in Ray's object store once, posted to each engine
         assert versions == {0: 7, 1: 7}
+        assert engine_events(m) == [IN_ONE_SESSION] * 2  # /update_weights_from_tensor inside SGLang's session
         for url in m.urls:
             assert httpx.get(url + "/model_info").json()["weight_version"] == 7
         after = m.generate(batch(GREEDY))
@@ -104,6 +116,42 @@ def test_weight_update_changes_outputs_and_versions(rollout_manager, tiny_model_
         assert m.update_weights(varied_model_dir, 0) == {0: 0, 1: 0}  # from disk, like SGLang's endpoint
     restored = m.generate(batch(GREEDY))
     assert [r["output_ids"] for r in restored] == [r["output_ids"] for r in before]
+
+
+def test_tensor_update_in_buckets_runs_in_one_session_and_a_failed_one_ends_it(rollout_manager, tiny_model_dir,
+                                                                                varied_model_dir):
+    """The client path that drives SGLang (EngineActor.update_weights: begin, a bucket per call, end) against the
+    torch engine's /update_weights_from_tensor; an update the engine refuses still ends the session, so the next
+    update can begin, and leaves the weights and version as they were."""
+    import ray
+    import torch
+    from safetensors.torch import load_file
+
+    from rollout.engines.update_group import tensor_digest
+
+    m = rollout_manager
+    tiny = load_file(str(next(tiny_model_dir.glob("*.safetensors"))))
+    before = [a["output_ids"] for a in m.generate(batch(GREEDY))]
+    engine_events(m)
+    try:
+        actor = m.engines[0].actors[0]
+        assert ray.get(actor.update_weights.remote(tiny, 5, 20000)) == 5
+        events = engine_events(m)[0]
+        assert events[0] == "begin_weight_update" and events[-1] == "end_weight_update", events
+        assert events[1:-1] == ["update_weights_from_tensor"] * len(events[1:-1]) and len(events) > 4, events
+        loaded = ray.get(actor.weight_digests.remote())
+        assert loaded == {name: tensor_digest(tiny[name]) for name in loaded}
+
+        with pytest.raises(Exception, match="update_weights_from_tensor"):
+            m.update_weights({**tiny, "model.no_such.weight": torch.zeros(3)}, 9)
+        assert engine_events(m) == [["begin_weight_update", "update_weights_from_tensor failed",
+                                     "end_weight_update"]] * 2
+        assert [httpx.get(u + "/model_info").json()["weight_version"] for u in m.urls] == [5, 0]
+        assert m.update_weights(tiny, 6) == {0: 6, 1: 6}  # a session can begin again
+        assert engine_events(m) == [IN_ONE_SESSION] * 2
+    finally:
+        assert m.update_weights(varied_model_dir, 0) == {0: 0, 1: 0}
+    assert [a["output_ids"] for a in m.generate(batch(GREEDY))] == before
 
 
 def test_abort_all_mid_generation_returns_partial_tokens_and_idles(rollout_manager):
@@ -206,14 +254,30 @@ def test_bad_request_raises_clearly_and_manager_keeps_working(rollout_manager):
     assert len(m.generate(batch(GREEDY, PROMPTS[:2]))) == 2
 
 
-def test_offload_then_onload_brings_back_the_served_weights(rollout_manager):
+def test_offload_then_onload_brings_back_the_served_weights(rollout_manager, monkeypatch):
+    """Released engines fail /health (SGLang's /health generates a token, which they cannot), so neither a health
+    check nor the background monitor probes them: nothing is restarted in the middle of a colocated update."""
     m = rollout_manager
     before = [a["output_ids"] for a in m.generate(batch(GREEDY, PROMPTS[:2]))]
+    restarts, checks = m.restarts, []
+    real_check = m._health_check
+
+    async def counted_check():
+        checks.append(await real_check())
+        return checks[-1]
+
+    monkeypatch.setattr(m, "_health_check", counted_check)
     m.offload()  # weights and KV cache: the torch engine frees them for real (tests/integration/test_colocate.py)
     try:
-        assert m.health_check() == {0: "ok", 1: "ok"}  # offloaded is healthy (SGLang: probed by /health)
+        assert all(httpx.get(url + "/health", timeout=30).status_code == 503 for url in m.urls)
+        assert m.health_check() == {0: "released", 1: "released"}
+        m.start_health_monitor(0.02)
+        assert wait_until(lambda: len(checks) >= 4, 30), "the monitor did not run"
     finally:
+        m.stop_health_monitor()
         m.onload()  # resumed weights are empty: the manager loads the ones the engines served
+    assert all(c == {0: "released", 1: "released"} for c in checks) and m.restarts == restarts
+    assert m.health_check() == {0: "ok", 1: "ok"}
     assert [a["output_ids"] for a in m.generate(batch(GREEDY, PROMPTS[:2]))] == before
 
 

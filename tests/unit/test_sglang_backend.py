@@ -102,7 +102,8 @@ def test_weight_update_session_bodies_and_tensor_encodings():
     check_payload(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload())
     assert "weight_version" not in sgl.update_from_tensor_payload(["a"], None, flush_cache=False)
     embed = torch.randn(5, 3)
-    named = [("model.embed_tokens.weight", embed), ("lm_head.weight", embed), ("w", torch.ones(2, dtype=torch.bfloat16))]
+    named = [("model.embed_tokens.weight", embed), ("lm_head.weight", embed),
+             ("w", torch.ones(2, dtype=torch.bfloat16))]
     entries = sgl.serialize_named_tensors(named, 2, backend="torch")
     assert len(entries) == 2 and all(isinstance(e, str) for e in entries)
     check_payload(sgl.ENDPOINTS["update_from_tensor"], sgl.update_from_tensor_payload(entries, 3))
