@@ -1,5 +1,6 @@
-"""`spillover` command line: train, resume, eval, serve, submit, report. Exit codes: 0 ok, 1 run failed,
-2 bad config or input."""
+"""`spillover` command line: train, resume, eval, serve, submit, report, check. Exit codes: 0 ok, 1 run failed,
+2 bad config or input. train, resume, serve and eval run `spillover check`'s preflight (flows/check.py) first, before
+Prefect, Ray or any model: a refused input is one line per problem on stderr and exit 2."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from flows.run_lock import RunLockedError
 from infra.config import ConfigError, load_config
-from infra.prefect_env import apply_process_defaults
+from infra.prefect_env import apply_process_defaults, quiet_console
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -21,8 +22,46 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="config overrides, e.g. rollout.max_split=4 run_dir=runs/exp1")
 
 
+class InputRefused(Exception):
+    """The preflight's problems, one line each."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def refuse_bad_inputs(args, cfg, **options) -> None:
+    """Run the preflight (flows.check.preflight options) and raise InputRefused with its problems, if any; then make
+    the process ready for flows (Prefect imported only now: ~1-3 CPU-s that a refused input does not pay)."""
+    from flows.check import preflight
+
+    report = preflight(cfg, **options)
+    if report.problems:
+        raise InputRefused(report.problems)
+    ready_for_flows(args)
+
+
+def ready_for_flows(args) -> None:
+    """The fate-shared ephemeral Prefect server (infra/prefect_env.py) and the quiet console (--verbose: not)."""
+    apply_process_defaults()
+    quiet_console(verbose=args.verbose)
+
+
+def cmd_check(args) -> int:
+    from flows.check import plan_table, preflight
+
+    if args.nodes < 1 or (args.gpus is not None and args.gpus < 0):
+        raise ConfigError("--gpus must be >= 0 and --nodes >= 1")
+    report = preflight(load_config(args.config, args.overrides), gpus=args.gpus, nodes=args.nodes)
+    if report.problems:
+        raise InputRefused(report.problems)
+    print(plan_table(report))
+    return EXIT_OK
+
+
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    refuse_bad_inputs(args, cfg)
     from flows.train import grpo_train
 
     summary = grpo_train(cfg)
@@ -35,6 +74,7 @@ def cmd_resume(args) -> int:
     from flows.train import grpo_train
 
     cfg = load_run_config(args.run_dir, args.overrides)
+    refuse_bad_inputs(args, cfg)
     summary = grpo_train(cfg, resume=True)
     print(json.dumps(summary, indent=2))
     return EXIT_OK
@@ -43,7 +83,9 @@ def cmd_resume(args) -> int:
 def cmd_eval(args) -> int:
     from flows.eval import evaluate, format_table, resolve_target
 
-    result, path = evaluate(resolve_target(args.target, args.overrides, args.config), args.data, args.name)
+    target = resolve_target(args.target, args.overrides, args.config)
+    refuse_bad_inputs(args, target.cfg, purpose="eval", model_dir=target.model_dir, data_paths={"--data": args.data})
+    result, path = evaluate(target, args.data, args.name)
     print(format_table(result))
     print(path)
     return EXIT_OK
@@ -60,6 +102,7 @@ def cmd_export(args) -> int:
 
 def cmd_serve(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    refuse_bad_inputs(args, cfg)
     from flows.serve import serve_deployments
 
     only = [d.strip() for d in args.deployments.split(",") if d.strip()] if args.deployments else None
@@ -88,6 +131,8 @@ def cmd_report(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spillover", description="GRPO training with partial rollout.")
+    parser.add_argument("--verbose", action="store_true", help="print Prefect's per-task and flow-run state lines "
+                        "on the console too (they are always in the Prefect UI)")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train from a config (local Ray, CPU engines, ephemeral Prefect)")
     _add_config_args(train)
@@ -151,6 +196,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "carried over, time per task.")
     report.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir of a training run")
     report.set_defaults(fn=cmd_report)
+
+    check = sub.add_parser(
+        "check", help="preflight: refuse in seconds what would stop a run (train, resume, serve and eval run it first)",
+        description="Check the config, every line of the data files, the reward/rollout/env functions, the storage, the "
+        "model folder and tokenizer, SGLang's flags, and the placement plan (every actor's CPUs and GPUs, a memory "
+        "estimate per GPU) against the Ray cluster of RAY_ADDRESS (joined, never started), this machine, or --gpus N. "
+        "Prints one line per problem on stderr and exits 2, or prints the plan and exits 0.")
+    _add_config_args(check)
+    check.add_argument("--gpus", type=float, default=None, metavar="N",
+                       help="plan for N GPUs in all (a machine you are not on) instead of the Ray cluster or this one")
+    check.add_argument("--nodes", type=int, default=1, metavar="M", help="with --gpus: over M nodes (default 1)")
+    check.set_defaults(fn=cmd_check)
     return parser
 
 
@@ -166,11 +223,18 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 
 
 def main(argv: list[str] | None = None) -> int:
-    apply_process_defaults()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(build_parser(), argv)
+    preflighted = args.fn in (cmd_check, cmd_train, cmd_resume, cmd_eval, cmd_serve)  # Prefect after the check
+    apply_process_defaults(prefect=not preflighted)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not preflighted:
+        quiet_console(verbose=args.verbose)
     try:
         return args.fn(args)
+    except InputRefused as err:
+        for problem in err.problems:
+            print(f"spillover: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except ConfigError as err:
         print(f"spillover: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

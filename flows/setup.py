@@ -13,7 +13,8 @@ from typing import Any
 
 from flows.parts import active_warm_parts
 from infra.cluster import init_ray
-from infra.config import RunConfig
+from infra.config import ConfigError, RunConfig
+from infra.config_plan import needs_engines as plan_needs_engines, placement_plan, plan_problems
 from infra.imports import load_function
 from infra.model_staging import is_remote_model, stage_on_other_nodes
 from infra.models import load_tokenizer, resolve_model_path
@@ -90,8 +91,19 @@ def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> 
 
 
 def needs_engines(cfg: RunConfig) -> bool:
-    """Engines generate; replayed debug data and SFT samples need them only for eval."""
-    return not cfg.schedule.debug_train_only and (not cfg.rollout.sft or bool(cfg.data.eval_paths))
+    """Engines generate; replayed debug data and SFT samples need them only for eval (infra/config_plan.py)."""
+    return plan_needs_engines(cfg)
+
+
+def refuse_unplaceable(cfg: RunConfig, resuming: bool) -> None:
+    """Refuse, before any placement group waits for resources (120-600 s), a placement plan that the joined Ray
+    cluster cannot hold, or multi-node placement with node-local storage (`spillover check` says the same earlier)."""
+    from flows.check import cluster_from_ray
+
+    cluster = cluster_from_ray(cfg.engines.ray_address)
+    problems = plan_problems(placement_plan(cfg, cluster.gpus, resuming=resuming), cluster, cfg.storage.url)
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def build_run(cfg: RunConfig, saved=None) -> Run:
@@ -130,6 +142,7 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
         dock = TransferDock.from_config(cfg.rollout, stop_ids)
         cursor = PromptCursor(len(prompts), seed=cfg.model.seed, shuffle=cfg.data.shuffle)
     init_ray(cfg.engines.ray_address)
+    refuse_unplaceable(cfg, resuming=saved is not None)
     if is_remote_model(cfg.model.path):  # every node reads the model from its own local copy
         stage_on_other_nodes(str(model_path), cfg.storage)
     reward_models = start_reward_models(cfg.grpo.reward_models, cfg.model.dtype)  # first: a bad folder fails early

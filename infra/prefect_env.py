@@ -15,7 +15,9 @@ PREFECT_SERVER_DATABASE_CONNECTION_URL to keep them in a file, or run a Prefect 
 """
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
 
 PREFECT_SERVER_DEFAULTS = {
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
@@ -41,16 +43,17 @@ RUNTIME_DEFAULTS = {
 }
 
 
-def apply_process_defaults() -> None:
+def apply_process_defaults(prefect: bool = True) -> None:
     """Set the defaults above where the user has not set them (the in-memory database only when no
     PREFECT_API_URL names a server, i.e. when Prefect will start an ephemeral one). Without PREFECT_API_URL,
     the ephemeral server this process may start dies with it, even when it is SIGKILLed
-    (infra/prefect_server.py; importing Prefect's server module costs ~1-2 s, which a flow run pays anyway)."""
+    (infra/prefect_server.py; importing Prefect's server module costs ~1-2 s, which a flow run pays anyway).
+    prefect=False: a process that runs no flow (`spillover check`): the variables only, Prefect is not imported."""
     chosen = {"PREFECT_API_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL"}
     ephemeral = {} if chosen & set(os.environ) else EPHEMERAL_SERVER_DEFAULTS
     for key, value in {**PREFECT_SERVER_DEFAULTS, **ephemeral, **RUNTIME_DEFAULTS}.items():
         os.environ.setdefault(key, value)
-    if "PREFECT_API_URL" not in os.environ:
+    if prefect and "PREFECT_API_URL" not in os.environ:
         from infra import prefect_server
 
         prefect_server.install()
@@ -64,3 +67,33 @@ def writes_never_collide() -> bool:
     settings = get_current_settings()
     url = settings.server.database.connection_url
     return settings.api.url is None and url is not None and ":memory:" in url.get_secret_value()
+
+
+class PrefectEngineLines(logging.Filter):
+    """Drops the INFO lines Prefect's own code writes about runs ('Finished in state Completed()' after every task,
+    'Beginning subflow run ...', 'Starting temporary server ...') from a console handler. What the run prints or logs
+    itself through Prefect's run loggers (log_prints: the iteration summary) passes, and so does everything at
+    WARNING and above. Only the console's handlers get it: the API handler still sends every line to the UI."""
+
+    def __init__(self):
+        super().__init__("spillover.quiet_console")
+        import prefect
+
+        self.prefect_dir = str(Path(prefect.__file__).parent)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.levelno >= logging.WARNING or not record.name.startswith("prefect")
+                or not record.pathname.startswith(self.prefect_dir))
+
+
+def quiet_console(verbose: bool = False) -> None:
+    """Put PrefectEngineLines on the root logger's handlers (the console: Prefect's run loggers propagate there),
+    or take it off with verbose=True. Idempotent."""
+    handlers = logging.getLogger().handlers
+    for handler in handlers:
+        for old in [f for f in handler.filters if isinstance(f, PrefectEngineLines)]:
+            handler.removeFilter(old)
+    if not verbose:
+        quiet = PrefectEngineLines()
+        for handler in handlers:
+            handler.addFilter(quiet)

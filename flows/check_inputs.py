@@ -1,0 +1,171 @@
+"""The input checks of `spillover check` (flows/check.py): each takes the run's config and returns one line per
+problem ([] when all is well). They reuse the loading code a run uses (rollout/data_source.py, infra/imports.py,
+infra/storage.py, infra/models.py), so a file or function that passes here loads at start; none imports torch, Ray
+or Prefect.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["REWARD_KEYWORDS", "check_data", "check_imports", "check_model", "check_sglang_flags", "check_storage_access"]
+
+REWARD_KEYWORDS = ("sample", "samples", "metadata")  # tasks/reward.py's (which imports Prefect); a unit test compares
+BUILTIN_TASK_REWARD = "rollout.toy_task.reward"
+
+
+def check_model(cfg, model_dir: str | Path | None = None) -> tuple[Any, list[str]]:
+    """(tokenizer or None, problems) of model.path (or model_dir): an HF folder with config.json, *.safetensors and a
+    tokenizer that loads. Empty model.path: the tiny model's tokenizer (the model is built at start); s3://: staged at
+    start, so no tokenizer here."""
+    from infra.model_staging import is_remote_model
+
+    path = model_dir or cfg.model.path
+    if not path:
+        if cfg.model.tiny.tokenizer == "bpe":
+            from infra.tiny_bpe import build_bpe_tokenizer
+
+            return build_bpe_tokenizer(seed=cfg.model.seed), []
+        from infra.models import build_char_tokenizer
+
+        return build_char_tokenizer(), []
+    if is_remote_model(str(path)):
+        return None, []
+    folder = Path(path).expanduser()
+    fix = "point model.path at an HF checkpoint folder (config.json, *.safetensors, tokenizer files) or an s3:// URL"
+    if not folder.is_dir():
+        return None, [f"model.path={str(path)!r} is not a folder; {fix}"]
+    missing = [what for what, ok in (("config.json", (folder / "config.json").is_file()),
+                                     ("*.safetensors weights", any(folder.glob("*.safetensors")))) if not ok]
+    problems = [f"model.path={str(path)!r} has no {' and no '.join(missing)}; {fix}"] if missing else []
+    try:
+        from infra.models import load_tokenizer
+
+        return load_tokenizer(folder), problems
+    except Exception as err:  # noqa: BLE001 -- whatever transformers raises, the user needs one line
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return None, problems + [f"model.path={str(path)!r}: its tokenizer does not load ({reason}); {fix}"]
+
+
+def check_data(cfg, tokenizer, extra_paths: dict[str, str] | None = None) -> list[str]:
+    """Every prompt file of the run (data.prompts_path, data.eval_paths, extra_paths) read whole with the run's own
+    reader: the first bad line or row of each, named with file and line; then every label (null ones, and labels
+    the built-in task's reward cannot read)."""
+    from rollout.data_source import PromptFileError, read_prompt_file
+
+    files = {"data.prompts_path": cfg.data.prompts_path,
+             **{f"data.eval_paths.{k}": v for k, v in cfg.data.eval_paths.items()}, **(extra_paths or {})}
+    max_prompt = cfg.rollout.max_model_len - cfg.rollout.max_tokens
+    problems = []
+    for setting, path in files.items():
+        if not path:
+            continue  # data.prompts_path empty: the built-in task is generated at start
+        if not Path(path).is_file():
+            problems.append(f"{setting}={path!r} does not exist; give a JSON Lines or Parquet prompt file")
+            continue
+        if tokenizer is not None:
+            try:
+                read_prompt_file(path, tokenizer, cfg.data, max_prompt)
+            except PromptFileError as err:
+                problems.append(str(err))
+                continue
+        problems += _label_problems(path, cfg)
+    return problems
+
+
+def _label_problems(path: str, cfg) -> list[str]:
+    """The first row whose label the reward function cannot use: null, or (built-in task) not an integer."""
+    from rollout.data_source import PromptFileError, prompt_rows
+
+    key, builtin = cfg.data.label_key, cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD
+    try:
+        for where, row in prompt_rows(path, [key]):
+            label = row.get(key)
+            if label is None and key in row:
+                return [f"{where}: label {key!r} is null; expected the answer the reward function "
+                        f"({cfg.grpo.reward_function_path}) compares with: give one, or set data.label_key"]
+            if builtin and (isinstance(label, bool) or not isinstance(label, (int, str)) or
+                            not str(label).strip().lstrip("-").isdigit()):
+                return [f"{where}: label {key!r} is {label!r}; the built-in task's reward ({BUILTIN_TASK_REWARD}) "
+                        "expects an integer n (the answer to 'a*n=')"]
+    except PromptFileError as err:  # already reported by the reader (or no tokenizer to read with): the row's error
+        return [str(err)]
+    return []
+
+
+def check_imports(cfg, reward_only: bool = False) -> list[str]:
+    """The reward, rollout, eval and env functions import and take the arguments the run passes them (reward_only:
+    `spillover eval`, which generates without the run's rollout function or tools)."""
+    from infra.imports import ImportPathError, load_function
+    from rollout.functions import load_rollout_function
+    from rollout.tools_env import load_env_factory
+
+    checks = [lambda: load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
+                                    required_params=("response", "label"), optional_keywords=REWARD_KEYWORDS)]
+    if not reward_only and not cfg.storage.load_debug_rollout_data:
+        checks.append(lambda: load_rollout_function(cfg.rollout.rollout_function_path, "rollout.rollout_function_path"))
+    if not reward_only and cfg.rollout.eval_function_path:
+        checks.append(lambda: load_rollout_function(cfg.rollout.eval_function_path, "rollout.eval_function_path"))
+    if not reward_only and cfg.rollout.env_path:
+        checks.append(lambda: load_env_factory(cfg.rollout.env_path))
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except ImportPathError as err:
+            problems.append(str(err))
+    return problems
+
+
+def check_storage_access(cfg, deadline_s: float = 10.0) -> list[str]:
+    """storage.url reachable and writable: an s3:// location by a probe object written, read back and deleted within
+    deadline_s (infra.storage.check_storage); a local one by the nearest existing folder being writable (nothing is
+    created)."""
+    from infra.config_plan import is_local_storage
+
+    if is_local_storage(cfg.storage.url):
+        target = Path((cfg.storage.url or "").removeprefix("file://") or Path(cfg.run_dir) / "checkpoints")
+        target = target.expanduser().absolute()
+        existing = next((p for p in (target, *target.parents) if p.exists()), Path("/"))
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            return [f"storage.url={cfg.storage.url or str(target)!r}: {existing} is not a writable folder; use a "
+                    "writable path (or run_dir) or an s3:// URL"]
+        return []
+    from infra.storage import StorageError, check_storage
+
+    try:
+        check_storage(cfg.storage.url, cfg.storage, deadline_s=deadline_s)
+    except StorageError as err:
+        return [str(err)]
+    return []
+
+
+def check_sglang_flags(cfg, model_dir: str | Path | None) -> list[str]:
+    """The engines' `sglang.launch_server` command line through SGLang's own parser (prepare_server_args) where
+    sglang is installed; elsewhere config validation checked engines.sglang_args against the recorded flag list."""
+    if cfg.engines.backend != "sglang" or importlib.util.find_spec("sglang") is None:
+        return []
+    from rollout.engines.sglang_args import sglang_launch_options
+    from rollout.engines.sglang_backend import SGLangLaunch, launch_command
+
+    options = sglang_launch_options(cfg.engines, None, cfg.rollout.deterministic_sampling)
+    spec = SGLangLaunch(str(model_dir or cfg.model.path), "127.0.0.1", 30000, 30001, tp_size=cfg.engines.gpus_per_engine,
+                        max_running_requests=cfg.engines.max_running_requests, **options)
+    argv = launch_command(spec)[3:]  # after `python -m sglang.launch_server`
+    stderr = io.StringIO()
+    try:
+        from sglang.srt.server_args import prepare_server_args
+
+        with contextlib.redirect_stderr(stderr):
+            prepare_server_args(argv)
+    except SystemExit:
+        said = [line for line in stderr.getvalue().splitlines() if line.strip()]
+        return [f"engines.sglang_args: SGLang's parser refused the server flags {' '.join(argv)}: "
+                f"{said[-1] if said else 'see sglang.launch_server --help'}"]
+    except Exception as err:  # noqa: BLE001 -- SGLang's own checks raise many kinds
+        return [f"engines.sglang_args: SGLang refused the server flags ({type(err).__name__}: {err})"]
+    return []
