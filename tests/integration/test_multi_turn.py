@@ -157,11 +157,19 @@ def test_tool_errors_timeouts_and_huge_outputs_never_fail_the_run(rollout_manage
     ended_cfg = cfg(global_batch_size=4, max_split=1, mode="async", on_tool_error="end")
     dock, envs = loaded(ended_cfg), EnvPool(Failing, 0.3, 16, on_error="end")
     try:
-        run(dock, ended_cfg, rollout_manager, envs, tokenizer, drain=True)
+        _, ended_tools = run(dock, ended_cfg, rollout_manager, envs, tokenizer, drain=True)
     finally:
         envs.close()
-    for tokens, mask, turns in trajectories(dock).values():
+    ended = trajectories(dock)
+    called = {key: tokens for key, (tokens, mask, turns) in ended.items() if turns == 1}
+    # every row's env fails its first call (one env per row), so each call made is an error that ends its episode
+    assert len(called) >= len(ended) // 2 and ended_tools.calls == ended_tools.errors == len(called), \
+        (len(called), len(ended), ended_tools)
+    for tokens, mask, turns in ended.values():
         assert all(mask) and turns <= 1  # the episode ended at the failing call, nothing appended
+    for tokens in called.values():  # and it ended right there: its last token completed the tool call's stop
+        text, before = tokenizer.decode(tokens), tokenizer.decode(tokens[:-1])
+        assert any(s in text for s in STOPS) and not any(s in before for s in STOPS), text
 
 
 def custom_multi_turn_rollout(args, rollout_id, data_source, evaluation=False):
