@@ -36,3 +36,24 @@ def check_payload(path: str, payload: dict) -> None:
 
 def field_default(path: str, name: str):
     return {f["name"]: f for f in route(path)["request_fields"]}[name].get("default")
+
+
+def check_sampling_params(params: dict) -> None:
+    """Assert that every key of a /generate sampling_params object is one of SGLang's (the JSON gate answers 400)."""
+    known = {f["name"] for f in record("sampling_params.json")["fields"]}
+    unknown = sorted(set(params) - known)
+    assert not unknown, f"sampling_params {unknown} are not SGLang's (HTTP 400); keys are {sorted(known)}"
+
+
+def check_server_flags(argv: list[str]) -> None:
+    """Assert that every --flag of a `sglang.launch_server` argv is one of ServerArgs' flags (removed ones refused)."""
+    args = record("server_args.json")
+    flags = {flag for f in args["fields"] for flag in f.get("cli_flags") or ()}
+    flags |= {f["flag"].split()[0] for f in args.get("deprecated_flags_still_accepted") or ()}
+    removed = {f["old_flag"]: f["replacements"] for f in args["absent_in_this_version"]}
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if not flag.startswith("--"):
+            continue
+        assert flag not in removed, f"{flag} was removed in SGLang 0.5.23; use one of {removed[flag]}"
+        assert flag in flags, f"{flag} is not a flag of SGLang 0.5.23's ServerArgs"
