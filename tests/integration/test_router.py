@@ -52,8 +52,13 @@ def test_router_binds_loopback_and_manages_workers(torch_engines):
         assert resp.status_code == 200 and resp.json()["meta_info"]["completion_tokens"] == 3
         router.remove_worker(torch_engines[0].url)
         assert router.workers() == [torch_engines[1].url]
+        before = [server.batcher.generated_tokens for server in torch_engines]  # each engine's own token count
         for _ in range(3):  # round robin over what is left: every request lands on the remaining engine
-            assert httpx.post(router.url + "/generate", json={"input_ids": [5]}).status_code == 200
+            resp = httpx.post(router.url + "/generate", json={"input_ids": [5], "sampling_params": {
+                "max_new_tokens": 4, "ignore_eos": True}})
+            assert resp.status_code == 200 and resp.json()["meta_info"]["completion_tokens"] == 4
+        after = [server.batcher.generated_tokens for server in torch_engines]
+        assert [a - b for a, b in zip(after, before)] == [0, 3 * 4], (before, after)
     finally:
         router.stop()
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
