@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 
 from flows.report import build_report
 from infra.config import load_config
@@ -28,8 +29,20 @@ SCALARS = iteration_scalars(STAGES, TASK_S)
 
 
 class FakeTTY(io.StringIO):
+    """A terminal that records what is drawn; `drawn` is set once the text holds `until`."""
+
+    def __init__(self, until: str = "groups ready"):
+        super().__init__()
+        self.until, self.drawn = until, threading.Event()
+
     def isatty(self) -> bool:
         return True
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        if self.until in self.getvalue():
+            self.drawn.set()
+        return written
 
 
 def test_length_histogram_counts_by_age_with_bounded_bins():
@@ -91,6 +104,10 @@ def test_terminal_bar_only_on_a_tty_and_summary_lines_always():
     tty = FakeTTY()
     on = TerminalProgress(True, lines.append, stream=tty)
     on.update(0, {"round": 2, "ready_groups": 3, "target_groups": 4, "tokens": 500, "elapsed_s": 0.5}, 7)
+    assert tty.drawn.wait(10), tty.getvalue()  # rich's refresh thread draws the bar (10 times a second)
+    drawn = tty.getvalue()
+    for field in ("iter    0", "generating", "groups ready", "1000 tok/s", "partial rows    7", "round 2"):
+        assert field in drawn, (field, drawn)
     on.line("iter 0 done")
     on.close()
     assert on.enabled and lines[-1] == "iter 0 done"
