@@ -1,0 +1,168 @@
+"""Every weight, memory, session and abort body the project sends, through SGLang 0.5.23's own request classes
+(pydantic.TypeAdapter(io_struct.<class>).validate_python(body): what the route's FastAPI parse accepts), and no key
+the project sends is one SGLang drops.
+
+Bodies come from the project's builders (rollout/engines/sglang_backend.py) with the arguments their callers pass,
+and from the callers themselves where they build a body inline: DistributedWeightSync (rollout/weight_sync_client.py)
+driven through a whole sync with recording clients, EngineClient (abort, update from disk) with its transport
+recorded. The project sends no /pause_generation, /continue_generation, /open_session or /close_session."""
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from contract_checks import accepted
+from rollout.engines import sglang_backend as sgl
+from rollout.engines.client import EngineClient
+from rollout.weight_sync_client import DistributedWeightSync
+
+ROUTE_CLASS = {  # SGLang 0.5.23 http_server.py: route -> the io_struct class its handler takes as Body()
+    "/abort_request": "AbortReq",
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+}
+
+
+def wire(body: dict) -> dict:
+    """The body as the server decodes it (EngineClient sends orjson)."""
+    return orjson.loads(orjson.dumps(body))
+
+
+def check(sglang, path: str, body: dict) -> dict:
+    answer = accepted(sglang.route(ROUTE_CLASS[path], wire(body)), f"{path} {body}")
+    assert not answer["dropped"], f"SGLang's {path} ignores {answer['dropped']} the project sends"
+    return answer
+
+
+@pytest.mark.parametrize("tags", [None, ["kv_cache"], ["weights"], ["weights", "kv_cache", "cuda_graph"]])
+def test_memory_bodies(sglang, tags):
+    """RolloutManager.offload/onload and the weight pusher's resume (rollout/manager.py, manager_weights.py)."""
+    check(sglang, "/release_memory_occupation", sgl.release_memory_payload(tags))
+    check(sglang, "/resume_memory_occupation", sgl.resume_memory_payload(tags))
+
+
+@pytest.mark.parametrize("selector", ["all", "target", "draft"])
+def test_weight_update_session_bodies(sglang, selector):
+    answer = check(sglang, "/begin_weight_update", sgl.begin_weight_update_payload(selector))
+    assert answer["parsed"] is None or answer["parsed"]["selector"] == selector
+    check(sglang, "/end_weight_update", sgl.end_weight_update_payload())
+
+
+@pytest.mark.parametrize("version", [None, 0, 7, "7"])
+@pytest.mark.parametrize("backend", ["torch"])
+def test_update_from_tensor_bodies(sglang, version, backend):
+    """EngineActor.post_tensor_bucket and the colocated load (tasks/engine_host.py): a bucket before the last
+    carries no version and keeps the cache. The sglang backend's entries (CUDA IPC handles) need a GPU; their type
+    (base64 text) is the torch backend's too."""
+    import torch
+
+    entries = sgl.serialize_named_tensors([("w", torch.ones(2, 3))], tp_size=2, backend=backend)
+    answer = check(sglang, "/update_weights_from_tensor",
+                   sgl.update_from_tensor_payload(entries, version, flush_cache=version is not None))
+    if answer["parsed"] is not None:
+        assert answer["parsed"]["weight_version"] == (None if version is None else str(version))
+
+
+def test_update_from_disk_bodies(sglang):
+    check(sglang, "/update_weights_from_disk", sgl.update_from_disk_payload("/models/step-3", 3))
+    bodies = recorded_client_bodies(lambda c: c.update_weights_from_disk("/models/step-3", weight_version=3))
+    check(sglang, "/update_weights_from_disk", bodies["/update_weights_from_disk"][0])
+
+
+def test_abort_bodies(sglang):
+    """EngineClient.abort, as BatchGenerator.abort_all and the manager call it."""
+    for call in (lambda c: c.abort(abort_all=True), lambda c: c.abort(rid="a3f09c")):
+        for body in recorded_client_bodies(call)["/abort_request"]:
+            check(sglang, "/abort_request", body)
+
+
+def recorded_client_bodies(call) -> dict[str, list[dict]]:
+    """path -> the JSON bodies an EngineClient call sends (its transport recorded: no server)."""
+    sent: dict[str, list[dict]] = {}
+    client = EngineClient("http://127.0.0.1:1")
+
+    async def record(method, path, json=None, timeout=None):
+        sent.setdefault(path, []).append(orjson.loads(orjson.dumps(json)))
+        return 200, b'{"success": true, "message": ""}'
+
+    client._request = record
+    asyncio.run(call(client))
+    return sent
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return _done(self.fn(*args))
+
+
+async def _done(value):
+    return value
+
+
+class FakePolicy:
+    """The learner group's side of a distributed sync (its torch.distributed broadcast is tests/integration's)."""
+
+    weight_specs = _Remote(lambda: [("embed.weight", "bfloat16", [8, 4]), ("lm_head.weight", "bfloat16", [8, 4]),
+                                    ("norm.weight", "float32", [4])])
+    weight_sync_address = _Remote(lambda: ("127.0.0.1", 29512))
+    join_weight_group = _Remote(lambda *args: None)
+    broadcast_weights = _Remote(lambda *args: {"sent_bytes": 0})
+    leave_weight_group = _Remote(lambda *args: None)
+
+
+class RecordingEngine:
+    def __init__(self, sent: list):
+        self.sent = sent
+
+    async def post(self, path, json=None, timeout=None):
+        self.sent.append((path, wire(json)))
+        return None
+
+    async def health(self, *args, **kwargs):
+        return True
+
+
+def test_distributed_sync_bodies(sglang):
+    """A whole DistributedWeightSync: group formed (init), one session of buckets, group left (destroy)."""
+    sent: list[tuple[str, dict]] = []
+    sync = DistributedWeightSync(bucket_bytes=80, ranks_per_engine=2, backend="nccl")
+    urls = ["http://e0", "http://e1"]
+
+    async def run():
+        await sync.sync(FakePolicy(), urls, lambda url: RecordingEngine(sent), version=5)
+        await sync.leave(lambda url: RecordingEngine(sent))
+
+    asyncio.run(run())
+    paths = [path for path, _ in sent]
+    assert {"/init_weights_update_group", "/begin_weight_update", "/update_weights_from_distributed",
+            "/end_weight_update", "/destroy_weights_update_group"} <= set(paths), paths
+    assert paths.count("/update_weights_from_distributed") > len(urls), "expected several buckets"
+    for path, body in sent:
+        check(sglang, path, body)
+
+
+def test_a_wrong_weight_body_is_refused(sglang_classes):
+    """The check bites: SGLang's class refuses an int weight_version (declared Optional[str]; this project's
+    builders send str), a memory tag list of the wrong type, and a distributed update without its names."""
+    good = sgl.update_from_distributed_payload(["w"], ["bfloat16"], [[2]], 3)
+    accepted(sglang_classes.route(ROUTE_CLASS["/update_weights_from_distributed"], good), "the good body")
+    for path, body in (("/update_weights_from_distributed", {**good, "weight_version": 3}),
+                       ("/update_weights_from_disk", {**sgl.update_from_disk_payload("/m", 1), "weight_version": 1}),
+                       ("/release_memory_occupation", {"tags": "kv_cache,weights"}),
+                       ("/update_weights_from_distributed", {k: v for k, v in good.items() if k != "names"})):
+        refused = sglang_classes.route(ROUTE_CLASS[path], body)
+        assert not refused["ok"], f"SGLang accepted {path} {body}"
