@@ -288,8 +288,15 @@ def test_shutdown_leaves_no_process_and_stops_the_monitor_started_from_config(ra
     m = RolloutManager(EnginesConfig(rollout_num_gpus=1, max_running_requests=4, health_interval_s=0.2),
                        varied_model_dir, use_gpu=False)
     assert m.health_monitor_running  # what it does when an engine hangs: the test above
-    time.sleep(0.5)  # a few checks of a healthy engine restart nothing
-    assert m.health_monitor_running and m.restarts == 0
+    checks, real_check = [], m._health_check
+
+    async def counted_check():
+        checks.append(await real_check())
+        return checks[-1]
+
+    m._health_check = counted_check  # the monitor looks it up at each check
+    assert wait_until(lambda: len(checks) >= 3, 30), "the monitor started from config did not check"
+    assert m.health_monitor_running and m.restarts == 0 and all(c == {0: "ok"} for c in checks), checks
     pids = [pid for h in m.engines for pid in h.pids]
     router_pid, router_url, urls = m.router.proc.pid, m.router_url, list(m.urls)
     m.shutdown()
