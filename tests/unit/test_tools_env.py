@@ -4,7 +4,7 @@ pool (rollout/env_pool.py): time limits, errors, truncation, replay. No engine h
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -50,7 +50,7 @@ class Flaky:
     """reset says hello; step 1 raises, step 2 hangs, step 3 answers hugely, step 4 returns a wrong type."""
 
     def __init__(self):
-        self.calls = 0
+        self.calls, self.hang_cancelled = 0, False
 
     async def reset(self, sample):
         return "hello"
@@ -60,7 +60,11 @@ class Flaky:
         if self.calls == 1:
             raise RuntimeError("boom")
         if self.calls == 2:
-            await asyncio.sleep(60)
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                self.hang_cancelled = True
+                raise
         if self.calls == 3:
             return StepResult("9" * 1000, done=False, reward=0.5)
         return 42
@@ -72,9 +76,8 @@ def test_guarded_calls_turn_errors_and_timeouts_into_outcomes(tok):
     async def calls():
         return [await guarded_call(env, "reset", None, 0.2, "observe")] + [
             await guarded_call(env, "step", "a=", 0.2, "observe") for _ in range(4)]
-    start = time.perf_counter()
     reset, raised, hung, huge, wrong = asyncio.run(calls())
-    assert time.perf_counter() - start < 2.0  # the hanging step was cut at its limit
+    assert env.hang_cancelled and env.calls == 4  # the hanging step was cut at its limit, and the calls went on
     assert reset.observation == "hello" and not reset.error
     assert raised.error and raised.observation == "error: RuntimeError: boom" and not raised.done
     assert hung.error and hung.timed_out and hung.observation == "error: tool timed out after 0.2 s"
@@ -89,15 +92,27 @@ def test_guarded_calls_turn_errors_and_timeouts_into_outcomes(tok):
 
 
 def test_sync_env_methods_run_in_a_thread_under_the_limit():
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+
     class Blocking:
         def reset(self, sample):
             return ""
 
         def step(self, action):
-            time.sleep(0.4)
+            started.set()
+            release.wait(30)  # blocks until the test has its outcome (30 s: only if the limit failed to cut it)
+            finished.set()
             return StepResult("late")
-    outcome = asyncio.run(guarded_call(Blocking(), "step", "x", 0.1, "observe"))
-    assert outcome.timed_out and outcome.latency_s < 0.3  # (asyncio.run then waits for the thread to end)
+
+    async def call():
+        outcome = await guarded_call(Blocking(), "step", "x", 0.1, "observe")
+        blocked_meanwhile = started.is_set() and not finished.is_set()
+        release.set()  # asyncio.run waits for the thread to end
+        return outcome, blocked_meanwhile
+
+    outcome, blocked_meanwhile = asyncio.run(call())
+    assert outcome.timed_out and blocked_meanwhile  # the call came back at its limit while the step still blocked
+    assert outcome.observation == "error: tool timed out after 0.1 s" and finished.is_set()
 
 
 def test_actions_are_split_at_tool_stops_and_across_cuts(tok):
