@@ -79,8 +79,8 @@ class SGLangOracle:
     def route(self, cls: str, body: dict) -> dict:
         return self._call("route", cls=cls, body=body)
 
-    def server_args(self, argv: list[str]) -> dict:
-        return self._call("server_args", argv=list(argv))
+    def server_args(self, argv: list[str], resolve: bool = True) -> dict:
+        return self._call("server_args", argv=list(argv), resolve=resolve)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -168,7 +168,7 @@ def _check_route(sgl, cls: str, body: dict) -> dict:
     return {"ok": True, "dropped": sorted(set(body) - _field_names(obj)), "parsed": _plain(obj)}
 
 
-def _check_server_args(sgl, argv: list[str]) -> dict:
+def _check_server_args(sgl, argv: list[str], resolve: bool) -> dict:
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
@@ -177,6 +177,8 @@ def _check_server_args(sgl, argv: list[str]) -> dict:
         lines = [ln for ln in captured.getvalue().splitlines() if ln.strip()]
         return {"ok": False, "stage": "prepare_server_args", "error": lines[-1] if lines else "argparse refused"}
     fields = {name: _plain(getattr(args, name)) for name in args.__struct_fields__}
+    if not resolve:
+        return {"ok": True, "fields": fields}
     dummy = list(argv)
     for flag in ("--model-path", "--model"):
         if flag in dummy:
@@ -204,7 +206,7 @@ def serve() -> None:
     answers.write(json.dumps({"ok": True, "version": sgl.version}) + "\n")
     ops = {"generate": lambda r: _check_generate(sgl, r["body"], r["vocab_size"], r["context_len"]),
            "route": lambda r: _check_route(sgl, r["cls"], r["body"]),
-           "server_args": lambda r: _check_server_args(sgl, r["argv"])}
+           "server_args": lambda r: _check_server_args(sgl, r["argv"], r.get("resolve", True))}
     for line in sys.stdin:
         request = json.loads(line)
         try:
