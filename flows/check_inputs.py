@@ -5,10 +5,10 @@ or Prefect.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
+import json
 import os
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -155,17 +155,50 @@ def check_sglang_flags(cfg, model_dir: str | Path | None) -> list[str]:
     options = sglang_launch_options(cfg.engines, None, cfg.rollout.deterministic_sampling)
     spec = SGLangLaunch(str(model_dir or cfg.model.path), "127.0.0.1", 30000, 30001, tp_size=cfg.engines.gpus_per_engine,
                         max_running_requests=cfg.engines.max_running_requests, **options)
-    argv = launch_command(spec)[3:]  # after `python -m sglang.launch_server`
-    stderr = io.StringIO()
-    try:
-        from sglang.srt.server_args import prepare_server_args
+    argv = tuple(launch_command(spec)[3:])  # after `python -m sglang.launch_server`
+    refusal = sglang_parser_refusal(argv)
+    return [f"engines.sglang_args: SGLang's parser refused the server flags {' '.join(argv)}: {refusal}"] if refusal \
+        else []
 
-        with contextlib.redirect_stderr(stderr):
-            prepare_server_args(argv)
-    except SystemExit:
-        said = [line for line in stderr.getvalue().splitlines() if line.strip()]
-        return [f"engines.sglang_args: SGLang's parser refused the server flags {' '.join(argv)}: "
-                f"{said[-1] if said else 'see sglang.launch_server --help'}"]
-    except Exception as err:  # noqa: BLE001 -- SGLang's own checks raise many kinds
-        return [f"engines.sglang_args: SGLang refused the server flags ({type(err).__name__}: {err})"]
-    return []
+
+PARSER_SCRIPT = """
+import contextlib, io, json, sys
+argv = json.loads(sys.argv[1])
+try:
+    from sglang.srt.server_args import prepare_server_args
+except Exception as err:
+    print(json.dumps({"skipped": f"{type(err).__name__}: {err}"}))
+    sys.exit(0)
+said = io.StringIO()
+try:
+    with contextlib.redirect_stderr(said):
+        prepare_server_args(argv)
+except SystemExit:
+    lines = [line for line in said.getvalue().splitlines() if line.strip()]
+    print(json.dumps({"error": lines[-1] if lines else "argparse refused them"}))
+except Exception as err:
+    print(json.dumps({"error": f"{type(err).__name__}: {err}"}))
+else:
+    print(json.dumps({"ok": True}))
+"""
+
+
+@cache
+def sglang_parser_refusal(argv: tuple[str, ...], timeout_s: float = 180.0) -> str | None:
+    """What SGLang's prepare_server_args says against argv, or None (accepted, or SGLang's parser cannot run here).
+    In a subprocess: importing SGLang patches transformers' classes and resets the root logger (~5-7 CPU-s)."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", PARSER_SCRIPT, json.dumps(list(argv))], capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+    for line in reversed(done.stdout.splitlines()):
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            continue
+        return answer.get("error") if isinstance(answer, dict) else None
+    return None

@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="plan for N GPUs in all (a machine you are not on) instead of the Ray cluster or this one")
     check.add_argument("--nodes", type=int, default=1, metavar="M", help="with --gpus: over M nodes (default 1)")
     check.set_defaults(fn=cmd_check)
+    for flow_command in (train, resume, evaluate, serve, submit):  # `spillover train --verbose` too
+        flow_command.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                                  help="print Prefect's per-task and flow-run state lines on the console too")
     return parser
 
 
