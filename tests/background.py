@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -34,6 +35,7 @@ import pytest
 from run_processes import reap
 
 NICE = 19
+log = logging.getLogger(__name__)
 TESTS = Path(__file__).resolve().parent
 
 
@@ -131,10 +133,19 @@ def background():
 @pytest.fixture(scope="session", autouse=True)
 def start_early_work(request):
     """Set up, before the first test, the fixtures that the session's `early` tests name: the most CPU first (their
-    `cpu_s`), so that the short jobs, not a long one, are what is left when the other tests are done."""
+    `cpu_s`), so that the short jobs, not a long one, are what is left when the other tests are done.
+
+    A fixture that fails here fails only the tests that use it: pytest keeps a session fixture's error and raises it
+    again in every test that asks for it (and for a fixture it depends on, e.g. the S3 server), while this autouse
+    fixture, which every test runs, succeeds."""
     cpu_s = {m.args[0]: m.kwargs.get("cpu_s", 0) for item in request.session.items for m in item.iter_markers("early")}
     for name in sorted(cpu_s, key=cpu_s.get, reverse=True):
-        request.getfixturevalue(name)
+        try:
+            request.getfixturevalue(name)
+        except pytest.exit.Exception:
+            raise
+        except (Exception, pytest.skip.Exception, pytest.fail.Exception) as err:
+            log.warning("background setup %r failed; the tests that use it will fail with: %r", name, err)
 
 
 def pytest_configure(config):
@@ -142,5 +153,14 @@ def pytest_configure(config):
                                        "seconds) starts with the session; the test runs last (tests/background.py)")
 
 
+STAGES = {"unit": 0, "integration": 1, "gpu": 1, "e2e": 2}  # a test's folder -> its place in the session
+
+
+def run_order(item) -> tuple[bool, int]:
+    """Unit tests first (a broken pure function shows in seconds), then integration, then e2e; `early` tests last."""
+    stage = next((STAGES[folder.name] for folder in item.path.parents if folder.name in STAGES), 1)
+    return item.get_closest_marker("early") is not None, stage
+
+
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.get_closest_marker("early") is not None)  # stable: the rest keep their order
+    items.sort(key=run_order)  # stable: within a stage, collection order

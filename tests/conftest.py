@@ -19,7 +19,8 @@ apply_process_defaults()
 # Fixture modules of each area; add yours here.
 pytest_plugins: list[str] = ["fixtures_engines", "fixtures_s3", "fixtures_manager", "fixtures_prefect",
                                "fixtures_warm", "background", "spillover_runs",
-                               "fixtures_early"]  # tests/ is on sys.path (rootdir conftest)
+                               "fixtures_early",
+                               "pytester"]  # tests/ is on sys.path (rootdir conftest); pytester: test_run_order.py
 
 
 @pytest.fixture(scope="session")
