@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import difflib
 import json
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MANAGED", "check_sglang_args", "server_flags", "server_fields", "sglang_launch_options"]
+__all__ = ["MANAGED", "check_sglang_args", "server_flags", "server_fields", "sglang_launch_options", "sglang_refusal"]
 
 # Set by the launcher from the engines section and the pool (sglang_backend.launch_command): refused in sglang_args.
 MANAGED = {"model_path": "model.path", "host": "(the engine's node)", "port": "(a free port)",
@@ -94,3 +96,34 @@ def sglang_launch_options(cfg: Any, options: dict[str, Any] | None, deterministi
     flags = server_flags(getattr(cfg, "sglang_args", {}) or {}, deterministic=deterministic)
     options["extra_args"] = (*tuple(options.get("extra_args", ())), *flags)
     return options
+
+
+_PARSE = """
+import contextlib, io, sys
+said = io.StringIO()
+try:
+    with contextlib.redirect_stderr(said):
+        from sglang.srt.server_args import prepare_server_args
+        prepare_server_args(sys.argv[1:])
+except SystemExit:
+    lines = [line for line in said.getvalue().splitlines() if line.strip()]
+    print(lines[-1] if lines else "refused (see sglang.launch_server --help)")
+    sys.exit(2)
+"""
+
+
+def sglang_refusal(argv: list[str], timeout_s: float = 120.0) -> str | None:
+    """SGLang's own parser (prepare_server_args: its argparse and ServerArgs) on a `sglang.launch_server` argv (after
+    the module name) -> None when it accepts, else SGLang's last line (e.g. "sglang serve: error: ambiguous option:
+    --cuda-graph-max-bs could match ..."). Needs sglang installed (importlib.util.find_spec("sglang")).
+
+    It runs in a subprocess (~6 CPU-s) on purpose: importing SGLang patches transformers' classes, adds warning
+    filters and sets TORCHINDUCTOR_CACHE_DIR and CUDA_CACHE_PATH for every later child process, and
+    prepare_server_args resets the root logger (logging.basicConfig(force=True), level info)."""
+    done = subprocess.run([sys.executable, "-c", _PARSE, *map(str, argv)], capture_output=True, text=True,
+                          timeout=timeout_s)
+    if done.returncode == 0:
+        return None
+    if done.returncode == 2 and done.stdout.strip():
+        return done.stdout.strip().splitlines()[-1]
+    raise RuntimeError(f"SGLang's parser could not run (exit {done.returncode}): {done.stderr.strip()[-500:]}")

@@ -99,3 +99,19 @@ def test_a_removed_flag_is_refused(sglang):
     assert not refused["ok"] and "cuda-graph-max-bs" in refused["error"]
     with pytest.raises(ValueError, match="cuda-graph-max-bs-decode"):
         EnginesConfig(backend="sglang", sglang_args={"cuda_graph_max_bs": 8})
+
+
+def test_sglang_refusal_runs_sglangs_parser_out_of_process(sglang_classes):
+    """rollout.engines.sglang_args.sglang_refusal (for a preflight: SGLang's parser without importing SGLang into the
+    caller) says what the oracle says, and leaves this process without SGLang."""
+    import sys
+
+    from rollout.engines.sglang_args import sglang_refusal
+
+    imported_before = "sglang" in sys.modules  # another in-process test may have imported it
+    argv = engine_argv(load_config("configs/gpu/qwen2.5-0.5b-gsm8k.yaml").engines, "/models/m", 0, True)
+    assert sglang_refusal(argv) is None
+    said = sglang_refusal(argv + ["--cuda-graph-max-bs", "8"])
+    assert said == sglang_classes.server_args(argv + ["--cuda-graph-max-bs", "8"])["error"]
+    assert "ambiguous option: --cuda-graph-max-bs" in said
+    assert ("sglang" in sys.modules) == imported_before
