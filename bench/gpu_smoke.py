@@ -1,26 +1,30 @@
-"""GPU smoke of the colocated engine (issue 13), without Ray or Prefect (the GPU machine has neither): one process
-holds an HF learner model and the torch engine's core (lean decoder + continuous batcher) on the same device, and
-runs three iterations of what a colocated run does:
+"""The checks for a lent GPU machine, without Ray or Prefect (the machine has neither), one after another in one
+process; each is a function in CHECKS (args, device) -> its figures, merged into one JSON line:
 
-  generate a batch -> release the engine's memory (weights + KV cache) -> a learner step on the generated tokens
-  -> resume -> load the new weights bucket by bucket, in place -> check them against the learner's
+- colocated_engine (issue 13): an HF learner model and the torch engine's core (lean decoder + continuous batcher)
+  on one device, three iterations of what a colocated run does: generate a batch -> release the engine's memory
+  (weights + KV cache) -> a learner step on the generated tokens -> resume -> load the new weights bucket by bucket,
+  in place -> check them against the learner's. Figures: engine_gb / freed_gb (CUDA memory the engine held and what
+  its release gave back), engine_held_mb and released_to_zero (the engine's own count of its weight and KV bytes,
+  before and after a release), gen_tokens_per_s, sync_s per iteration, buckets, weights_equal (every iteration),
+  greedy_changed (the update reached the engine).
+- learner_precision (issues 12, 28; bench/gpu_learner.py): a random-init Qwen2 of --learner-size (0.5b on CUDA:
+  Qwen2.5-0.5B's shape, no download) in spillover's LearnerActor with --recipe's precision and optimizer (bfloat16
+  compute, float32 masters and AdamW state, lr 1e-6), FSDP2, three iterations of old logprobs + GRPO update ->
+  "learner": {params, master_dtypes, optimizer_state_dtypes, compute_dtypes, sent_dtypes, moved_share, step_s,
+  peak_gpu_gb, ...}.
+- rollout_split (issue 18): max_split 1 vs 4 on long-tailed lengths (bench/longtail.py --real --local: the real dock
+  and sync driver, engines in this process) -> "rollout".
 
-Then the learner at GPU scale (issue 12, bench/gpu_learner.py): a random-init Qwen2 of --learner-size (0.5b on CUDA:
-Qwen2.5-0.5B's shape, no download) in spillover's LearnerActor, FSDP2 in bfloat16, three iterations of old logprobs
-+ GRPO update.
-
-It prints one JSON line: device, engine_gb / freed_gb (CUDA memory the engine held and what its release gave back),
-engine_held_mb and released_to_zero (the engine's own count of its weight and KV bytes, before and after a release),
-gen_tokens_per_s, sync_s per iteration, buckets, weights_equal (every iteration), greedy_changed (the update reached
-the engine), "learner": {params, step_s, update_tokens_per_s, peak_gpu_gb, ...}, and "rollout": rollout time with
-max_split 1 vs 4 on long-tailed lengths (bench/longtail.py --real --local: the real dock and sync driver, engines in
-this process). Not covered here: SGLang (not installable on that machine), the distributed protocol (two
-processes).
+Also in the line: check_s (seconds per check) and errors ({check: message}; a failed check does not stop the others,
+and the exit status is 1). Not covered here: SGLang (not installable on that machine), the distributed protocol
+(two processes).
 
     python bench/gpu_smoke.py [--model HF_FOLDER] [--device cuda|cpu] [--bucket-mb 64] [--learner-size 0.5b|tiny|none]
-                              [--rollout small|tiny|none]
+                              [--recipe configs/gpu/X.yaml] [--rollout small|tiny|none] [--checks name,name]
 
-Without --model (or SPILLOVER_GPU_MODEL) it builds the tiny test model. `--device cpu` is the dry run used here.
+Without --model (or SPILLOVER_GPU_MODEL) the engine check builds the tiny test model. `--device cpu` is the dry run
+used here (tests/integration/test_colocate.py).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -82,22 +87,7 @@ def rollout_split_comparison(device: str, scale: list[str]) -> dict:
                                           "trained_tokens_per_iteration")} for r in results}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=os.environ.get("SPILLOVER_GPU_MODEL"))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--bucket-mb", type=float, default=64.0)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--max-new", type=int, default=64)
-    parser.add_argument("--learner-size", choices=["0.5b", "tiny", "none"], default=None,
-                        help="the learner part's model (default: 0.5b on CUDA, tiny on CPU)")
-    parser.add_argument("--learner-samples", type=int, default=64)
-    parser.add_argument("--learner-tokens", type=int, default=512, help="most response tokens per sample")
-    parser.add_argument("--rollout", choices=["small", "tiny", "none"], default=None,
-                        help="max_split 1 vs 4 on long-tailed lengths through the real dock and driver (default: "
-                        "small on CUDA, tiny on CPU)")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
+def colocated_engine(args, device: torch.device) -> dict:
     model_path = args.model
     if not model_path:
         from infra.models import build_tiny_model
@@ -120,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [[(7 * i + j) % (shape.vocab_size - 2) + 2 for j in range(8)] for i in range(args.batch)]
     probe = prompts[:2]
     greedy_before = generate(batcher, probe, 8, greedy=True)
-    out = {"device": str(device), "model": model_path, "engine_gb": round(engine_gb, 3), "buckets": len(buckets),
+    out = {"model": model_path, "engine_gb": round(engine_gb, 3), "buckets": len(buckets),
            "gen_tokens_per_s": [], "sync_s": [], "freed_gb": [], "weights_equal": []}
     try:
         for _ in range(3):
@@ -147,19 +137,73 @@ def main(argv: list[str] | None = None) -> dict:
         out["greedy_changed"] = generate(batcher, probe, 8, greedy=True) != greedy_before
     finally:
         batcher.stop()
-        batcher.release_memory(None)  # the learner part gets the whole device
-        del learner, optimizer
-    size = args.learner_size or ("0.5b" if device.type == "cuda" else "tiny")
-    if size != "none":
-        from bench.gpu_learner import learner_smoke
+        batcher.release_memory(None)  # the next checks get the whole device
+    return out
 
-        out["learner"] = learner_smoke(size, device.type, samples=args.learner_samples, tokens=args.learner_tokens)
+
+def learner_precision(args, device: torch.device) -> dict:
+    size = args.learner_size or ("0.5b" if device.type == "cuda" else "tiny")
+    if size == "none":
+        return {}
+    from bench.gpu_learner import learner_smoke
+
+    return {"learner": learner_smoke(size, device.type, samples=args.learner_samples, tokens=args.learner_tokens,
+                                     recipe=args.recipe)}
+
+
+def rollout_split(args, device: torch.device) -> dict:
     scale = args.rollout or ("small" if device.type == "cuda" else "tiny")
-    if scale != "none":
-        out["rollout"] = rollout_split_comparison(device.type, ROLLOUT_SCALES[scale])
+    if scale == "none":
+        return {}
+    return {"rollout": rollout_split_comparison(device.type, ROLLOUT_SCALES[scale])}
+
+
+# The checks, in the order they run: each takes (parsed args, device) and returns its figures (merged into the one
+# JSON line); a new GPU check is a function appended here (and named in --checks).
+CHECKS = [colocated_engine, learner_precision, rollout_split]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from bench.gpu_learner import DEFAULT_RECIPE
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=os.environ.get("SPILLOVER_GPU_MODEL"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--checks", default=",".join(c.__name__ for c in CHECKS),
+                        help="comma-separated names of the checks to run (default: all, in CHECKS order)")
+    parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--max-new", type=int, default=64)
+    parser.add_argument("--learner-size", choices=["0.5b", "tiny", "none"], default=None,
+                        help="the learner part's model (default: 0.5b on CUDA, tiny on CPU)")
+    parser.add_argument("--recipe", default=str(DEFAULT_RECIPE),
+                        help="the GPU recipe whose precision and optimizer settings the learner part runs")
+    parser.add_argument("--learner-samples", type=int, default=64)
+    parser.add_argument("--learner-tokens", type=int, default=512, help="most response tokens per sample")
+    parser.add_argument("--rollout", choices=["small", "tiny", "none"], default=None,
+                        help="max_split 1 vs 4 on long-tailed lengths through the real dock and driver (default: "
+                        "small on CUDA, tiny on CPU)")
+    args = parser.parse_args(argv)
+    known = {c.__name__: c for c in CHECKS}
+    chosen = [name for name in args.checks.split(",") if name]
+    unknown = sorted(set(chosen) - set(known))
+    if unknown:
+        parser.error(f"--checks: unknown {unknown}; the checks are {sorted(known)}")
+    device = torch.device(args.device)
+    out: dict = {"device": str(device), "check_s": {}, "errors": {}}
+    for name in chosen:
+        tic = time.perf_counter()
+        try:
+            out.update(known[name](args, device))
+        except Exception as err:  # noqa: BLE001 - one failed check must not cost the lent machine's other checks
+            traceback.print_exc(file=sys.stderr)
+            out["errors"][name] = f"{type(err).__name__}: {err}"[:2000]
+        out["check_s"][name] = round(time.perf_counter() - tic, 1)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     print(json.dumps(out), flush=True)
     return out
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["errors"] else 0)
