@@ -25,13 +25,14 @@ def test_async_mode_aborts_and_trains_the_cut_tokens_in_a_later_iteration(tmp_pa
     from flows.train import grpo_train
 
     gbs, n = 16, 4
-    grpo_train(small_config(tmp_path / "run", iterations=3, **{"rollout.mode": "async", "rollout.global_batch_size": gbs,
+    grpo_train(small_config(tmp_path / "run", iterations=3, **{"rollout.mode": "async",
+                                                              "rollout.global_batch_size": gbs,
                                                               "grpo.micro_batch_size": 32}))
     got = rows(tmp_path / "run")
     assert (got[0]["rounds"], got[0]["requests"]) == (1, 2 * gbs * n), got[0]
     assert any(r["partial_rows"] > 0 for r in got[:-1]), [r["partial_rows"] for r in got]  # an abort cut rows
     assert max(r["version_span_max"] for r in got[1:]) >= 1, [r["version_span_max"] for r in got]
-    assert max(r["token_staleness_max"] for r in got) == 1  # max_age 2 in async mode: cut tokens trained one update late
+    assert max(r["token_staleness_max"] for r in got) == 1  # async max_age 2: cut tokens trained one update late
     assert sorted(g for r in got for g in r["trained_stream_ids"]) == list(range(3 * gbs))
 
 
@@ -42,7 +43,8 @@ def test_over_sampled_surplus_groups_are_generated_and_trained_the_next_iteratio
     trained first in iteration 1, one update late. Ignored, iteration 1 would train four fresh groups."""
     from flows.train import grpo_train
 
-    grpo_train(small_config(tmp_path / "run", iterations=3, **{"rollout.over_sampling_groups": 2, "rollout.max_split": 1}))
+    grpo_train(small_config(tmp_path / "run", iterations=3, **{"rollout.over_sampling_groups": 2,
+                                                              "rollout.max_split": 1}))
     got = rows(tmp_path / "run")
     assert got[0]["loaded_groups"] == 6 and got[0]["requests"] == 6 * 4 and got[0]["rounds"] == 1
     assert sorted(got[0]["trained_stream_ids"]) == [0, 1, 2, 3]
