@@ -90,7 +90,8 @@ GOOD = [json.dumps({"prompt": f"a*{n}=", "label": n}) for n in range(1, 21)]
     (GOOD[:1] + ['{"prompt": "   ", "label": 2}'], r"prompts.jsonl:2: empty prompt under 'prompt'"),
     (GOOD[:1] + [json.dumps({"prompt": "x" * 30 + "a*2=", "label": 2})],
      rf"prompt #2 has 34 tokens, more than the {MAX_PROMPT} allowed .*data.over_long_prompts=truncate"),
-], ids=["malformed-line", "missing-label", "missing-prompt", "empty-prompt", "over-long-prompt"])
+    (GOOD[:3] + ['{"prompt": "a*4=", "label": null}'], r"prompts.jsonl:4: label 'label' is null"),  # exited 1
+], ids=["malformed-line", "missing-label", "missing-prompt", "empty-prompt", "over-long-prompt", "null-label"])
 def test_bad_prompt_file_exits_2_naming_the_line(lines, expected, prefect_harness, tmp_path):
     path = prompt_file(tmp_path, lines)
     code, err = train(tmp_path / "run", f"data.prompts_path={path}")

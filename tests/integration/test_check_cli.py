@@ -132,3 +132,15 @@ def test_every_recipe_passes_check_with_the_gpus_its_header_states(recipe, tiny_
             assert f"needs {gpus} GPUs" in line and "grpo.kl_coef > 0" in line and "learner.world_size" in line
         else:
             assert f"total: {gpus} GPUs" in out.getvalue() and not err.getvalue()
+
+
+def test_a_run_refuses_an_unplaceable_plan_before_any_placement_group_waits(ray_session):
+    """build_run's own check (deployment runs start there, without the command line's preflight)."""
+    from flows.setup import refuse_unplaceable
+    from infra.config import ConfigError, build_config
+
+    gpus = ray_session.cluster_resources().get("GPU", 0)
+    cfg = build_config({}, ["learner.device=cuda", "engines.backend=sglang", f"engines.rollout_num_gpus={int(gpus) + 1}"])
+    with pytest.raises(ConfigError, match=rf"the run needs {int(gpus) + 2} GPUs .* but the Ray cluster has {gpus:g}"):
+        refuse_unplaceable(cfg, resuming=False)
+    refuse_unplaceable(build_config({}), resuming=False)  # the CPU defaults fit
