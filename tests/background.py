@@ -15,9 +15,10 @@ Ray).
 
 A test marked `@pytest.mark.early("fixture", cpu_s=N)` names a session fixture (defined in a plugin, so that it is
 visible from here) that only submits its work (`background.submit`) and returns the future; it is set up before the
-first test, and the test, moved to the end of the session, waits for the result. Runs that would join a Ray cluster join
-the background one (`background.ray_address()`, tests/background_ray.py): Ray starts its workers with the raylet's
-priority, and the session's cluster is not niced."""
+first test, and the test, moved to the end of the session, waits for the result. The other tests run unit first, then
+integration, then e2e (`run_order`); a background fixture that fails at set-up fails only the tests that use it. Runs
+that would join a Ray cluster join the background one (`background.ray_address()`, tests/background_ray.py): Ray
+starts its workers with the raylet's priority, and the session's cluster is not niced."""
 from __future__ import annotations
 
 import json
