@@ -18,8 +18,10 @@ def test_colocated_engine_frees_the_gpu_and_comes_back_with_the_learners_weights
     from bench.gpu_smoke import main
 
     out = main(["--device", "cuda", "--bucket-mb", "1"])
+    assert not out["errors"], out["errors"]
     assert out["weights_equal"] == [True, True, True] and out["released_to_zero"] and out["greedy_changed"]
     assert min(out["freed_gb"]) > 0  # the release gives CUDA memory back
-    learner = out["learner"]  # issue 12: Qwen2.5-0.5B's shape, FSDP2 bfloat16, three update steps
+    learner = out["learner"]  # issues 12, 28: Qwen2.5-0.5B's shape, the recipe's precision, three update steps
     assert learner["params"] > 4e8 and learner["param_dtype"] == "bfloat16" and learner["peak_gpu_gb"] > 0
+    assert learner["master_dtypes"] == ["float32"] and learner["moved_share"] > 0.9
     assert set(out["rollout"]) == {"no_partial", "sync_split4"}  # max_split 1 vs 4, rollout_s of each

@@ -1,7 +1,8 @@
 """The SGLang backend for real: RolloutManager with backend "sglang" on a GPU machine.
 
-Needs CUDA, `pip install spillover[sglang]` and a small HF checkpoint in SPILLOVER_GPU_MODEL (a local
-folder, e.g. Qwen2.5-0.5B-Instruct); skipped otherwise. One engine, one GPU, real sglang-router.
+Needs CUDA, Ray and `pip install spillover[sglang]`; skipped otherwise (a failure with SPILLOVER_REQUIRE_GPU=1). The
+model is tests/gpu/conftest.py's random-init Qwen2.5-0.5B shape (built in code; SPILLOVER_GPU_MODEL, a local HF
+folder, replaces it). One engine, one GPU, real sglang-router.
 """
 from __future__ import annotations
 
@@ -11,24 +12,26 @@ import time
 import pytest
 
 torch = pytest.importorskip("torch")
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(not os.environ.get("SPILLOVER_GPU_MODEL"), reason="set SPILLOVER_GPU_MODEL to an HF folder"),
-]
+pytest.importorskip("ray")  # before the fixtures: tests/conftest.py's ray_session needs it
+pytest.importorskip("sglang")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 GREEDY = {"max_new_tokens": 16, "temperature": 0}
 PROMPTS = [[785, 6722, 315, 9625, 374], [16, 488, 220, 16, 284], [9707, 11, 847, 829, 374]]
 
 
 @pytest.fixture(scope="module")
-def sglang_manager(ray_session):
-    pytest.importorskip("sglang")
+def model_path(recipe_model_dir) -> str:
+    return os.environ.get("SPILLOVER_GPU_MODEL") or str(recipe_model_dir)
+
+
+@pytest.fixture(scope="module")
+def sglang_manager(ray_session, model_path):
     from infra.config import EnginesConfig
     from rollout.manager import RolloutManager
 
     cfg = EnginesConfig(backend="sglang", rollout_num_gpus=1, gpus_per_engine=1, max_running_requests=64,
                         health_timeout_s=60)
-    manager = RolloutManager(cfg, os.environ["SPILLOVER_GPU_MODEL"],
+    manager = RolloutManager(cfg, model_path,
                              sglang_options={"mem_fraction_static": 0.5})
     yield manager
     manager.shutdown()
@@ -46,10 +49,10 @@ def test_generate_through_router(sglang_manager):
         assert meta["completion_tokens"] == len(res["output_ids"]) == len(meta["output_token_logprobs"])
 
 
-def test_update_weights_from_tensor_changes_outputs_and_version(sglang_manager):
+def test_update_weights_from_tensor_changes_outputs_and_version(sglang_manager, model_path):
     from safetensors.torch import load_file
 
-    path = os.environ["SPILLOVER_GPU_MODEL"]
+    path = model_path
     before = sglang_manager.generate(batch(GREEDY))
     state = {}
     for f in sorted(os.listdir(path)):
