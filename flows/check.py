@@ -34,13 +34,27 @@ class CheckReport:
 
 
 def local_cluster() -> Cluster:
-    """What a local Ray started on this machine would count: the GPUs of CUDA_VISIBLE_DEVICES, else /dev/nvidiaN."""
+    """What a local Ray started on this machine would count, as Ray counts them: the GPUs of CUDA_VISIBLE_DEVICES,
+    else the NVIDIA devices (/dev/nvidiaN, else `nvidia-smi -L`)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         gpus = len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     else:
-        gpus = len([p for p in Path("/dev").glob("nvidia*") if p.name[len("nvidia"):].isdigit()])
+        gpus = len([p for p in Path("/dev").glob("nvidia*") if p.name[len("nvidia"):].isdigit()]) or _nvidia_smi_gpus()
     return Cluster(gpus=gpus, nodes=1, gpus_per_node=gpus, source="this machine")
+
+
+def _nvidia_smi_gpus() -> int:
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in listed.splitlines() if line.startswith("GPU "))
 
 
 def cluster_from_ray(address: str | None) -> Cluster:

@@ -52,6 +52,8 @@ def cmd_check(args) -> int:
 
     if args.nodes < 1 or (args.gpus is not None and args.gpus < 0):
         raise ConfigError("--gpus must be >= 0 and --nodes >= 1")
+    if args.nodes > 1 and args.gpus is None:
+        raise ConfigError("--nodes plans for a machine you are not on: give --gpus N (all nodes together) with it")
     report = preflight(load_config(args.config, args.overrides), gpus=args.gpus, nodes=args.nodes)
     if report.problems:
         raise InputRefused(report.problems)

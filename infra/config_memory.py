@@ -46,14 +46,14 @@ def memory_lines(plan, cfg, shape: ModelShape) -> list[str]:
     world = cfg.learner.world_size
     for group in plan.groups:
         if group.name == "policy learner" and group.gpus:
-            gib = LEARNER_BYTES_PER_PARAM * p / world / GIB
+            size = _size(LEARNER_BYTES_PER_PARAM * p / world)
             extra = ""
             if cfg.placement.colocate:
                 extra = "; the colocated engine's weights and KV pool are released while it trains"
-            lines.append(f"policy learner: ~{gib:.1f} GiB per GPU (fp32 weights, gradients and AdamW state of "
-                         f"{p / 1e9:.2f}B parameters / {world} rank(s); activations extra{extra})")
+            lines.append(f"policy learner: ~{size} per GPU (fp32 weights, gradients and AdamW state of "
+                         f"{_count(p)} parameters / {world} rank(s); activations extra{extra})")
         elif group.name == "reference learner" and group.gpus:
-            lines.append(f"reference learner: ~{MASTER_BYTES * p / world / GIB:.1f} GiB per GPU (float32 weights, "
+            lines.append(f"reference learner: ~{_size(MASTER_BYTES * p / world)} per GPU (float32 weights, "
                          f"loaded as the policy's / {world} rank(s))")
         elif group.name == "engine" and (group.gpus or cfg.placement.colocate and cfg.learner.device == "cuda"):
             lines.append(_engine_line(cfg, shape, dtype))
@@ -63,14 +63,22 @@ def memory_lines(plan, cfg, shape: ModelShape) -> list[str]:
 def _engine_line(cfg, shape: ModelShape, dtype: int) -> str:
     engines, rollout = cfg.engines, cfg.rollout
     tp = 1 if cfg.placement.colocate else engines.gpus_per_engine
-    weights = dtype * shape.params / tp / GIB
+    weights = _size(dtype * shape.params / tp)
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype / tp
-    kv = engines.max_running_requests * rollout.max_model_len * kv_per_token / GIB
+    kv = _size(engines.max_running_requests * rollout.max_model_len * kv_per_token)
     pool = ""
     if engines.backend == "sglang":
         fraction = engines.sglang_args.get("mem_fraction_static")
         pool = f"; SGLang takes {fraction} of the GPU for both" if fraction else \
             "; SGLang takes mem_fraction_static of the GPU for both (its own choice when unset)"
-    return (f"engine: ~{weights:.1f} GiB weights per GPU + ~{kv:.1f} GiB KV cache for all "
+    return (f"engine: ~{weights} weights per GPU + ~{kv} KV cache for all "
             f"{engines.max_running_requests} slots at {rollout.max_model_len} tokens (engines.max_running_requests x "
             f"rollout.max_model_len){pool}")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= 0.1 * GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _count(params: int) -> str:
+    return f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.2f}M"

@@ -191,3 +191,14 @@ def test_sglang_flags_go_through_sglangs_own_parser():
         pytest.skip("sglang is not installed (make install adds its classes); the recorded flag list is used")
     refusal = sglang_parser_refusal(("--model-path", "unused", "--cuda-graph-max-bs", "8"))
     assert refusal and "ambiguous option: --cuda-graph-max-bs" in refusal
+
+
+def test_this_machine_counts_the_gpus_ray_would(monkeypatch):
+    from flows.check import choose_cluster, local_cluster
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert local_cluster().gpus == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert local_cluster().gpus == 0
+    planned = choose_cluster(build_config({}), gpus=8, nodes=2)  # --gpus wins over RAY_ADDRESS and this machine
+    assert (planned.gpus, planned.nodes, planned.gpus_per_node) == (8, 2, 4) and "--gpus 8 --nodes 2" in planned.source
