@@ -150,3 +150,24 @@ def test_values_sglang_refuses(sglang_classes):
     numpy_seed = SamplingSettings(stop_token_ids=[2], seed=1)
     seeded = build_requests([[5, 6, 7]], np.array([4]), numpy_seed, seeds=np.array([2**31 - 1]))[0]
     accepted(sglang_classes.generate(seeded, VOCAB, 64), "a seeded body")
+
+
+def test_engine_client_generate_body_is_sglangs(sglang):
+    """EngineClient.generate (bench/engine.py, the tests' direct calls): its inline body, transport recorded."""
+    import asyncio
+
+    import orjson
+
+    from rollout.engines.client import EngineClient
+
+    sent = []
+    client = EngineClient("http://127.0.0.1:1")
+
+    async def record(method, path, json=None, timeout=None):
+        sent.append(orjson.loads(orjson.dumps(json)))
+        raise Captured
+
+    client._request = record
+    with pytest.raises(Captured):
+        asyncio.run(client.generate([5, 6, 7], {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}))
+    check_all(sglang, sent, 64)

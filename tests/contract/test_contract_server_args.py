@@ -75,12 +75,16 @@ def test_engines_sglang_args(sglang, args):
 
 def test_every_flag_sglang_args_knows_parses_as_sglangs(sglang_classes):
     """rollout/engines/sglang_args.py's extract against SGLang's own parser: every switch it lets users set is a flag
-    SGLang takes, and every valued field given its default parses back to that default."""
+    SGLang takes, every choice it allows SGLang allows, and every valued field given its default parses back to it."""
     fields = server_fields()
     settable = {k: f for k, f in fields.items() if f.get("cli_flags") and k not in MANAGED}
     switches = {k: True for k, f in settable.items() if _is_bool(f)}
     answer = sglang_classes.server_args(["--model-path", "m", *server_flags(switches)], resolve=False)
     accepted(answer, f"every switch of sglang_args ({len(switches)})")
+    every_choice = [arg for key, field in settable.items() for choice in field.get("choices") or ()
+                    for arg in server_flags({key: choice})]  # argparse checks each repeat of a flag
+    accepted(sglang_classes.server_args(["--model-path", "m", *every_choice], resolve=False),
+             "every choice sglang_args allows")
     for key, field in settable.items():
         if _is_bool(field) or field.get("default") is None:
             continue
