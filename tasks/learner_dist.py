@@ -23,8 +23,8 @@ import torch.distributed as dist
 from infra.config_learner import LearnerConfig
 from rollout.engines.update_group import tcp_store
 
-__all__ = ["MASTER_DTYPE", "all_reduce", "balanced_shards", "checkpoint_layers", "compute_precision", "init_distributed",
-           "load_learner_lm", "shard_model"]
+__all__ = ["MASTER_DTYPE", "all_reduce", "balanced_shards", "checkpoint_layers", "compute_precision",
+           "init_distributed", "load_learner_lm", "shard_model"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MASTER_DTYPE = torch.float32
 

@@ -4,6 +4,9 @@ Model tensors are `model/<HF name>` (tied duplicates dropped), optimizer tensors
 index of the parameter in the unsharded model's `named_parameters()` order, so a state saved by an FSDP group
 loads into one process and back (resharding is FSDP's: each rank keeps its slice of the full tensors).
 With FSDP the full tensors are gathered to rank 0 (other ranks return empty dicts; every rank must call).
+Model and optimizer tensors are the learner's float32 masters and moments whatever model.dtype is; a state holding
+bfloat16 ones (a learner whose masters were bfloat16 wrote them) still loads, widened exactly: load_state_dict and
+AdamW's load_state_dict cast to the parameters' dtype.
 """
 from __future__ import annotations
 
