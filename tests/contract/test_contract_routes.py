@@ -176,3 +176,67 @@ def test_every_endpoint_the_backend_names_is_checked_here():
     SGLang's class."""
     unchecked = sorted(set(sgl.ENDPOINTS.values()) - set(ROUTE_CLASS) - BODILESS)
     assert not unchecked, f"add contract checks for {unchecked} (and their io_struct class to ROUTE_CLASS)"
+
+
+class CaptureServer:
+    """A loopback HTTP server in place of SGLang's front (SGLang cannot run here): keeps each POST's path and JSON
+    body, answers success, and /model_info with the last weight_version it was sent."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.sent: list[tuple[str, dict]] = []
+        self.version = "0"
+        capture = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, body: dict) -> None:
+                data = orjson.dumps(body)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                body = orjson.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                capture.sent.append((self.path, body))
+                capture.version = body.get("weight_version") or capture.version
+                self._answer({"success": True, "message": ""})
+
+            def do_GET(self):
+                self._answer({"weight_version": capture.version})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_engine_actor_tensor_update_bodies(sglang):
+    """EngineActor.update_weights (engines.weight_sync=tensor, the recipes' default) over real HTTP: the session's
+    begin, one /update_weights_from_tensor per bucket (the version on the last only), end."""
+    import torch
+
+    from rollout.engines.actor import EngineActor
+
+    server = CaptureServer()
+    try:
+        actor = EngineActor.__new__(EngineActor)  # the plain class without Ray: only what update_weights reads
+        actor.backend, actor.url, actor.tp_size, actor.node_rank, actor.engine_index = "torch", server.url, 1, 0, 0
+        state = {f"layer{i}.weight": torch.full((4, 4), float(i)) for i in range(3)}
+        assert actor.update_weights(state, 9, bucket_bytes=64) == 9
+    finally:
+        server.close()
+    paths = [path for path, _ in server.sent]
+    assert paths == ["/begin_weight_update"] + ["/update_weights_from_tensor"] * 3 + ["/end_weight_update"], paths
+    for path, body in server.sent:
+        check(sglang, path, body)
+    assert [body.get("weight_version") for _, body in server.sent[1:4]] == [None, None, "9"]
