@@ -87,6 +87,14 @@ def rollout_split_comparison(device: str, scale: list[str]) -> dict:
                                           "trained_tokens_per_iteration")} for r in results}
 
 
+class CheckFailed(AssertionError):
+    """A check whose figures came out wrong: the figures still go into the JSON line, the message into errors."""
+
+    def __init__(self, message: str, figures: dict):
+        super().__init__(message)
+        self.figures = figures
+
+
 def colocated_engine(args, device: torch.device) -> dict:
     model_path = args.model
     if not model_path:
@@ -147,8 +155,15 @@ def learner_precision(args, device: torch.device) -> dict:
         return {}
     from bench.gpu_learner import learner_smoke
 
-    return {"learner": learner_smoke(size, device.type, samples=args.learner_samples, tokens=args.learner_tokens,
-                                     recipe=args.recipe)}
+    out = learner_smoke(size, device.type, samples=args.learner_samples, tokens=args.learner_tokens,
+                        recipe=args.recipe)
+    expected = {"master_dtypes": ["float32"], "optimizer_state_dtypes": ["float32"],
+                "compute_dtypes": [out["param_dtype"]], "sent_dtypes": [out["model_dtype"]]}
+    wrong = {k: out[k] for k, v in expected.items() if out[k] != v}
+    if wrong or out["moved_share"] <= 0.9:  # as bfloat16 masters, a 1e-6 step would round away almost everywhere
+        raise CheckFailed(f"learner precision: expected {expected} and moved_share > 0.9; got {wrong}, "
+                          f"moved_share {out['moved_share']}", {"learner": out})
+    return {"learner": out}
 
 
 def rollout_split(args, device: torch.device) -> dict:
@@ -196,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             out.update(known[name](args, device))
         except Exception as err:  # noqa: BLE001 - one failed check must not cost the lent machine's other checks
+            out.update(getattr(err, "figures", {}))
             traceback.print_exc(file=sys.stderr)
             out["errors"][name] = f"{type(err).__name__}: {err}"[:2000]
         out["check_s"][name] = round(time.perf_counter() - tic, 1)
