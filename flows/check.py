@@ -63,12 +63,27 @@ def cluster_from_ray(address: str | None) -> Cluster:
 
     from infra.cluster import init_ray
 
+    if address and not ray.is_initialized():
+        _reachable(address)  # ray.init retries an address where nothing listens for minutes
     init_ray(address)
     total = ray.cluster_resources()
     alive = [n for n in ray.nodes() if n.get("Alive")]
     per_node = max((n["Resources"].get("GPU", 0) for n in alive), default=0)
     return Cluster(gpus=float(total.get("GPU", 0)), cpus=float(total.get("CPU", 0)), nodes=max(1, len(alive)),
                    gpus_per_node=per_node, source="the Ray cluster")
+
+
+def _reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Raise ConnectionError when nothing accepts a TCP connection at host:port of a Ray address."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # not host:port: let ray.init judge it
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConnectionError(f"nothing answers at {host}:{port} ({err})") from None
 
 
 def flag_cluster(gpus: float, nodes: int = 1) -> Cluster:
@@ -88,10 +103,10 @@ def choose_cluster(cfg, gpus: float | None, nodes: int = 1) -> Cluster:
 
 def preflight(cfg, *, gpus: float | None = None, nodes: int = 1, purpose: str = "train",
               model_dir: str | Path | None = None, data_paths: dict[str, str] | None = None,
-              storage_deadline_s: float = 10.0) -> CheckReport:
+              storage_deadline_s: float = 10.0, resuming: bool = False) -> CheckReport:
     """Every check for `purpose` ("train": train, resume and serve; "eval": engines only, no storage) of cfg (a
     RunConfig). model_dir: the folder engines load when not model.path (eval's exported policy); data_paths: more
-    prompt files {setting: path} (eval's --data)."""
+    prompt files {setting: path} (eval's --data); resuming: `spillover resume` (what it starts: infra/config_plan.py)."""
     from flows.check_inputs import check_data, check_imports, check_model, check_sglang_flags, check_storage_access
 
     train = purpose == "train"
@@ -101,8 +116,15 @@ def preflight(cfg, *, gpus: float | None = None, nodes: int = 1, purpose: str = 
     if train:
         problems += check_storage_access(cfg, storage_deadline_s)
     problems += check_sglang_flags(cfg, model_dir)
-    cluster = choose_cluster(cfg, gpus, nodes)
-    plan = placement_plan(cfg, cluster.gpus, eval_only=not train)
+    try:
+        cluster = choose_cluster(cfg, gpus, nodes)
+    except Exception as err:  # noqa: BLE001 -- ray.init's errors vary (ConnectionError, RuntimeError, timeouts)
+        address = cfg.engines.ray_address or os.environ.get("RAY_ADDRESS")
+        problems.append(f"cannot join the Ray cluster at {address} (engines.ray_address or RAY_ADDRESS): "
+                        f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}; start "
+                        "it, correct the address, or plan with --gpus N")
+        cluster = Cluster(gpus=None, source="the Ray cluster")
+    plan = placement_plan(cfg, cluster.gpus, eval_only=not train, resuming=resuming)
     problems += plan_problems(plan, cluster, cfg.storage.url, writes_checkpoints=train)
     return CheckReport(problems, plan, cluster, _memory(cfg, plan, model_dir))
 

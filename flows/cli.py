@@ -76,7 +76,7 @@ def cmd_resume(args) -> int:
     from flows.train import grpo_train
 
     cfg = load_run_config(args.run_dir, args.overrides)
-    refuse_bad_inputs(args, cfg)
+    refuse_bad_inputs(args, cfg, resuming=True)
     summary = grpo_train(cfg, resume=True)
     print(json.dumps(summary, indent=2))
     return EXIT_OK

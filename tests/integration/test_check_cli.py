@@ -24,9 +24,11 @@ RECIPES = sorted((REPO / "configs" / "gpu").glob("*.yaml"))
 GOOD = [json.dumps({"prompt": f"a*{n}=", "label": n}) for n in range(1, 9)]
 
 
-def spillover(*argv: str, cwd: Path = REPO) -> tuple[int, str, str, float]:
-    """(exit code, stdout, stderr, seconds) of a `spillover` process that joins no Ray cluster."""
+def spillover(*argv: str, cwd: Path = REPO, **extra_env: str) -> tuple[int, str, str, float]:
+    """(exit code, stdout, stderr, seconds) of a `spillover` process that joins no Ray cluster (unless extra_env
+    names one)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "PREFECT_API_URL"))}
+    env.update(extra_env)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     start = time.perf_counter()
     proc = subprocess.run([SPILLOVER, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
@@ -82,6 +84,14 @@ def test_check_refuses_multi_node_placement_with_local_storage():
     code, _, err, _ = spillover("check", "--config", "configs/tiny.yaml", "--gpus", "4", "--nodes", "2")
     line = refused_once(code, err)
     assert "storage.url=" in line and "2 nodes" in line and "storage.url=s3://" in line
+
+
+def test_check_refuses_an_unreachable_ray_cluster_at_once():
+    from seaweed_server import free_ports
+
+    address = f"127.0.0.1:{free_ports(1)[0]}"  # nothing listens there (ray.init would retry for minutes)
+    code, _, err, seconds = spillover("check", "--config", "configs/tiny.yaml", RAY_ADDRESS=address)
+    assert refused_once(code, err).startswith(f"spillover: cannot join the Ray cluster at {address}")
 
 
 def test_a_healthy_check_prints_the_plan_in_seconds(tmp_path):
