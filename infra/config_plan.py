@@ -130,6 +130,10 @@ def placement_plan(cfg, cluster_gpus: float | None = None, eval_only: bool = Fal
     return PlacementPlan(tuple(groups), spread_learner=spread, engine_gpus=engine_gpus)
 
 
+def _gpus(count: float) -> str:
+    return f"{count:g} GPU" + ("" if count == 1 else "s")
+
+
 def is_local_storage(url: str | None) -> bool:
     """storage.url on this node's disk (a path, file://, or empty = <run_dir>/checkpoints), not object storage."""
     return not (url or "").startswith("s3://")
@@ -152,7 +156,7 @@ def plan_problems(plan: PlacementPlan, cluster: Cluster, storage_url: str | None
     placement with node-local checkpoint storage."""
     problems = []
     if cluster.gpus is not None and plan.total_gpus > cluster.gpus + 1e-9:
-        problems.append(f"the run needs {plan.total_gpus:g} GPUs ({plan.gpu_breakdown()}) but {cluster.source} has "
+        problems.append(f"the run needs {_gpus(plan.total_gpus)} ({plan.gpu_breakdown()}) but {cluster.source} has "
                         f"{cluster.gpus:g}; lower those settings (grpo.kl_coef=0 drops the reference learner) or add "
                         "GPUs")
     if cluster.cpus is not None and plan.total_cpus > cluster.cpus + 1e-9:
