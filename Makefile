@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean browser
+.PHONY: demo test install clean browser gpu-wheels
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,3 +41,11 @@ test: $(STAMP) browser
 
 clean:
 	rm -rf $(VENV) runs
+
+# Wheels for a GPU machine without network (Python 3.12, x86_64): what bench/gpu_smoke.py and tests/gpu import beyond
+# torch and transformers. bench/gpu_run.sh installs them there from this folder (carry .gpu-wheels).
+GPU_WHEELS ?= .gpu-wheels
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		-d $(GPU_WHEELS) pydantic fastapi uvicorn orjson pyyaml 2>&1 | grep -v "^WARNING: Location" || true

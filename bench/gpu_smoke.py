@@ -8,6 +8,10 @@ process; each is a function in CHECKS (args, device) -> its figures, merged into
   its release gave back), engine_held_mb and released_to_zero (the engine's own count of its weight and KV bytes,
   before and after a release), gen_tokens_per_s, sync_s per iteration, buckets, weights_equal (every iteration),
   greedy_changed (the update reached the engine).
+- tensor_update_session (issue 28): the torch engine's HTTP server on the device and WeightPoster (the client path that
+  drives SGLang): an update outside /begin_weight_update ... /end_weight_update is refused; inside one session, bucket
+  by bucket, weights and weight_version change -> "tensor_update": {refused_outside_session, version, weights_equal,
+  update_s, buckets, events, greedy_changed}.
 - learner_precision (issues 12, 28; bench/gpu_learner.py): a random-init Qwen2 of --learner-size (0.5b on CUDA:
   Qwen2.5-0.5B's shape, no download) in spillover's LearnerActor with --recipe's precision and optimizer (bfloat16
   compute, float32 masters and AdamW state, lr 1e-6), FSDP2, three iterations of old logprobs + GRPO update ->
@@ -96,11 +100,7 @@ class CheckFailed(AssertionError):
 
 
 def colocated_engine(args, device: torch.device) -> dict:
-    model_path = args.model
-    if not model_path:
-        from infra.models import build_tiny_model
-
-        model_path = str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
+    model_path = args.model or _tiny_model()
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -149,6 +149,56 @@ def colocated_engine(args, device: torch.device) -> dict:
     return out
 
 
+def tensor_update_session(args, device: torch.device) -> dict:
+    """The torch engine's HTTP server on the device and the client path that drives SGLang (WeightPoster, as the
+    engine actors and colocated ranks use it): a tensor update outside /begin_weight_update ... /end_weight_update is
+    refused as SGLang refuses it; inside one session, bucket by bucket, the weights and weight_version change."""
+    import httpx
+
+    from rollout.engines.torch_server import TorchEngineServer
+    from rollout.engines.weight_poster import WeightPoster
+
+    model_path = args.model or _tiny_model()
+    server = TorchEngineServer(model_path, device=device.type, max_running_requests=8)
+    url = server.start(timeout_s=300.0)
+    poster = WeightPoster(url, "torch", label="smoke engine")
+    probe = {"input_ids": [3, 4, 5, 6], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
+    try:
+        greedy_before = httpx.post(url + "/generate", json=probe, timeout=120.0).json()["output_ids"]
+        current = {name: t.detach().to("cpu").clone() for name, t in server.batcher.decoder.weights.items()}
+        name0 = next(iter(current))
+        try:
+            poster.post_bucket({name0: current[name0]}, 1)
+            refused = False
+        except RuntimeError:
+            refused = True
+        server.weight_update_events.clear()
+        generator = torch.Generator().manual_seed(0)
+        new = {name: t + 0.5 * torch.randn(t.shape, generator=generator).to(t.dtype) for name, t in current.items()}
+        tic = time.perf_counter()
+        version = poster.update(new, 1, bucket_bytes=int(args.bucket_mb * 2**20))
+        update_s = time.perf_counter() - tic
+        weights_equal = all(tensor_digest(server.batcher.decoder.weights[n]) == tensor_digest(new[n].to(device))
+                            for n in new)
+        events = list(server.weight_update_events)
+        greedy_after = httpx.post(url + "/generate", json=probe, timeout=120.0).json()["output_ids"]
+    finally:
+        server.stop()
+    out = {"refused_outside_session": refused, "version": version, "weights_equal": weights_equal,
+           "update_s": round(update_s, 4), "buckets": sum(e.startswith("update_weights_from_tensor") for e in events),
+           "events": [events[0], events[-1]] if events else [], "greedy_changed": greedy_after != greedy_before}
+    if not (refused and version == 1 and weights_equal and events and events[0].startswith("begin")
+            and events[-1].startswith("end")):
+        raise CheckFailed(f"tensor update session: {out}", {"tensor_update": out})
+    return {"tensor_update": out}
+
+
+def _tiny_model() -> str:
+    from infra.models import build_tiny_model
+
+    return str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
+
+
 def learner_precision(args, device: torch.device) -> dict:
     size = args.learner_size or ("0.5b" if device.type == "cuda" else "tiny")
     if size == "none":
@@ -175,7 +225,7 @@ def rollout_split(args, device: torch.device) -> dict:
 
 # The checks, in the order they run: each takes (parsed args, device) and returns its figures (merged into the one
 # JSON line); a new GPU check is a function appended here (and named in --checks).
-CHECKS = [colocated_engine, learner_precision, rollout_split]
+CHECKS = [colocated_engine, tensor_update_session, learner_precision, rollout_split]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -72,17 +72,17 @@ class EngineHostMixin:
         # Only an engine's node 0 serves HTTP. The torch engine takes the buckets over HTTP too, although it runs in
         # this process: that costs a few copies of one bucket (encoded, decoded), never of the model, and runs the
         # session and route that SGLang needs, so the CPU suite exercises them.
-        engine = self._hosted if self._hosted is not None and self._hosted.url is not None else None
+        poster = self._hosted.poster() if self._hosted is not None and self._hosted.url is not None else None
         loaded = 0
-        with torch.no_grad(), (engine.weight_update_session() if engine is not None else nullcontext()):
+        with torch.no_grad(), (poster.session() if poster is not None else nullcontext()):
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
                 tensors = {name: full_tensor(named[name]).to(device) for name, _, _ in bucket}  # a collective
-                if engine is not None:
-                    engine.post_tensor_bucket(tensors, weight_version if last else None, flush_cache=last)
+                if poster is not None:
+                    poster.post_bucket(tensors, weight_version if last else None, flush_cache=last)
                     loaded += sum(t.numel() * t.element_size() for t in tensors.values())
                 del tensors
-        version = engine.reported_weight_version() if engine is not None else None
+        version = poster.reported_version() if poster is not None else None
         self._note("load_weights")
         return {"buckets": len(buckets), "bytes": loaded, "version": version}
 

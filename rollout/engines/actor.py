@@ -14,19 +14,14 @@ actor reports its URL back; only node 0 of an engine has one.
 """
 from __future__ import annotations
 
-import logging
 import os
 import socket
-from contextlib import contextmanager
 from typing import Any
 
-import httpx
-
 from rollout.engines import sglang_backend as sgl
+from rollout.engines.weight_poster import WeightPoster
 
 BACKENDS = ("torch", "sglang")
-log = logging.getLogger(__name__)
-
 
 def free_ports(host: str, count: int, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
     """`count` distinct ports the OS reports free on `host`, none of them in `exclude`."""
@@ -116,51 +111,20 @@ class EngineActor:
             self._process = None
 
     # ---- weights ------------------------------------------------------------------------------------
+    def poster(self) -> WeightPoster:
+        """The HTTP weight-update client of this engine's server (node 0 only)."""
+        if self.url is None:
+            raise RuntimeError(f"engine {self.engine_index} node {self.node_rank} serves no HTTP (not started, or not "
+                               f"node 0)")
+        return WeightPoster(self.url, self.backend, self.tp_size, self.base_gpu_id, f"engine {self.engine_index}")
+
     def update_weights(self, state_dict: dict[str, Any], weight_version: int | str,
                        bucket_bytes: int | None = None) -> int | str | None:
         """Apply HF-named tensors (Ray resolves an ObjectRef argument) by /update_weights_from_tensor, in buckets of
-        about bucket_bytes (None: one), inside one weight-update session; returns the version the engine reports.
-        Both backends go over HTTP (the torch engine takes its CPU encoding: sglang_backend.serialize_named_tensors)."""
+        about bucket_bytes (None: one), inside one weight-update session; returns the version the engine reports."""
         if self.node_rank > 0:
             return None
-        from rollout.engines.update_group import dtype_name, plan_buckets
-
-        specs = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in state_dict.items()]
-        buckets = plan_buckets(specs, bucket_bytes) if bucket_bytes else [specs]
-        with self.weight_update_session():
-            for i, bucket in enumerate(buckets):
-                last = i == len(buckets) - 1
-                self.post_tensor_bucket({name: state_dict[name] for name, _, _ in bucket},
-                                        weight_version if last else None, flush_cache=last)
-        return self.reported_weight_version()
-
-    @contextmanager
-    def weight_update_session(self):
-        """/begin_weight_update ... /end_weight_update around tensor updates (SGLang 0.5.23 refuses them outside
-        one); the session is ended also when an update fails, so the next update can begin."""
-        self._post(sgl.ENDPOINTS["begin_weight_update"], sgl.begin_weight_update_payload())
-        try:
-            yield
-        except BaseException:
-            try:
-                self._post(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload(), timeout_s=60.0)
-            except Exception as err:  # the update's own error is the one to report
-                log.warning("engine %d: /end_weight_update after a failed update failed too: %r", self.engine_index,
-                            err)
-            raise
-        self._post(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload())
-
-    def post_tensor_bucket(self, tensors: dict[str, Any], weight_version: int | str | None,
-                           flush_cache: bool = True) -> None:
-        """One /update_weights_from_tensor call (inside a session); weight_version None keeps the engine's version.
-        SGLang: CUDA IPC handles, so the tensors go to this engine's GPU first (one bucket there at a time) and stay
-        alive until the call returns. Torch engine: the tensors' data, safetensors-encoded."""
-        if self.backend == "sglang":
-            device = f"cuda:{self.base_gpu_id}"
-            tensors = {name: tensor.to(device) for name, tensor in tensors.items()}
-        serialized = sgl.serialize_named_tensors(list(tensors.items()), self.tp_size, backend=self.backend)
-        self._post(sgl.ENDPOINTS["update_from_tensor"],
-                   sgl.update_from_tensor_payload(serialized, weight_version, flush_cache=flush_cache))
+        return self.poster().update(state_dict, weight_version, bucket_bytes)
 
     def take_weight_update_events(self) -> list[str]:
         """Torch backend: the engine's session and update route outcomes since the last take, in order
@@ -196,16 +160,4 @@ class EngineActor:
         return peak_rss_bytes()
 
     def reported_weight_version(self) -> int | str | None:
-        if self.url is None:
-            return None
-        path = "/model_info" if self.backend == "torch" else sgl.ENDPOINTS["model_info"]
-        version = httpx.get(self.url + path, timeout=30.0).json().get("weight_version")
-        return int(version) if isinstance(version, str) and version.isdigit() else version
-
-    def _post(self, path: str, payload: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
-        response = httpx.post(self.url + path, json=payload, timeout=timeout_s)
-        body = response.json() if response.content else {}
-        if response.status_code != 200 or body.get("success") is False:
-            raise RuntimeError(f"{path} on engine {self.engine_index} ({self.url}) failed: "
-                               f"{response.status_code} {body.get('message', response.text)[:500]}")
-        return body
+        return None if self.url is None else self.poster().reported_version()

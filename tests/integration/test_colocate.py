@@ -99,6 +99,7 @@ def test_colocated_run_releases_trains_resumes_and_syncs_in_order_every_iteratio
 WITHOUT_RAY_OR_PREFECT = """
 import json, sys
 class Missing:  # the GPU machine has torch and transformers, but no Ray, Prefect, wandb, s3fs or sglang-router
+    # (pydantic, fastapi, uvicorn and orjson travel there as wheels: make gpu-wheels)
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in ("ray", "prefect", "wandb", "s3fs", "sglang_router"):
             raise ImportError(f"{name} is not installed on the GPU machine")
@@ -125,5 +126,8 @@ def test_gpu_smoke_dry_run_on_cpu(gpu_smoke_dry_run):
     learner = out["learner"]  # issue 12's learner part: spillover's LearnerActor, three update steps
     assert learner["size"] == "tiny" and learner["params"] > 0 and len(learner["step_s"]) == 3
     assert learner["update_tokens_per_s"] > 0
+    update = out["tensor_update"]  # issue 28: the client path that drives SGLang, against the torch engine's HTTP server
+    assert update["refused_outside_session"] and update["version"] == 1 and update["weights_equal"]
+    assert update["buckets"] > 1 and update["events"] == ["begin_weight_update", "end_weight_update"]
     rollout = out["rollout"]  # max_split 1 vs 4 through the real dock and driver, engines in this process
     assert set(rollout) == {"no_partial", "sync_split4"} and all(r["rollout_s"] > 0 for r in rollout.values())

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The checks for a lent GPU machine, as one command (it has torch and transformers, no network, no Ray, Prefect or
+# SGLang): installs the carried wheels (`make gpu-wheels` here, carry .gpu-wheels), then runs bench/gpu_smoke.py and
+# tests/gpu with skips turned into failures. Output: $OUT/gpu_smoke.json, $OUT/gpu_smoke.log, $OUT/pytest.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/spillover-gpu}
+mkdir -p "$OUT"
+PYLIB=$(mktemp -d)
+python3 -m pip install -q --no-index --find-links .gpu-wheels --target "$PYLIB" pydantic fastapi uvicorn orjson \
+    > "$OUT/pip.log" 2>&1 || { echo "carried wheels did not install: $OUT/pip.log"; exit 1; }
+export PYTHONPATH="$PWD:$PYLIB"
+timeout 420 python3 bench/gpu_smoke.py > "$OUT/gpu_smoke.json" 2> "$OUT/gpu_smoke.log"
+smoke=$?
+SPILLOVER_REQUIRE_GPU=1 timeout 150 python3 -m pytest -q -p no:cacheprovider --confcutdir=tests/gpu tests/gpu \
+    --ignore=tests/gpu/test_sglang_gpu.py > "$OUT/pytest.log" 2>&1
+tests=$?
+tail -1 "$OUT/gpu_smoke.json"; tail -3 "$OUT/pytest.log"
+echo "gpu_smoke exit $smoke, tests/gpu exit $tests"
+exit $(( smoke || tests ))
