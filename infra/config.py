@@ -128,7 +128,10 @@ class RolloutConfig(ToolFields):  # multi-turn tool fields: infra/config_tools.p
         "repeats an uninterrupted one. The sglang backend needs --enable-deterministic-inference for it.")
     rollout_function_path: str = Field(
         "rollout.partial.generate_rollout", description="Import path of the rollout function.")
-    eval_function_path: str | None = Field(None, description="Import path of the eval function (empty = rollout's).")
+    eval_function_path: str | None = Field(
+        None, description="Import path of the eval function (slime's signature, called with evaluation=True every "
+        "schedule.eval_interval iterations, with or without data.eval_paths); empty = the built-in eval over "
+        "data.eval_paths.")
 
     @property
     def partial(self) -> bool:

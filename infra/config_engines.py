@@ -18,8 +18,9 @@ class EngineSyncFields(Section):
         "learner's rank 0 broadcasts bucket by bucket; NCCL on GPUs, gloo on CPU); tensor = the whole state dict "
         "through Ray's object store; disk = an HF folder the learner writes (engines.weight_sync_dir).")
     weight_bucket_bytes: int = Field(
-        512 * 2**20, gt=0, description="distributed: bytes per broadcast bucket (whole tensors; a larger tensor goes "
-        "alone). Neither end holds more than about one bucket beyond its model.")
+        512 * 2**20, gt=0, description="Bytes per weight-update bucket (whole tensors; a larger tensor goes alone): a "
+        "broadcast (distributed) or one /update_weights_from_tensor call (tensor, colocated). Neither end holds more "
+        "than about one bucket beyond its model.")
     weight_sync_timeout_s: float = Field(
         600.0, gt=0, description="distributed: rendezvous and per-bucket timeout of the weight-update group.")
     weight_sync_dir: str | None = Field(
