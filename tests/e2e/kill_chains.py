@@ -3,6 +3,7 @@
 the test runs last, runs the uninterrupted reference meanwhile and compares."""
 from __future__ import annotations
 
+import shutil
 import signal
 import uuid
 from concurrent.futures import Future
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fixtures_prefect import copy_migrated_database
+from partial_evidence import CutRow, cut_rows, trained_samples
 from small_run import SMALL_RUN
 from spillover_runs import PREFECT_SERVER, RAY_AGENTS, ROUTER, Run, Spillover
 
@@ -22,8 +24,22 @@ DETERMINISTIC = ["rollout.deterministic_sampling=true", "grpo.skip_old_logprob=f
                  "grpo.reward_function_path=small_run.distinct_chars"]
 
 
+def debug_template(run_dir: Path) -> str:
+    """Where each rollout's samples go (storage.save_debug_rollout_data): what the run trained, token by token."""
+    return f"{run_dir}/debug/{{rollout_id}}.parquet"
+
+
 def train_args(run_dir: Path, *extra: str) -> list[str]:
-    return ["train", "--config", "configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, *DETERMINISTIC, *extra]
+    return ["train", "--config", "configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, *DETERMINISTIC,
+            f"storage.save_debug_rollout_data={debug_template(run_dir)}", *extra]
+
+
+@dataclass(frozen=True)
+class PartialEvidence:
+    """What a chain shows of partial rollout: checkpoint 0's cut rows (read after the first kill, before pruning
+    removes the checkpoint) and the samples that the finishing resume (from checkpoint 0) trained in iteration 1."""
+    cut: list[CutRow]
+    resumed_trained: dict[int, dict]
 
 
 def assert_checkpoints(url: str, expected: list[tuple[int, bool]], storage_cfg=None, after: str = "") -> None:
@@ -37,14 +53,17 @@ def assert_checkpoints(url: str, expected: list[tuple[int, bool]], storage_cfg=N
 
 def kill_chain(spillover: Spillover, run_dir: Path, url: str, storage_cfg, first_args: list[str],
                kills: list[tuple[str, list[tuple[int, bool]]]], ray_address: str, own_ray: tuple[int, ...] = (),
-               ephemeral_link: int | None = None, migrated_db: Path | None = None, stopping=None, **env) -> None:
+               ephemeral_link: int | None = None, migrated_db: Path | None = None, stopping=None,
+               **env) -> PartialEvidence:
     """`train` (first_args) killed at kills[0], then `resume` killed at each further point, then a `resume` that
     finishes; after each kill, the checkpoints at url are the given (iteration, complete) list. Links numbered
     in own_ray (-1: the last, finishing one) start their own local Ray; the others join ray_address. The
     ephemeral link's Prefect server starts on a copy of migrated_db (an empty database costs ~100 migrations,
     ~8 s on 2 cores; what is checked is that the server dies with the run). `stopping` (an Event) ends the chain
-    before its next link."""
-    previous = None
+    before its next link. -> checkpoint 0's cut rows and what the finishing resume trained in iteration 1."""
+    from infra.storage import open_store
+
+    previous, cut = None, []
     links = [*kills, (None, [(1, True), (2, True)])]
     own_ray = {link % len(links) for link in own_ray}
     for link, (kill_at, left_behind) in enumerate(links):
@@ -56,6 +75,8 @@ def kill_chain(spillover: Spillover, run_dir: Path, url: str, storage_cfg, first
         kill = {} if last else {"SPILLOVER_KILL_AT": kill_at}
         if link == ephemeral_link and migrated_db is not None:
             copy_migrated_database(migrated_db, spillover.prefect_home)
+        if last:  # what the killed links wrote goes: iteration 1's samples are then the finishing resume's own
+            shutil.rmtree(run_dir / "debug", ignore_errors=True)
         # a run that starts its own Ray runs at normal priority: Ray gives its raylet 30 s (tests/background.py)
         run = spillover.run(args, ephemeral_prefect=link == ephemeral_link, nice=False if link in own_ray else None,
                             **kill, **ray, **env)
@@ -67,10 +88,13 @@ def kill_chain(spillover: Spillover, run_dir: Path, url: str, storage_cfg, first
         if link == ephemeral_link:
             assert run.saw(PREFECT_SERVER), (kill_at, run.seen)
         assert_checkpoints(url, left_behind, storage_cfg, after=f"kill at {kill_at}")
+        if link == 0:
+            cut = cut_rows(open_store(url, storage_cfg), 0)
         if previous is not None:  # checked now: its processes had the whole of this run to exit
             spillover.check_gone(previous, ignore=RAY_AGENTS)
         previous = run
     spillover.check_gone(previous)
+    return PartialEvidence(cut, trained_samples(debug_template(run_dir), 1))
 
 
 @dataclass
@@ -102,9 +126,10 @@ def start_kill_chains(background, s3_server, prefect_harness, watch, tmp: Path) 
     task_kills = [(f"{task}:1", [(0, True)]) for task in TASK_KILLS]
     half = len(task_kills) // 2
 
-    def chain(spillover: Spillover, *args, **kwargs) -> None:
+    def chain(spillover: Spillover, *args, **kwargs) -> PartialEvidence:
         try:
-            kill_chain(spillover, *args, ray_address=background.ray_address(), stopping=background.stopping, **kwargs)
+            return kill_chain(spillover, *args, ray_address=background.ray_address(), stopping=background.stopping,
+                              **kwargs)
         finally:
             for run in spillover.runs:
                 watch(run)

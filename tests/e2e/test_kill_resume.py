@@ -33,6 +33,12 @@ tests/integration/test_seeded_sampling.py), and old logprobs from the learner wi
 (grpo.skip_old_logprob=false, grpo.tis=false): the CPU engine's logprobs are equal only up to ~1e-7
 across batch compositions, which would reach the weights through the loss.
 
+Partial rollout is shown to happen, not only to be harmless: the reference run carries cut rows over and reaches the
+staleness bound (token_staleness_max == max_age - 1; seeded sampling cuts the same rows every time), each chain reads
+checkpoint 0's dock after its first kill (cut rows: generated, 0 < length < max_tokens, not complete), and its
+finishing resume, which starts from checkpoint 0, trains those rows from exactly the stored tokens (its debug
+rollout data, storage.save_debug_rollout_data), as the reference run's iteration 1 does.
+
 No run may leave a process behind (tests/spillover_runs.py checks each run's session and, for runs that joined
 the background cluster, their actors). The test requires the router to have been seen in every run and the ephemeral
 Prefect server in the one run that uses it (the S3 chain's second link; the others share the session's Prefect
@@ -44,7 +50,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from kill_chains import DETERMINISTIC, SMALL
+from kill_chains import DETERMINISTIC, SMALL, debug_template
+from partial_evidence import assert_cut_rows_trained, assert_partial_rollout_happened, trained_samples
 from spillover_runs import assert_joined_runs_left_nothing, metrics_rows
 
 
@@ -62,7 +69,8 @@ def assert_same_as_reference(run_dir: Path, state, ref_dir: Path, ref_state) -> 
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     trained = [g for r in rows for g in r["trained_stream_ids"]]
     assert sorted(trained) == list(range(12)), trained  # every group exactly once over the whole run
-    for key in ("trained_stream_ids", "trained_group_ids", "reward_mean", "response_length_p50", "weight_version"):
+    for key in ("trained_stream_ids", "trained_group_ids", "reward_mean", "response_length_p50", "weight_version",
+                "partial_rows", "token_staleness_max"):
         assert [r[key] for r in rows] == [r[key] for r in ref_rows], key
     assert state.iteration == ref_state.iteration == 2
     got, want = state.tensors["policy"], ref_state.tensors["policy"]
@@ -72,16 +80,30 @@ def assert_same_as_reference(run_dir: Path, state, ref_dir: Path, ref_state) -> 
     assert state.meta["cursor"] == ref_state.meta["cursor"]
 
 
-def run_reference(ref_dir: Path) -> None:
+def run_reference(ref_dir: Path):
     """The uninterrupted run, in this process on the session's warm parts (tests/fixtures_warm.py: a run on
-    kept parts trains bit for bit like one on new parts) instead of one more `spillover train` process."""
+    kept parts trains bit for bit like one on new parts) instead of one more `spillover train` process. -> its
+    rollout config."""
     from flows.train import grpo_train
     from infra.config import load_config
 
     # two engines (the shape the suite's warm parts have) where the chains have one: seeded sampling makes the
     # tokens independent of the engine count, so the comparison also checks that
-    grpo_train(load_config("configs/tiny.yaml", [f"run_dir={ref_dir}", *SMALL, *DETERMINISTIC,
-                                                 "engines.rollout_num_gpus=2"]))
+    cfg = load_config("configs/tiny.yaml", [f"run_dir={ref_dir}", *SMALL, *DETERMINISTIC, "engines.rollout_num_gpus=2",
+                                            f"storage.save_debug_rollout_data={debug_template(ref_dir)}"])
+    grpo_train(cfg)
+    return cfg.rollout
+
+
+def assert_partial_rollout_shown(chain_evidence, ref_dir: Path, rollout) -> None:
+    """Rows were cut and trained stale: the reference run reached the staleness bound, checkpoint 0's dock (read
+    in the chain after its first kill) holds cut rows, and the chain's finishing resume from checkpoint 0 trained
+    them from exactly those tokens, as the uninterrupted run did."""
+    assert_partial_rollout_happened(metrics_rows(ref_dir), rollout.effective_max_age)
+    assert chain_evidence.cut and all(0 < len(row.tokens) < rollout.max_tokens for row in chain_evidence.cut), \
+        chain_evidence.cut
+    assert_cut_rows_trained(chain_evidence.cut, chain_evidence.resumed_trained, trained_version=1)
+    assert_cut_rows_trained(chain_evidence.cut, trained_samples(debug_template(ref_dir), 1), trained_version=1)
 
 
 @pytest.mark.slow
@@ -91,13 +113,14 @@ def test_kill_9_at_every_point_then_resume_matches_uninterrupted_and_leaks_nothi
         kill_chain_runs, background, s3_server, prefect_harness, warm_parts, tmp_path):
     """The chains ran (or still run) in the background; the reference runs now, in this process."""
     chains, ref_dir = kill_chain_runs, tmp_path / "reference"
-    run_reference(ref_dir)
-    chains.s3_chain.result()
-    chains.file_chain.result()
+    rollout = run_reference(ref_dir)
+    s3_evidence, file_evidence = chains.s3_chain.result(), chains.file_chain.result()
     assert_joined_runs_left_nothing(lambda: background.actors_of([run.session for run in chains.runs]))
     ref_state = final_state(str(ref_dir / "checkpoints"))
     assert_same_as_reference(chains.s3_dir, final_state(chains.url, s3_server.storage_config()), ref_dir, ref_state)
     assert_same_as_reference(chains.file_dir, final_state(str(chains.file_dir / "checkpoints")), ref_dir, ref_state)
+    assert_partial_rollout_shown(s3_evidence, ref_dir, rollout)
+    assert_partial_rollout_shown(file_evidence, ref_dir, rollout)
     assert_no_credentials(chains.s3_dir, chains.runs, chains.url, s3_server, prefect_harness.database)
 
 
