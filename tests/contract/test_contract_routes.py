@@ -221,16 +221,18 @@ class CaptureServer:
 
 
 def test_engine_actor_tensor_update_bodies(sglang):
-    """EngineActor.update_weights (engines.weight_sync=tensor, the recipes' default) over real HTTP: the session's
-    begin, one /update_weights_from_tensor per bucket (the version on the last only), end."""
+    """EngineActor.update_weights (engines.weight_sync=tensor, the recipes' default; its WeightPoster serves the
+    colocated ranks too) over real HTTP: the session's begin, one /update_weights_from_tensor per bucket (the version
+    on the last only), end."""
     import torch
 
     from rollout.engines.actor import EngineActor
 
     server = CaptureServer()
     try:
-        actor = EngineActor.__new__(EngineActor)  # the plain class without Ray: only what update_weights reads
-        actor.backend, actor.url, actor.tp_size, actor.node_rank, actor.engine_index = "torch", server.url, 1, 0, 0
+        actor = EngineActor.__new__(EngineActor)  # the plain class without Ray: what update_weights and its
+        actor.backend, actor.url, actor.tp_size, actor.node_rank = "torch", server.url, 1, 0  # WeightPoster read
+        actor.engine_index, actor.base_gpu_id = 0, 0
         state = {f"layer{i}.weight": torch.full((4, 4), float(i)) for i in range(3)}
         assert actor.update_weights(state, 9, bucket_bytes=64) == 9
     finally:
