@@ -6,6 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+CONTRACT_STAMP := $(VENV)/.installed-sglang-contract
 
 .PHONY: demo test install clean browser gpu-wheels
 
@@ -13,12 +14,17 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -m pip install -q "$(TORCH_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -m pip install -q -e ".[test,sglang-contract]" 2>&1 | grep -v "^WARNING: Location" || true
-	# SGLang's own classes for tests/contract: sglang pins a CUDA torch, so it goes in without its dependencies
-	$(PY) -m pip install -q --no-deps $$($(PY) tests/contract/sglang_env.py no-deps) 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -c "import torch, prefect, ray, transformers, sglang_router, s3fs"
-	$(PY) tests/contract/sglang_env.py verify "$(TORCH_SPEC)"
 	touch $(STAMP)
+
+# SGLang's own classes for tests/contract (~1.3 GB, triton most of it): only the tests need them. sglang pins a CUDA
+# torch, so it goes in without its dependencies, and the check after it fails if torch moved.
+$(CONTRACT_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[sglang-contract]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m pip install -q --no-deps $$($(PY) tests/contract/sglang_env.py no-deps) 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) tests/contract/sglang_env.py verify "$(TORCH_SPEC)"
+	touch $(CONTRACT_STAMP)
 
 install: $(STAMP)
 
@@ -35,7 +41,7 @@ browser:
 
 # Bytecode first: with PYTHONDONTWRITEBYTECODE set (as on CI) every process the suite starts (runs, Ray
 # workers, engines, learners) would compile the repo's modules again.
-test: $(STAMP) browser
+test: $(STAMP) $(CONTRACT_STAMP) browser
 	$(PY) -m compileall -q -j 2 flows tasks rollout infra tests bench > /dev/null
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 

@@ -6,7 +6,6 @@ or Prefect.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from functools import cache
 from pathlib import Path
@@ -161,44 +160,15 @@ def check_sglang_flags(cfg, model_dir: str | Path | None) -> list[str]:
         else []
 
 
-PARSER_SCRIPT = """
-import contextlib, io, json, sys
-argv = json.loads(sys.argv[1])
-try:
-    from sglang.srt.server_args import prepare_server_args
-except Exception as err:
-    print(json.dumps({"skipped": f"{type(err).__name__}: {err}"}))
-    sys.exit(0)
-said = io.StringIO()
-try:
-    with contextlib.redirect_stderr(said):
-        prepare_server_args(argv)
-except SystemExit:
-    lines = [line for line in said.getvalue().splitlines() if line.strip()]
-    print(json.dumps({"error": lines[-1] if lines else "argparse refused them"}))
-except Exception as err:
-    print(json.dumps({"error": f"{type(err).__name__}: {err}"}))
-else:
-    print(json.dumps({"ok": True}))
-"""
-
-
 @cache
-def sglang_parser_refusal(argv: tuple[str, ...], timeout_s: float = 180.0) -> str | None:
-    """What SGLang's prepare_server_args says against argv, or None (accepted, or SGLang's parser cannot run here).
-    In a subprocess: importing SGLang patches transformers' classes and resets the root logger (~5-7 CPU-s)."""
+def sglang_parser_refusal(argv: tuple[str, ...]) -> str | None:
+    """SGLang's own parser on argv (rollout.engines.sglang_args.sglang_refusal, in a subprocess), once per argv; None
+    when it accepts, or when it cannot run here (the run's own start then reports what SGLang says)."""
     import subprocess
-    import sys
+
+    from rollout.engines.sglang_args import sglang_refusal
 
     try:
-        done = subprocess.run([sys.executable, "-c", PARSER_SCRIPT, json.dumps(list(argv))], capture_output=True,
-                              text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+        return sglang_refusal(list(argv), timeout_s=180.0)
+    except (RuntimeError, subprocess.TimeoutExpired):
         return None
-    for line in reversed(done.stdout.splitlines()):
-        try:
-            answer = json.loads(line)
-        except ValueError:
-            continue
-        return answer.get("error") if isinstance(answer, dict) else None
-    return None

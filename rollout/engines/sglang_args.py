@@ -1,7 +1,8 @@
 """SGLang server flags from the run's config (engines.sglang_args), checked against SGLang's own field names.
 
-The names, flags and types come from SGLang 0.5.23's ServerArgs as recorded in the project's sglang-contract
-(`sglang_server_args.json` next to this file is its extract). Keys are ServerArgs field names (`mem_fraction_static`,
+The names, flags and types come from SGLang 0.5.23's own parser (`sglang_server_args.json` next to this file, written
+by tests/contract/server_args_extract.py from `ServerArgs.add_cli_args`; types of the fields the project's recorded
+sglang-contract lists come from that record). Keys are ServerArgs field names (`mem_fraction_static`,
 `context_length`, ...); values become `--flag value` (`true` -> a bare store_true flag, lists -> several values,
 dicts -> JSON). Flags spillover sets itself (model path, ports, parallelism, seed, version) are refused here.
 """
@@ -75,8 +76,11 @@ def server_flags(args: dict[str, Any], deterministic: bool = False) -> list[str]
     fields, argv = server_fields(), []
     for key, value in args.items():
         flag = fields[key]["cli_flags"][0]
-        if value is None or value is False:
-            continue  # store_true switches have no --no-X form: false means leave it off
+        if value is False and fields[key].get("cli_kind", "").startswith("boolean_optional"):
+            argv.append(fields[key]["cli_flags"][1])  # --no-X: these switches may default to true
+            continue
+        if value is None or value is False or value == []:
+            continue  # store_true switches have no --no-X form: false means leave it off; [] cannot be written
         if value is True:
             argv.append(flag)
         elif isinstance(value, (list, tuple)):

@@ -30,7 +30,7 @@ ENDPOINTS = {
     "update_from_disk": "/update_weights_from_disk",
     "begin_weight_update": "/begin_weight_update",
     "end_weight_update": "/end_weight_update",
-    "model_info": "/get_model_info",
+    "model_info": "/model_info",  # /get_model_info answers too, with a deprecation warning (0.5.23)
     "abort": "/abort_request",
     "flush_cache": "/flush_cache",
 }

@@ -69,8 +69,7 @@ class WeightPoster:
                   sgl.update_from_tensor_payload(serialized, weight_version, flush_cache=flush_cache))
 
     def reported_version(self) -> int | str | None:
-        path = "/model_info" if self.backend == "torch" else sgl.ENDPOINTS["model_info"]
-        version = httpx.get(self.url + path, timeout=30.0).json().get("weight_version")
+        version = httpx.get(self.url + sgl.ENDPOINTS["model_info"], timeout=30.0).json().get("weight_version")
         return int(version) if isinstance(version, str) and version.isdigit() else version
 
     def post(self, path: str, payload: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:

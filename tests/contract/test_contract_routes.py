@@ -62,7 +62,7 @@ def test_weight_update_session_bodies(sglang, selector):
 @pytest.mark.parametrize("version", [None, 0, 7, "7"])
 @pytest.mark.parametrize("backend", ["torch"])
 def test_update_from_tensor_bodies(sglang, version, backend):
-    """EngineActor.post_tensor_bucket and the colocated load (tasks/engine_host.py): a bucket before the last
+    """WeightPoster.post_bucket (engine actors) and the colocated load (tasks/engine_host.py): a bucket before the last
     carries no version and keeps the cache. The sglang backend's entries (CUDA IPC handles) need a GPU; their type
     (base64 text) is the torch backend's too."""
     import torch
@@ -168,7 +168,7 @@ def test_a_wrong_weight_body_is_refused(sglang_classes):
         assert not refused["ok"], f"SGLang accepted {path} {body}"
 
 
-BODILESS = {"/health_generate", "/get_model_info", "/flush_cache"}  # GET, or a query string only
+BODILESS = {"/health_generate", "/model_info", "/flush_cache"}  # GET, or a query string only
 
 
 def test_every_endpoint_the_backend_names_is_checked_here():

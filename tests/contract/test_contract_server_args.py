@@ -8,6 +8,8 @@ engines.sglang_args through sglang_launch_options as EnginePool passes them (rol
 launch_command (rollout/engines/sglang_backend.py)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from contract_checks import accepted
@@ -119,3 +121,20 @@ def test_sglang_refusal_runs_sglangs_parser_out_of_process(sglang_classes):
     assert said == sglang_classes.server_args(argv + ["--cuda-graph-max-bs", "8"])["error"]
     assert "ambiguous option: --cuda-graph-max-bs" in said
     assert ("sglang" in sys.modules) == imported_before
+
+
+def test_the_shipped_flag_list_is_sglangs_own_parser(sglang_classes):
+    """rollout/engines/sglang_server_args.json (what engines.sglang_args accepts) is what SGLang's own parser has:
+    every flag of ServerArgs.add_cli_args, e.g. quantization, which the recorded contract's 81 fields lacked."""
+    import json
+    import subprocess
+    import sys
+
+    from server_args_extract import SHIPPED
+
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("server_args_extract.py"))],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == json.loads(SHIPPED.read_text()), (
+        "rollout/engines/sglang_server_args.json is stale: python tests/contract/server_args_extract.py > it")
+    assert "quantization" in json.loads(SHIPPED.read_text())["fields"]

@@ -181,18 +181,6 @@ def test_verbose_takes_the_quiet_filter_off_the_console():
     assert not parse_args(build_parser(), ["train"]).verbose
 
 
-def test_sglang_flags_go_through_sglangs_own_parser():
-    """In a subprocess (importing SGLang patches transformers); skipped where SGLang is not installed."""
-    import importlib.util
-
-    from flows.check_inputs import sglang_parser_refusal
-
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang is not installed (make install adds its classes); the recorded flag list is used")
-    refusal = sglang_parser_refusal(("--model-path", "unused", "--cuda-graph-max-bs", "8"))
-    assert refusal and "ambiguous option: --cuda-graph-max-bs" in refusal
-
-
 def test_this_machine_counts_the_gpus_ray_would(monkeypatch):
     from flows.check import choose_cluster, local_cluster
 
