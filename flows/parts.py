@@ -10,9 +10,10 @@ actor; a process that runs many short runs (a sweep driver, a notebook, the test
 `build_run` borrows from the active `WarmParts` (if any) instead of starting actors, and `shutdown_run` gives
 them back. A borrowed part is reset to what a fresh start gives: learners re-run their constructor (weights
 from the new run's model folder, a new optimizer, the seeded RNG, weight version 0, the configured KL
-coefficient, no weight-update group); engines load the new model folder as weight version 0 and leave their
-weight-update group. Engines sample from the random stream they have; only rollout.deterministic_sampling
-makes tokens independent of what the engines served before.
+coefficient, no weight-update group); engines load the new model folder as weight version 0, leave their
+weight-update group and (torch backend) restart their sampling generator from their start seed, so a run's
+samples do not depend on what the engines served before (SGLang engines keep their stream: their seed is a
+launch flag; rollout.deterministic_sampling makes tokens independent of it).
 
 A part is reused only by a run that would start the very same one: the same learner placement (learner
 section, trainable or not) or the same engines section, sampling mode and model shape and tokenizer (every

@@ -54,7 +54,8 @@ class EngineWeights:
 
     def reset(self, model_path: str | Path, engines_cfg=None) -> None:
         """Serve model_path's weights as version 0, as a newly started manager would (a run reusing these engines,
-        flows/parts.py): leave the weight-update group, take memory back, load the folder on every engine.
+        flows/parts.py): leave the weight-update group, take memory back, load the folder on every engine, restart
+        each torch engine's sampling generator from its start seed (SGLang's seed is a launch flag: kept as is).
         engines_cfg: the new run's engines section (its weight-sync and health settings take effect; the
         settings the engines were started with must be the same: flows.parts.engine_key)."""
         self.stop_health_monitor()
@@ -76,6 +77,8 @@ class EngineWeights:
             self._latest_weights = ("disk", model_path, 0)
             await asyncio.gather(*(self._apply_latest(h) for h in self.engines))
             self._latest_weights, self.restarts = None, 0
+            if self.cfg.backend == "torch":  # each engine's seed at start (EnginePool.new_actors): the stream anew
+                await asyncio.gather(*(h.actors[0].reseed.remote(self.pool.seed + h.index) for h in self.engines))
 
     def sync_weights(self, policy: Any, weight_version: int | str) -> dict[int, Any]:
         """The policy learner's current weights to every engine by engines.weight_sync: distributed (SGLang's

@@ -110,6 +110,16 @@ class EngineActor:
             self._process.stop()
             self._process = None
 
+    def reseed(self, seed: int) -> bool:
+        """Torch backend: restart the engine's sampling generator from seed, as a start with that seed would (a run
+        that reuses this engine samples as on a new one, flows/parts.py). False where nothing was reseeded: other
+        nodes, and SGLang, whose random seed is a launch flag."""
+        if self._server is None:
+            return False
+        self._server.batcher.reseed(seed).result(timeout=60)
+        self.seed = seed
+        return True
+
     # ---- weights ------------------------------------------------------------------------------------
     def poster(self) -> WeightPoster:
         """The HTTP weight-update client of this engine's server (node 0 only)."""

@@ -105,6 +105,10 @@ class ContinuousBatcher:
         self._wake.set()
         return fut
 
+    def reseed(self, seed: int) -> Future:
+        """Restart the sampling generator from seed, on the engine thread once no request runs."""
+        return self.call(lambda: self.runner.reseed(seed), when_idle=not self.paused)
+
     def counts(self) -> tuple[int, int]:
         """(running, waiting) requests; waiting includes submissions not yet seen by the loop."""
         return len(self.running), len(self.waiting) + self._inbox.qsize()

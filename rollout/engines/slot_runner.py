@@ -20,7 +20,7 @@ class SlotRunner:
     def __init__(self, decoder: LeanDecoder, num_slots: int, max_len: int, seed: int = 0):
         self.decoder, self.device = decoder, decoder.device
         self.num_slots, self.max_len = num_slots, max_len
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.reseed(seed)
         self.cache: KVCache | None = None
         self.alloc_cache()
         n, dev = num_slots, self.device
@@ -35,6 +35,10 @@ class SlotRunner:
         self.min_p = torch.zeros(n, device=dev)
         self.seed_key = torch.zeros(n, dtype=torch.long, device=dev)  # sampling_seed, hashed (see sampling.py)
         self.seeded = torch.zeros(n, dtype=torch.bool, device=dev)
+
+    def reseed(self, seed: int) -> None:
+        """The unseeded rows' random stream, as at start (a new object: a step in progress keeps the old one)."""
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def alloc_cache(self) -> None:
         if self.cache is None:

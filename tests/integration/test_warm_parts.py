@@ -51,3 +51,34 @@ def test_kept_parts_train_exactly_like_new_ones_and_take_the_new_runs_settings(p
     assert summary["iterations"] == 2 and [r["weight_version"] for r in rows(tmp_path / "disk")] == [1, 2]
     # disk sync, next to that run's model folder: the reset engines know the new run's model path
     assert (tmp_path / "disk" / "synced_weights" / "version-2" / "config.json").is_file()
+
+
+def test_a_reset_restarts_each_engines_random_stream(ray_session, warm_parts, tmp_path):
+    """Unseeded sampling (no rollout.deterministic_sampling) draws from each engine's generator: a reset restarts
+    it from the engine's start seed, so what a run samples does not depend on what the engines served before.
+    One request at a time on each engine, so an answer depends on the stream alone, not on batching or timing
+    (a whole run does not: which rows share a decode step, and which are cut, depends on arrival order)."""
+    from infra.models import resolve_model_path
+
+    cfg = small_config(tmp_path / "run")  # the suite's flow tests' engines: borrowed when they are idle
+    model = resolve_model_path(cfg.model, tmp_path / "run", max(512, cfg.rollout.max_model_len))
+    request = {"input_ids": [3, 4, 5, 6], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0,
+                                                              "ignore_eos": True}}
+    rids = iter(range(1000))
+
+    def sample(manager):
+        return [manager.generate([{**request, "engine_index": i, "rid": f"stream-{next(rids)}"}])[0]["output_ids"]
+                for i in range(manager.num_engines)]
+
+    manager = warm_parts.engine(cfg.engines, model)
+    try:
+        first, later = sample(manager), sample(manager)  # later: what the next run would get without a reset
+    finally:
+        warm_parts.give_back(manager)
+    manager = warm_parts.engine(cfg.engines, model)
+    try:
+        again = sample(manager)
+    finally:
+        warm_parts.give_back(manager)
+    assert len(first) == 2 and later != first  # the stream moves on from request to request
+    assert again == first
