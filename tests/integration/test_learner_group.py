@@ -104,7 +104,7 @@ def test_logprob_memory_does_not_grow_with_vocab_times_sequence():
 
 
 @pytest.fixture(scope="module")
-def groups(tiny_model_dir, ray_session):
+def started_groups(tiny_model_dir, ray_session):
     from tasks.learner_group import create_learners
 
     cfg = build_config(overrides=["grpo.kl_coef=0.05", "grpo.micro_batch_size=2", "rollout.global_batch_size=2",
@@ -114,6 +114,18 @@ def groups(tiny_model_dir, ray_session):
     yield cfg, policy, ref
     for group in (policy, ref):
         group.shutdown()
+
+
+@pytest.fixture
+def groups(started_groups, tiny_model_dir):
+    """The module's sharded policy and reference, reset to a fresh start (weight version 0, new optimizer, seeded
+    RNG) for each test, whatever the tests before it trained."""
+    from tasks.learner_group import reset_learner_group
+
+    cfg, policy, ref = started_groups
+    reset_learner_group(policy, tiny_model_dir, cfg, trainable=True)
+    reset_learner_group(ref, tiny_model_dir, cfg, trainable=False)
+    return started_groups
 
 
 def _single(tiny_model_dir, cfg):
@@ -227,10 +239,10 @@ def test_sharded_checkpoint_each_rank_writes_its_slices_one_manifest(groups, tin
 
     ray = ray_session
     cfg, policy, _ = groups
-    if ray.get(policy.weight_version.remote()) == 0:  # moments to save: one update first
-        b = random_batch(7, max_response=14)
-        lp = ray.get(policy.compute_logprobs.remote(b))
-        ray.get(policy.update.remote(b, lp, lp))
+    b = random_batch(7, max_response=14)  # one update first: AdamW moments to save
+    lp = ray.get(policy.compute_logprobs.remote(b))
+    ray.get(policy.update.remote(b, lp, lp))
+    assert ray.get(policy.weight_version.remote()) == 1
     full, meta = ray.get(policy.get_state.remote())
     store = open_store(str(tmp_path / "ckpt"))
     written = ray.get(policy.each("write_state_shards", str(tmp_path / "ckpt"), StorageConfig(), checkpoint_name(3)))

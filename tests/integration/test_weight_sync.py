@@ -56,9 +56,10 @@ def test_three_bucketed_syncs_then_a_killed_engine_rejoins(rollout_manager, poli
     m = rollout_manager
     specs = ray.get(policy.weight_specs.remote())
     largest = max(int(np.prod(shape)) * 4 for _, _, shape in specs)
-    m._weight_sync.bucket_bytes = largest // 2  # smaller than the largest tensor: that one goes alone
+    shared_bucket_bytes = m._weight_sync.bucket_bytes  # the session's manager: the next tests get it back
     ray.get([h.actors[0].take_update_peak_bytes.remote() for h in m.engines])  # from here on (earlier whole-dict loads)
     try:
+        m._weight_sync.bucket_bytes = largest // 2  # smaller than the largest tensor: that one goes alone
         for step in range(1, 4):
             metrics = ray.get(policy.update.remote(ray.put(random_batch(step, max_response=14)), None, None))
             version = int(metrics["weight_version"])
@@ -86,6 +87,7 @@ def test_three_bucketed_syncs_then_a_killed_engine_rejoins(rollout_manager, poli
         assert m.sync_weights_distributed(policy, 4) == {0: 4, 1: 4} and m.engines[0].url != victim.url
         assert_engines_hold(m, ray.get(policy.state_dict_ref.remote()), 4)
     finally:
+        m._weight_sync.bucket_bytes = shared_bucket_bytes
         m._call(m._weight_sync.leave, m._client)
         m._latest_weights = None
         m.update_weights(str(varied_model_dir), 0)  # the session's engines back to the checkpoint
