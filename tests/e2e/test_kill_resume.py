@@ -14,8 +14,8 @@ uninterrupted reference (in the test's process, on the session's warm parts) and
 - on the real S3 server, ending with a kill in iteration 1's checkpoint write after every object and before
   the manifest (a half-written checkpoint that must never be loaded). Keys go as config values to `train`
   and from the environment to every `resume` (config.json never holds them), and at the end neither key
-  appears in the run directory, the processes' output, the checkpoint objects or the Prefect database
-  (parameters, logs, artifacts);
+  appears in the run directory, the processes' output, the checkpoint objects or the chain's rows of the session's
+  Prefect database (its flow runs' parameters, states, logs, artifacts, events);
 - on local files, with the engine colocated in the learner's process (placement.colocate): the kills then also
   fall between its release and its resume, and the run must still end as the reference run, whose engines are
   their own actors.
@@ -46,6 +46,9 @@ server). Leftovers of a link are checked while the next link already runs.
 """
 from __future__ import annotations
 
+import re
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -133,9 +136,40 @@ def assert_no_credentials(run_dir: Path, runs: list, url: str, s3_server, db: Pa
     texts.update({f"{url}/ckpt-{i:08d}/{name}": store.get_bytes(f"ckpt-{i:08d}/{name}")
                   for i in (1, 2) for name in ("meta.json", "manifest.json")})
     assert db is not None and db.is_file()
-    texts.update({str(p): p.read_bytes() for p in db.parent.glob(db.name + "*")})  # the db and its -wal
+    prefect_rows = rows_of_runs(db, run_dir)  # the database is the session's: every test's runs are in it
+    assert any(url.encode() in data for data in prefect_rows.values())  # the flow's config is there
+    texts.update(prefect_rows)
     assert str(run_dir / "config.json") in texts
-    assert any(url.encode() in data for name, data in texts.items() if ".db" in name)  # the flow's config is there
     for secret in (s3_server.secret_key, s3_server.access_key):
         leaked = [name for name, data in texts.items() if secret.encode() in data]
         assert leaked == [], f"a storage credential is in {leaked}"
+
+
+UUID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def rows_of_runs(db: Path, run_dir: Path) -> dict[str, bytes]:
+    """Every row of a Prefect SQLite database that names a flow run of run_dir (a flow run whose parameters hold
+    run_dir, and its subflows, found through their parent task runs) or one of their task runs: parameters,
+    states, logs, artifacts, events. -> {"table:rowid": the row's values}."""
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
+        def ids(query: str, among: set[str]) -> set[str]:
+            marks = ",".join("?" * len(among))
+            return {row[0] for row in con.execute(query.format(marks), sorted(among))} if among else set()
+
+        flows = {row[0] for row in con.execute("SELECT id FROM flow_run WHERE instr(parameters, ?) > 0",
+                                               (str(run_dir),))}
+        tasks, new_flows = set(), set(flows)
+        while new_flows:
+            new_tasks = ids("SELECT id FROM task_run WHERE flow_run_id IN ({})", new_flows)
+            tasks |= new_tasks
+            new_flows = ids("SELECT id FROM flow_run WHERE parent_task_run_id IN ({})", new_tasks) - flows
+            flows |= new_flows
+        ours = {i.encode() for i in flows | tasks}
+        out = {}
+        for (table,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall():
+            for n, row in enumerate(con.execute(f'SELECT * FROM "{table}"')):
+                data = b"\0".join(v if isinstance(v, bytes) else str(v).encode() for v in row)
+                if ours.intersection(UUID.findall(data)):
+                    out[f"{table}:{n}"] = data
+    return out
