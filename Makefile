@@ -42,7 +42,7 @@ browser:
 # Bytecode first: with PYTHONDONTWRITEBYTECODE set (as on CI) every process the suite starts (runs, Ray
 # workers, engines, learners) would compile the repo's modules again.
 test: $(STAMP) $(CONTRACT_STAMP) browser
-	$(PY) -m compileall -q -j 2 flows tasks rollout infra tests bench > /dev/null
+	$(PY) -m compileall -q -j 2 __init__.py flows tasks rollout infra tests bench > /dev/null
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:

@@ -31,18 +31,18 @@ from fsspec.implementations.local import LocalFileSystem
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # the SeaweedFS launcher (test scaffolding)
 
-from infra.checkpoint import (MAX_OBJECT_BYTES, CheckpointState, plan_objects, checkpoint_name,  # noqa: E402
+from spillover.infra.storage.checkpoint import (MAX_OBJECT_BYTES, CheckpointState, plan_objects, checkpoint_name,  # noqa: E402
                               load_checkpoint, save_checkpoint)
-from infra.checkpoint_objects import object_bytes  # noqa: E402
-from infra.storage import open_store  # noqa: E402
-from infra.train_state import flatten_optimizer_state  # noqa: E402
+from spillover.infra.storage.checkpoint_objects import object_bytes  # noqa: E402
+from spillover.infra.storage.store import open_store  # noqa: E402
+from spillover.infra.storage.train_state import flatten_optimizer_state  # noqa: E402
 from seaweed_server import SeaweedS3  # noqa: E402
 
 log = logging.getLogger("bench.checkpoint")
 
 
 def tiny_state(work: Path) -> CheckpointState:
-    from infra.models import build_tiny_model, load_causal_lm
+    from spillover.infra.models import build_tiny_model, load_causal_lm
 
     model = load_causal_lm(build_tiny_model(work / "tiny_model"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout.batch import to_samples
-from rollout.dock import TransferDock  # noqa: E402
+from spillover.rollout.batch import to_samples
+from spillover.rollout.dock.transfer_dock import TransferDock  # noqa: E402
 
 EOS = 2
 VOCAB = 32000

@@ -25,8 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout.engines.client import EngineClient  # noqa: E402
-from rollout.engines.router import Router, free_port, stop_process  # noqa: E402
+from spillover.rollout.fleet.engine_client import EngineClient  # noqa: E402
+from spillover.rollout.fleet.router import Router, free_port, stop_process  # noqa: E402
 
 
 def log(*parts) -> None:
@@ -48,7 +48,7 @@ def process_cpu_s(pid: int) -> float:
 
 
 def start_engine(model_dir: Path, port: int, max_running: int, threads: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "rollout.engines.torch_server", "--model-path", str(model_dir), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "spillover.rollout.torch_engine.server", "--model-path", str(model_dir), "--host", "127.0.0.1",
            "--port", str(port), "--max-running-requests", str(max_running), "--torch-threads", str(threads)]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr, stdin=subprocess.DEVNULL,
                             cwd=Path(__file__).resolve().parents[1])
@@ -98,7 +98,7 @@ def run_hf(model_dir: Path, workload, batch_size: int) -> tuple[int, float]:
     """(completion tokens, seconds) of HF generate over the workload in static batches (left padded)."""
     import torch
 
-    from infra.models import load_causal_lm
+    from spillover.infra.models import load_causal_lm
 
     model = load_causal_lm(model_dir).eval()
     model.generation_config.eos_token_id = None  # ignore EOS, like the engine side
@@ -169,8 +169,8 @@ def main() -> None:
     p.add_argument("--engine-threads", type=int, default=1, help="torch threads of the engine process")
     p.add_argument("--hf-threads", type=int, default=1, help="torch threads for HF generate (as the engine)")
     args = p.parse_args()
-    from infra.config import TinyModelConfig
-    from infra.models import build_tiny_model
+    from spillover.infra.config.run_config import TinyModelConfig
+    from spillover.infra.models import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny", TinyModelConfig())

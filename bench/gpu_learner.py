@@ -38,14 +38,14 @@ def random_qwen2(size: str, folder: Path, dtype: torch.dtype = torch.float32, to
                          rope_theta=1e6)
     Qwen2ForCausalLM(config).to(dtype).save_pretrained(folder, safe_serialization=True)
     if tokenizer:
-        from infra.models import build_char_tokenizer
+        from spillover.infra.models import build_char_tokenizer
 
         build_char_tokenizer().save_pretrained(folder)
     return folder
 
 
 def random_batch(samples: int, tokens: int, vocab: int, seed: int):
-    from rollout.batch import from_sequences
+    from spillover.rollout.batch import from_sequences
 
     rng = np.random.default_rng(seed)
     seqs, lengths = [], []
@@ -59,7 +59,7 @@ def random_batch(samples: int, tokens: int, vocab: int, seed: int):
 
 def recipe_settings(recipe: str | Path, device: str, micro_batch: int | None = None):
     """A recipe's (model.dtype, learner section at world_size 1 on `device`, grpo without the reference, optimizer)."""
-    from infra.config import load_config
+    from spillover.infra.config.run_config import load_config
 
     cfg = load_config(recipe)
     lcfg = cfg.learner.model_copy(update={"world_size": 1, "device": device})
@@ -73,7 +73,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def learner_smoke(size: str, device: str, iterations: int = 3, samples: int = 64, tokens: int = 512,
                   micro_batch: int | None = None, recipe: str | Path = DEFAULT_RECIPE) -> dict:
-    from tasks.learner import LearnerActor
+    from spillover.tasks.learner.actor import LearnerActor
 
     cuda = device == "cuda"
     model_dtype, lcfg, grpo, optim = recipe_settings(recipe, device, micro_batch)

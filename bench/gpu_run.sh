@@ -9,6 +9,7 @@ mkdir -p "$OUT"
 PYLIB=$(mktemp -d)
 python3 -m pip install -q --no-index --find-links .gpu-wheels --target "$PYLIB" pydantic fastapi uvicorn orjson \
     > "$OUT/pip.log" 2>&1 || { echo "carried wheels did not install: $OUT/pip.log"; exit 1; }
+ln -s "$PWD" "$PYLIB/spillover"  # the repository root is the `spillover` package (pyproject maps it; nothing is installed here)
 export PYTHONPATH="$PWD:$PYLIB"
 timeout 420 python3 bench/gpu_smoke.py > "$OUT/gpu_smoke.json" 2> "$OUT/gpu_smoke.log"
 smoke=$?

@@ -45,10 +45,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout.engines.batcher import ContinuousBatcher, EngineRequest  # noqa: E402
-from rollout.engines.lean_forward import LeanDecoder, read_safetensors, read_shape  # noqa: E402
-from rollout.engines.protocol import SamplingParams  # noqa: E402
-from rollout.engines.update_group import plan_buckets, tensor_digest  # noqa: E402
+from spillover.rollout.torch_engine.batcher import ContinuousBatcher, EngineRequest  # noqa: E402
+from spillover.rollout.torch_engine.lean_forward import LeanDecoder, read_safetensors, read_shape  # noqa: E402
+from spillover.rollout.sglang.protocol import SamplingParams  # noqa: E402
+from spillover.rollout.sglang.update_group import plan_buckets, tensor_digest  # noqa: E402
 
 
 def memory_gb(device: torch.device) -> float:
@@ -155,8 +155,8 @@ def tensor_update_session(args, device: torch.device) -> dict:
     refused as SGLang refuses it; inside one session, bucket by bucket, the weights and weight_version change."""
     import httpx
 
-    from rollout.engines.torch_server import TorchEngineServer
-    from rollout.engines.weight_poster import WeightPoster
+    from spillover.rollout.torch_engine.server import TorchEngineServer
+    from spillover.rollout.fleet.weight_poster import WeightPoster
 
     model_path = args.model or _tiny_model()
     server = TorchEngineServer(model_path, device=device.type, max_running_requests=8)
@@ -194,7 +194,7 @@ def tensor_update_session(args, device: torch.device) -> dict:
 
 
 def _tiny_model() -> str:
-    from infra.models import build_tiny_model
+    from spillover.infra.models import build_tiny_model
 
     return str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infra.prefect_env import apply_process_defaults  # noqa: E402
+from spillover.infra.prefect.env import apply_process_defaults  # noqa: E402
 
 COMPUTE_KEYS = ("engine_s", "update_s", "old_logprob_s", "ref_logprob_s")
 
@@ -41,9 +41,9 @@ def overhead_parts(rows: list[dict], loop_wall: float, compute: float) -> dict:
 
 
 def run_one(max_split: int | None, iterations: int, warmup: int, root: Path, overrides: list[str]) -> dict:
-    from flows.train import grpo_train
-    from infra.config import load_config
-    from infra.tracking import read_metrics
+    from spillover.flows.train import grpo_train
+    from spillover.infra.config.run_config import load_config
+    from spillover.infra.tracking.run_tracker import read_metrics
 
     run_dir = root / f"split{max_split or 'config'}"
     split = [f"rollout.max_split={max_split}"] if max_split else []

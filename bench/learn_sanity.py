@@ -1,7 +1,7 @@
 """Does the learner's loss drive reward up? GRPO on the built-in "a*n=" task, no engines, no Ray.
 
 Each iteration samples `--prompts` prompts x `--n` responses with HF `generate` (temperature 1, no
-top-k/top-p), scores them with rollout.toy_task.reward, and runs one LearnerActor.update (in-process).
+top-k/top-p), scores them with spillover.rollout.builtin.toy_task.reward, and runs one LearnerActor.update (in-process).
 `--lag K` samples with the weights of K updates ago, a stand-in for partial rollout's stale tokens:
 old logprobs then come from the learner and TIS corrects towards them.
 
@@ -20,12 +20,12 @@ import time
 import numpy as np
 import torch
 
-from infra.config import GRPOConfig, OptimizerConfig, TinyModelConfig
-from infra.models import build_tiny_model, load_tokenizer
-from rollout import toy_task
-from rollout.batch import from_sequences
-from tasks.grpo_loss import group_advantages
-from tasks.learner import LearnerActor
+from spillover.infra.config.run_config import GRPOConfig, OptimizerConfig, TinyModelConfig
+from spillover.infra.models import build_tiny_model, load_tokenizer
+from spillover.rollout.builtin import toy_task
+from spillover.rollout.batch import from_sequences
+from spillover.tasks.grpo_loss import group_advantages
+from spillover.tasks.learner.actor import LearnerActor
 
 
 def sample_responses(model, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float,

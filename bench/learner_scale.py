@@ -1,6 +1,6 @@
 """Learner at world_size 1 vs 2 (FSDP2, gloo on CPU / NCCL on CUDA) and logprob memory with and without chunks.
 
-Ranks are plain processes (torch.multiprocessing, no Ray: the GPU machine has none), each a tasks.learner
+Ranks are plain processes (torch.multiprocessing, no Ray: the GPU machine has none), each a spillover.tasks.learner.actor
 LearnerActor with learner.world_size ranks. Prints one JSON line:
   world_size, state_bytes_ratio (per-rank parameter + gradient + optimizer bytes at world_size 2 / at 1),
   update_max_abs_diff (weights after one update, 2 vs 1), update_tokens_per_s_ws1 / _ws2,
@@ -20,10 +20,10 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from infra.config import GRPOConfig, OptimizerConfig, TinyModelConfig
-from infra.config_learner import LearnerConfig
-from infra.models import build_tiny_model
-from rollout.batch import RolloutBatch, from_sequences
+from spillover.infra.config.run_config import GRPOConfig, OptimizerConfig, TinyModelConfig
+from spillover.infra.config.learner import LearnerConfig
+from spillover.infra.models import build_tiny_model
+from spillover.rollout.batch import RolloutBatch, from_sequences
 
 
 def random_batch(samples: int, tokens: int, seed: int, vocab: int = 40) -> RolloutBatch:
@@ -39,8 +39,8 @@ def random_batch(samples: int, tokens: int, seed: int, vocab: int = 40) -> Rollo
 
 
 def _rank(rank: int, world: int, port: int, args, model_dir: str, out) -> None:
-    from tasks.learner import LearnerActor
-    from tasks.learner_state import full_model_state, local_state_bytes
+    from spillover.tasks.learner.actor import LearnerActor
+    from spillover.tasks.learner.state import full_model_state, local_state_bytes
 
     lcfg = LearnerConfig(world_size=world, device=args.device, cpu_threads=args.threads)
     learner = LearnerActor(model_dir, GRPOConfig(micro_batch_size=args.micro_batch), OptimizerConfig(), 1.0, 0, True,
@@ -83,10 +83,10 @@ def logprob_peaks(vocab: int, rows: int, seq: int, chunk: int) -> tuple[float, f
     """Peak MiB of live op outputs for the logprobs of one [rows, seq] micro-batch: full logits vs chunked."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from infra.tensor_memory import TensorMemoryProbe
-    from tasks.batching import make_micro_batch
-    from tasks.grpo_loss import token_logprobs
-    from tasks.logprobs import ResponseLogprobModel
+    from spillover.infra.tensor_memory import TensorMemoryProbe
+    from spillover.tasks.learner.micro_batches import make_micro_batch
+    from spillover.tasks.grpo_loss import token_logprobs
+    from spillover.tasks.learner.token_logprobs import ResponseLogprobModel
 
     torch.manual_seed(0)
     lm = Qwen2ForCausalLM._from_config(Qwen2Config(

@@ -13,10 +13,10 @@ import time
 import numpy as np
 import torch
 
-from infra.config import GRPOConfig, OptimizerConfig
-from infra.models import build_tiny_model
-from rollout.batch import RolloutBatch, from_sequences
-from tasks.learner import LearnerActor
+from spillover.infra.config.run_config import GRPOConfig, OptimizerConfig
+from spillover.infra.models import build_tiny_model
+from spillover.rollout.batch import RolloutBatch, from_sequences
+from spillover.tasks.learner.actor import LearnerActor
 
 
 def random_batch(samples: int, tokens: int, seed: int) -> RolloutBatch:

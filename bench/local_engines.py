@@ -9,10 +9,10 @@ import asyncio
 import itertools
 from typing import Any
 
-from rollout.engines.client import EngineClient
-from rollout.engines.torch_server import TorchEngineServer
-from rollout.generation import BatchGenerator
-from rollout.pinned_router import PinnedRouter
+from spillover.rollout.fleet.engine_client import EngineClient
+from spillover.rollout.torch_engine.server import TorchEngineServer
+from spillover.rollout.fleet.generation import BatchGenerator
+from spillover.rollout.fleet.pinned_router import PinnedRouter
 
 
 class _RoundRobin:

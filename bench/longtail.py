@@ -1,6 +1,6 @@
 """Long-tail benchmark: partial rollout against plain GRPO generation, through the real dock and drivers.
 
-Every mode runs the same iteration loop (load prompts (rollout.data_source.groups_for_iteration) -> the real
+Every mode runs the same iteration loop (load prompts (spillover.rollout.prompt_data.groups_for_iteration) -> the real
 sync or async driver over the real TransferDock -> select and read the batch -> clear -> weight update) against an
 engine, with the same seed, for --warmup + --iterations iterations; the numbers average the last
 --iterations (steady state: carried-over rows, not the first fill).
@@ -12,7 +12,7 @@ engine, with the same seed, for --warmup + --iterations iterations; the numbers 
 Modes: no_partial (max_split 1, the baseline), sync_split{2,4,8}, async (every open row dispatched,
 abort once ready; rows at max age must finish, as flows/setup.py builds the dock in async mode), and
 over_sampling (max_split 1 plus --over-sampling-groups extra groups, the async driver; APRIL).
-Issue 18 (rollout.scheduling = length_aware, rollout/scheduling.py): *_la the same with length-aware dispatch
+Issue 18 (rollout.scheduling = length_aware, rollout/drivers/scheduling.py): *_la the same with length-aware dispatch
 (oldest group first, then the longest expected remaining work; the simulated pool's one queue hands each
 request to the first free slot), *_pinned with every row pinned to an engine as RolloutManager does it (LPT on
 expected tokens, a group's rows spread), tail_batching (over-sampled, rows expected > 4x the median wait for
@@ -44,14 +44,14 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from infra.config import RolloutConfig  # noqa: E402
-from rollout.dock import TransferDock  # noqa: E402
-from rollout.engines.simulated import EngineTiming, SimulatedEngine  # noqa: E402
-from rollout.engines.simulated_workload import DEFAULT_EOS, LognormalLengths, simulated_prompt  # noqa: E402
-from rollout.partial_async import generate_until_ready_async  # noqa: E402
-from rollout.partial_sync import generate_until_ready_sync  # noqa: E402
-from rollout.requests import SamplingSettings  # noqa: E402
-from rollout.data_source import groups_for_iteration  # noqa: E402
+from spillover.infra.config.run_config import RolloutConfig  # noqa: E402
+from spillover.rollout.dock.transfer_dock import TransferDock  # noqa: E402
+from bench.simulator.engine import EngineTiming, SimulatedEngine  # noqa: E402
+from bench.simulator.workload import DEFAULT_EOS, LognormalLengths, simulated_prompt  # noqa: E402
+from spillover.rollout.drivers.async_stream import generate_until_ready_async  # noqa: E402
+from spillover.rollout.drivers.sync_rounds import generate_until_ready_sync  # noqa: E402
+from spillover.rollout.drivers.requests import SamplingSettings  # noqa: E402
+from spillover.rollout.prompt_data import groups_for_iteration  # noqa: E402
 from bench.longtail_modes import MODES, Workload  # noqa: E402
 
 log = logging.getLogger("longtail")
@@ -261,7 +261,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> list[dict]:
-    # force: importing Prefect (tasks.prompts) put its own handler on the root logger
+    # force: importing Prefect (spillover.tasks.prompts) put its own handler on the root logger
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s", force=True)
     args = parse_args(argv)
     log.info("config: %s", vars(args))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from rollout.engines.simulated_workload import LognormalLengths
+from bench.simulator.workload import LognormalLengths
 
 log = logging.getLogger("longtail.real")
 
@@ -127,14 +127,14 @@ class LoadSampler:
 
 class RealRun:
     def __init__(self, args):
-        from infra.config import EnginesConfig
-        from infra.models import build_tiny_model, load_tokenizer
+        from spillover.infra.config.run_config import EnginesConfig
+        from spillover.infra.models import build_tiny_model, load_tokenizer
 
         if args.token_scale != 1:
             raise SystemExit("--token-scale applies to the simulated engine only; drop it with --real")
         self.args = args
         if not args.local:
-            from infra.cluster import init_ray  # sets Ray's loopback environment before ray is imported
+            from spillover.infra.cluster import init_ray  # sets Ray's loopback environment before ray is imported
 
             init_ray()
         self.tmp = tempfile.TemporaryDirectory(prefix="longtail-")
@@ -149,7 +149,7 @@ class RealRun:
 
             self.manager = LocalEngines(str(self.model_dir), args.engines, args.slots, args.device)
         else:
-            from rollout.manager import RolloutManager
+            from spillover.rollout.fleet.manager import RolloutManager
 
             self.manager = RolloutManager(cfg, self.model_dir, use_gpu=False)
         self.sampler = LoadSampler(self.manager.urls)

@@ -74,10 +74,10 @@ def main() -> None:
 
     import ray
 
-    from infra.cluster import init_ray, set_loopback_env
-    from infra.config import EnginesConfig, build_config
-    from rollout.manager import RolloutManager
-    from tasks.learner_group import create_learner_group
+    from spillover.infra.cluster import init_ray, set_loopback_env
+    from spillover.infra.config.run_config import EnginesConfig, build_config
+    from spillover.rollout.fleet.manager import RolloutManager
+    from spillover.tasks.learner.group import create_learner_group
 
     set_loopback_env()
     bucket_bytes = int(args.bucket_mb * 2**20)

@@ -3,7 +3,7 @@ model, and that users run alone to learn in seconds what would stop a run.
 
 It checks the config (infra/config's validation), the data files read whole, the reward/rollout/env functions, the
 storage, the model folder and tokenizer, SGLang's flags (flows/check_inputs.py), and the placement plan
-(infra/config_plan.py) against the Ray cluster (`RAY_ADDRESS` or engines.ray_address: joined, never started), this
+(infra/config/placement_plan.py) against the Ray cluster (`RAY_ADDRESS` or engines.ray_address: joined, never started), this
 machine (what a local Ray would get), or `--gpus N [--nodes M]` for a machine you are not on. A report is one line per
 problem, or the plan as a short table.
 """
@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.config_memory import memory_lines, model_shape
-from infra.config_plan import Cluster, PlacementPlan, placement_plan, plan_problems
+from spillover.infra.config.memory import memory_lines, model_shape
+from spillover.infra.config.placement_plan import Cluster, PlacementPlan, placement_plan, plan_problems
 
 __all__ = ["CheckReport", "cluster_from_ray", "local_cluster", "plan_table", "preflight"]
 
@@ -61,7 +61,7 @@ def cluster_from_ray(address: str | None) -> Cluster:
     """Join the Ray cluster at `address` (or the one this process already joined) and read its resources."""
     import ray
 
-    from infra.cluster import init_ray
+    from spillover.infra.cluster import init_ray
 
     if address and not ray.is_initialized():
         _reachable(address)  # ray.init retries an address where nothing listens for minutes
@@ -106,8 +106,8 @@ def preflight(cfg, *, gpus: float | None = None, nodes: int = 1, purpose: str = 
               storage_deadline_s: float = 10.0, resuming: bool = False) -> CheckReport:
     """Every check for `purpose` ("train": train, resume and serve; "eval": engines only, no storage) of cfg (a
     RunConfig). model_dir: the folder engines load when not model.path (eval's exported policy); data_paths: more
-    prompt files {setting: path} (eval's --data); resuming: `spillover resume` (what it starts: infra/config_plan.py)."""
-    from flows.check_inputs import check_data, check_imports, check_model, check_sglang_flags, check_storage_access
+    prompt files {setting: path} (eval's --data); resuming: `spillover resume` (what it starts: infra/config/placement_plan.py)."""
+    from spillover.flows.check_inputs import check_data, check_imports, check_model, check_sglang_flags, check_storage_access
 
     train = purpose == "train"
     tokenizer, problems = check_model(cfg, model_dir)

@@ -1,6 +1,6 @@
 """The input checks of `spillover check` (flows/check.py): each takes the run's config and returns one line per
-problem ([] when all is well). They reuse the loading code a run uses (rollout/data_source.py, infra/imports.py,
-infra/storage.py, infra/models.py), so a file or function that passes here loads at start; none imports torch, Ray
+problem ([] when all is well). They reuse the loading code a run uses (rollout/prompt_data.py, infra/imports.py,
+infra/storage/store.py, infra/models.py), so a file or function that passes here loads at start; none imports torch, Ray
 or Prefect.
 """
 from __future__ import annotations
@@ -14,22 +14,22 @@ from typing import Any
 __all__ = ["REWARD_KEYWORDS", "check_data", "check_imports", "check_model", "check_sglang_flags", "check_storage_access"]
 
 REWARD_KEYWORDS = ("sample", "samples", "metadata")  # tasks/reward.py's (which imports Prefect); a unit test compares
-BUILTIN_TASK_REWARD = "rollout.toy_task.reward"
+BUILTIN_TASK_REWARD = "spillover.rollout.builtin.toy_task.reward"
 
 
 def check_model(cfg, model_dir: str | Path | None = None) -> tuple[Any, list[str]]:
     """(tokenizer or None, problems) of model.path (or model_dir): an HF folder with config.json, *.safetensors and a
     tokenizer that loads. Empty model.path: the tiny model's tokenizer (the model is built at start); s3://: staged at
     start, so no tokenizer here."""
-    from infra.model_staging import is_remote_model
+    from spillover.infra.storage.model_staging import is_remote_model
 
     path = model_dir or cfg.model.path
     if not path:
         if cfg.model.tiny.tokenizer == "bpe":
-            from infra.tiny_bpe import build_bpe_tokenizer
+            from spillover.infra.tiny_bpe import build_bpe_tokenizer
 
             return build_bpe_tokenizer(seed=cfg.model.seed), []
-        from infra.models import build_char_tokenizer
+        from spillover.infra.models import build_char_tokenizer
 
         return build_char_tokenizer(), []
     if is_remote_model(str(path)):
@@ -42,7 +42,7 @@ def check_model(cfg, model_dir: str | Path | None = None) -> tuple[Any, list[str
                                      ("*.safetensors weights", any(folder.glob("*.safetensors")))) if not ok]
     problems = [f"model.path={str(path)!r} has no {' and no '.join(missing)}; {fix}"] if missing else []
     try:
-        from infra.models import load_tokenizer
+        from spillover.infra.models import load_tokenizer
 
         return load_tokenizer(folder), problems
     except Exception as err:  # noqa: BLE001 -- whatever transformers raises, the user needs one line
@@ -54,7 +54,7 @@ def check_data(cfg, tokenizer, extra_paths: dict[str, str] | None = None) -> lis
     """Every prompt file of the run (data.prompts_path, data.eval_paths, extra_paths) read whole with the run's own
     reader: the first bad line or row of each, named with file and line; then every label (null ones, and labels
     the built-in task's reward cannot read)."""
-    from rollout.data_source import PromptFileError, read_prompt_file
+    from spillover.rollout.prompt_data import PromptFileError, read_prompt_file
 
     files = {"data.prompts_path": cfg.data.prompts_path,
              **{f"data.eval_paths.{k}": v for k, v in cfg.data.eval_paths.items()}, **(extra_paths or {})}
@@ -78,7 +78,7 @@ def check_data(cfg, tokenizer, extra_paths: dict[str, str] | None = None) -> lis
 
 def _label_problems(path: str, cfg) -> list[str]:
     """The first row whose label the reward function cannot use: null, or (built-in task) not an integer."""
-    from rollout.data_source import PromptFileError, prompt_rows
+    from spillover.rollout.prompt_data import PromptFileError, prompt_rows
 
     key, builtin = cfg.data.label_key, cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD
     try:
@@ -99,9 +99,9 @@ def _label_problems(path: str, cfg) -> list[str]:
 def check_imports(cfg, reward_only: bool = False) -> list[str]:
     """The reward, rollout, eval and env functions import and take the arguments the run passes them (reward_only:
     `spillover eval`, which generates without the run's rollout function or tools)."""
-    from infra.imports import ImportPathError, load_function
-    from rollout.functions import load_rollout_function
-    from rollout.tools_env import load_env_factory
+    from spillover.infra.imports import ImportPathError, load_function
+    from spillover.rollout.functions import load_rollout_function
+    from spillover.rollout.tools.env import load_env_factory
 
     checks = [lambda: load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
                                     required_params=("response", "label"), optional_keywords=REWARD_KEYWORDS)]
@@ -122,9 +122,9 @@ def check_imports(cfg, reward_only: bool = False) -> list[str]:
 
 def check_storage_access(cfg, deadline_s: float = 10.0) -> list[str]:
     """storage.url reachable and writable: an s3:// location by a probe object written, read back and deleted within
-    deadline_s (infra.storage.check_storage); a local one by the nearest existing folder being writable (nothing is
+    deadline_s (spillover.infra.storage.store.check_storage); a local one by the nearest existing folder being writable (nothing is
     created)."""
-    from infra.config_plan import is_local_storage
+    from spillover.infra.config.placement_plan import is_local_storage
 
     if is_local_storage(cfg.storage.url):
         target = Path((cfg.storage.url or "").removeprefix("file://") or Path(cfg.run_dir) / "checkpoints")
@@ -134,7 +134,7 @@ def check_storage_access(cfg, deadline_s: float = 10.0) -> list[str]:
             return [f"storage.url={cfg.storage.url or str(target)!r}: {existing} is not a writable folder; use a "
                     "writable path (or run_dir) or an s3:// URL"]
         return []
-    from infra.storage import StorageError, check_storage
+    from spillover.infra.storage.store import StorageError, check_storage
 
     try:
         check_storage(cfg.storage.url, cfg.storage, deadline_s=deadline_s)
@@ -148,8 +148,8 @@ def check_sglang_flags(cfg, model_dir: str | Path | None) -> list[str]:
     sglang is installed; elsewhere config validation checked engines.sglang_args against the recorded flag list."""
     if cfg.engines.backend != "sglang" or importlib.util.find_spec("sglang") is None:
         return []
-    from rollout.engines.sglang_args import sglang_launch_options
-    from rollout.engines.sglang_backend import SGLangLaunch, launch_command
+    from spillover.infra.config.sglang_flags import sglang_launch_options
+    from spillover.rollout.sglang.backend import SGLangLaunch, launch_command
 
     options = sglang_launch_options(cfg.engines, None, cfg.rollout.deterministic_sampling)
     spec = SGLangLaunch(str(model_dir or cfg.model.path), "127.0.0.1", 30000, 30001, tp_size=cfg.engines.gpus_per_engine,
@@ -162,11 +162,11 @@ def check_sglang_flags(cfg, model_dir: str | Path | None) -> list[str]:
 
 @cache
 def sglang_parser_refusal(argv: tuple[str, ...]) -> str | None:
-    """SGLang's own parser on argv (rollout.engines.sglang_args.sglang_refusal, in a subprocess), once per argv; None
+    """SGLang's own parser on argv (spillover.infra.config.sglang_flags.sglang_refusal, in a subprocess), once per argv; None
     when it accepts, or when it cannot run here (the run's own start then reports what SGLang says)."""
     import subprocess
 
-    from rollout.engines.sglang_args import sglang_refusal
+    from spillover.infra.config.sglang_flags import sglang_refusal
 
     try:
         return sglang_refusal(list(argv), timeout_s=180.0)

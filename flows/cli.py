@@ -9,9 +9,9 @@ import logging
 import sys
 from pathlib import Path
 
-from flows.run_lock import RunLockedError
-from infra.config import ConfigError, load_config
-from infra.prefect_env import apply_process_defaults, quiet_console
+from spillover.flows.run_lock import RunLockedError
+from spillover.infra.config.run_config import ConfigError, load_config
+from spillover.infra.prefect.env import apply_process_defaults, quiet_console
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -31,9 +31,9 @@ class InputRefused(Exception):
 
 
 def refuse_bad_inputs(args, cfg, **options) -> None:
-    """Run the preflight (flows.check.preflight options) and raise InputRefused with its problems, if any; then make
+    """Run the preflight (spillover.flows.check.preflight options) and raise InputRefused with its problems, if any; then make
     the process ready for flows (Prefect imported only now: ~1-3 CPU-s that a refused input does not pay)."""
-    from flows.check import preflight
+    from spillover.flows.check import preflight
 
     report = preflight(cfg, **options)
     if report.problems:
@@ -42,13 +42,13 @@ def refuse_bad_inputs(args, cfg, **options) -> None:
 
 
 def ready_for_flows(args) -> None:
-    """The fate-shared ephemeral Prefect server (infra/prefect_env.py) and the quiet console (--verbose: not)."""
+    """The fate-shared ephemeral Prefect server (infra/prefect/env.py) and the quiet console (--verbose: not)."""
     apply_process_defaults()
     quiet_console(verbose=args.verbose)
 
 
 def cmd_check(args) -> int:
-    from flows.check import plan_table, preflight
+    from spillover.flows.check import plan_table, preflight
 
     if args.nodes < 1 or (args.gpus is not None and args.gpus < 0):
         raise ConfigError("--gpus must be >= 0 and --nodes >= 1")
@@ -64,7 +64,7 @@ def cmd_check(args) -> int:
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     refuse_bad_inputs(args, cfg)
-    from flows.train import grpo_train
+    from spillover.flows.train import grpo_train
 
     summary = grpo_train(cfg)
     print(json.dumps(summary, indent=2))
@@ -72,8 +72,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from flows.setup import load_run_config
-    from flows.train import grpo_train
+    from spillover.flows.setup import load_run_config
+    from spillover.flows.train import grpo_train
 
     cfg = load_run_config(args.run_dir, args.overrides)
     refuse_bad_inputs(args, cfg, resuming=True)
@@ -83,7 +83,7 @@ def cmd_resume(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from flows.eval import evaluate, format_table, resolve_target
+    from spillover.flows.eval import evaluate, format_table, resolve_target
 
     target = resolve_target(args.target, args.overrides, args.config)
     refuse_bad_inputs(args, target.cfg, purpose="eval", model_dir=target.model_dir, data_paths={"--data": args.data})
@@ -94,8 +94,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from flows.eval import export_newest_policy
-    from flows.setup import load_run_config
+    from spillover.flows.eval import export_newest_policy
+    from spillover.flows.setup import load_run_config
 
     out, source = export_newest_policy(load_run_config(args.run_dir, args.overrides), Path(args.run_dir), Path(args.to))
     print(json.dumps({"path": str(out), **source}))
@@ -105,7 +105,7 @@ def cmd_export(args) -> int:
 def cmd_serve(args) -> int:
     cfg = load_config(args.config, args.overrides)
     refuse_bad_inputs(args, cfg)
-    from flows.serve import serve_deployments
+    from spillover.flows.serve import serve_deployments
 
     only = [d.strip() for d in args.deployments.split(",") if d.strip()] if args.deployments else None
     serve_deployments(cfg, cron=args.cron, only=only, limit=args.limit)
@@ -113,7 +113,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from flows.serve import submit_run
+    from spillover.flows.serve import submit_run
 
     run = submit_run(args.deployment, args.config, args.overrides, wait_s=args.wait)
     state = run.state.type.value if run.state is not None else "UNKNOWN"
@@ -124,7 +124,7 @@ def cmd_submit(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from flows.report import write_report
+    from spillover.flows.report import write_report
 
     for path in write_report(args.run_dir):
         print(path)

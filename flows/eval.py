@@ -3,7 +3,7 @@
 The policy is the newest verified checkpoint of a training run (its weights exported once into
 `<run_dir>/eval/policy-ckpt-<iteration>/`, an HF folder next to the run's model config and tokenizer), or an HF
 model folder as it is. Engines are the run's kind (engines.*), started for the eval and shut down after it;
-generation and scoring are rollout.evaluation.run_eval's, so eval sees what training saw (chat template,
+generation and scoring are spillover.rollout.scoring.evaluation.run_eval's, so eval sees what training saw (chat template,
 stop strings, reward function, additional keys). The result goes to `<run_dir>/eval/<name>.json`
 (`<MODEL_DIR>/eval/<name>.json` for a model folder).
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from infra.config import ConfigError, RunConfig
+from spillover.infra.config.run_config import ConfigError, RunConfig
 
 EXPORT_MARKER = "spillover_weights.json"
 
@@ -46,11 +46,11 @@ def resolve_target(target: str | Path, overrides: list[str], config: str | None 
     except json.JSONDecodeError as err:
         raise ConfigError(f"{folder_config} is not valid JSON ({err.msg})") from None
     if "model_type" in data:  # an HF model folder
-        from infra.config import load_config
+        from spillover.infra.config.run_config import load_config
 
         cfg = load_config(config, [*overrides, f"model.path={path}", f"run_dir={path}"])
         return EvalTarget(cfg, path, path, {"kind": "model_folder", "path": str(path)})
-    from flows.setup import load_run_config
+    from spillover.flows.setup import load_run_config
 
     if config is not None:
         raise ConfigError(f"--config is for HF model folders; {path} is a run dir, which evaluates with its own "
@@ -63,9 +63,9 @@ def resolve_target(target: str | Path, overrides: list[str], config: str | None 
 def export_newest_policy(cfg: RunConfig, run_dir: Path, out: Path | None = None) -> tuple[Path, dict]:
     """The newest verified checkpoint's policy weights as an HF folder: `out`, or under <run_dir>/eval (kept for
     reuse; `spillover export RUN_DIR --to DIR` and `spillover eval RUN_DIR` both come here)."""
-    from infra.checkpoint import load_latest_checkpoint
-    from infra.models import resolve_model_path
-    from tasks.checkpoint import open_checkpoint_store
+    from spillover.infra.storage.checkpoint import load_latest_checkpoint
+    from spillover.infra.models import resolve_model_path
+    from spillover.tasks.checkpoint import open_checkpoint_store
 
     state = load_latest_checkpoint(open_checkpoint_store(cfg))
     if state is None:
@@ -83,9 +83,9 @@ def export_newest_policy(cfg: RunConfig, run_dir: Path, out: Path | None = None)
 
 def policy_state(state) -> dict:
     """The checkpoint's full learner state: rank 0's, or every rank's slices put together (learner.world_size > 1,
-    as tasks.checkpoint.restore_weights does)."""
+    as spillover.tasks.checkpoint.restore_weights does)."""
     if "learner_shards" in state.meta:
-        from tasks.learner_shards import assemble
+        from spillover.tasks.learner.shards import assemble
 
         return assemble([(state.tensors[f"policy-rank{info['rank']:03d}"], info)
                          for info in state.meta["learner_shards"]])[0]
@@ -102,7 +102,7 @@ def write_policy_folder(learner_tensors: dict, base_model: Path, out: Path, sour
                for k, v in learner_tensors.items() if k.startswith("model/")}
     if not weights:
         raise ConfigError("the checkpoint's policy state holds no model weights ('model/...' tensors)")
-    from infra.model_staging import SOURCE_DIGESTS, STAGED_MANIFEST, file_sha256
+    from spillover.infra.storage.model_staging import SOURCE_DIGESTS, STAGED_MANIFEST, file_sha256
 
     out.mkdir(parents=True, exist_ok=True)
     for f in base_model.iterdir():
@@ -144,13 +144,13 @@ def summarize(greedy: list, sampled: list, k: int, threshold: float) -> dict:
 def evaluate(target: EvalTarget, data_path: str | Path, name: str | None = None) -> tuple[dict, Path]:
     """Start engines on the target's policy, score greedy and k sampled responses per prompt of `data_path`,
     write <out_dir>/eval/<name>.json -> (result, its path)."""
-    from flows.setup import release_parts, start_engines
-    from infra.cluster import init_ray
-    from infra.imports import load_function
-    from infra.models import load_tokenizer
-    from rollout.data_source import read_prompt_file
-    from rollout.evaluation import run_eval
-    from tasks.reward import REWARD_KEYWORDS
+    from spillover.flows.setup import release_parts, start_engines
+    from spillover.infra.cluster import init_ray
+    from spillover.infra.imports import load_function
+    from spillover.infra.models import load_tokenizer
+    from spillover.rollout.prompt_data import read_prompt_file
+    from spillover.rollout.scoring.evaluation import run_eval
+    from spillover.tasks.reward import REWARD_KEYWORDS
 
     cfg, data_path = target.cfg, Path(data_path)
     name = name or data_path.stem
@@ -172,7 +172,7 @@ def evaluate(target: EvalTarget, data_path: str | Path, name: str | None = None)
                            top_p=cfg.eval.top_p, n_samples_per_prompt=cfg.eval.k, **common)[name]
         scored = True
     finally:
-        release_parts([engines], keep=scored)  # kept only by an active flows.parts.WarmParts
+        release_parts([engines], keep=scored)  # kept only by an active spillover.flows.parts.WarmParts
     result = {"name": name, "data": str(data_path), **target.source,
               **summarize(greedy, sampled, cfg.eval.k, cfg.eval.pass_threshold),
               "reward_function": cfg.grpo.reward_function_path, "temperature": cfg.eval.temperature,

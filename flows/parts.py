@@ -121,9 +121,9 @@ class WarmParts:
             _shutdown(idle.pop(0)[1])
 
     def learners(self, model_path, cfg) -> tuple[Any, Any]:
-        """The run's policy group and (grpo.kl_coef > 0) reference group: tasks.learner_group.create_learners,
+        """The run's policy group and (grpo.kl_coef > 0) reference group: spillover.tasks.learner.group.create_learners,
         with each group borrowed."""
-        from tasks.learner_group import create_learner_group, create_learners, reset_learner_group
+        from spillover.tasks.learner.group import create_learner_group, create_learners, reset_learner_group
 
         def borrow(trainable: bool):
             return self.borrow("policy" if trainable else "ref", learner_key(cfg, trainable),
@@ -133,8 +133,8 @@ class WarmParts:
         return create_learners(model_path, cfg, start_group=borrow)
 
     def engine(self, engines_cfg, model_path, deterministic: bool = False) -> Any:
-        """A rollout.manager.RolloutManager serving model_path's weights as version 0."""
-        from rollout.manager import RolloutManager
+        """A spillover.rollout.fleet.manager.RolloutManager serving model_path's weights as version 0."""
+        from spillover.rollout.fleet.manager import RolloutManager
 
         return self.borrow("engine", engine_key(engines_cfg, model_path, deterministic),
                            lambda: RolloutManager(engines_cfg, str(model_path), deterministic_inference=deterministic),

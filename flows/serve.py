@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from prefect import flow
 
-from infra.config import ConfigError, RunConfig, build_config, load_config
+from spillover.infra.config.run_config import ConfigError, RunConfig, build_config, load_config
 
 log = logging.getLogger("spillover")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def _config_path(path: str) -> Path:
 def nightly_smoke(config_path: str = "configs/tiny.yaml", iterations: int = 3, run_dir: str = "runs/nightly-smoke",
                   overrides: list[str] | None = None) -> dict:
     """A short training run of a config (the tiny one by default): does the whole pipeline still train?"""
-    from flows.train import grpo_train
+    from spillover.flows.train import grpo_train
 
     cfg = load_config(_config_path(config_path),
                       [f"schedule.num_iterations={iterations}", f"run_dir={run_dir}", *(overrides or [])])
@@ -63,8 +63,8 @@ def config_parameter(cfg: RunConfig) -> dict:
 
 
 def _load_flow(entrypoint: str):
-    known = {"flows/train.py:grpo_train": ("flows.train", "grpo_train"),
-             "flows/serve.py:nightly_smoke": ("flows.serve", "nightly_smoke")}
+    known = {"flows/train.py:grpo_train": ("spillover.flows.train", "grpo_train"),
+             "flows/serve.py:nightly_smoke": ("spillover.flows.serve", "nightly_smoke")}
     if entrypoint in known:
         import importlib
 

@@ -11,24 +11,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flows.parts import active_warm_parts
-from infra.cluster import init_ray
-from infra.config import ConfigError, RunConfig
-from infra.config_plan import needs_engines as plan_needs_engines, placement_plan, plan_problems
-from infra.imports import load_function
-from infra.model_staging import is_remote_model, stage_on_other_nodes
-from infra.models import load_tokenizer, resolve_model_path
-from rollout import toy_task
-from rollout.context import EvalSets, RolloutContext
-from rollout.controller import RolloutController
-from rollout.data_source import PromptCursor, read_prompt_file
-from rollout.dock import TransferDock
-from rollout.env_pool import EnvPool
-from rollout.reward_models import start_reward_models
-from tasks.reward import REWARD_KEYWORDS, RewardSetup
+from spillover.flows.parts import active_warm_parts
+from spillover.infra.cluster import init_ray
+from spillover.infra.config.run_config import ConfigError, RunConfig
+from spillover.infra.config.placement_plan import needs_engines as plan_needs_engines, placement_plan, plan_problems
+from spillover.infra.imports import load_function
+from spillover.infra.storage.model_staging import is_remote_model, stage_on_other_nodes
+from spillover.infra.models import load_tokenizer, resolve_model_path
+from spillover.rollout.builtin import toy_task
+from spillover.rollout.context import EvalSets, RolloutContext
+from spillover.rollout.controller import RolloutController
+from spillover.rollout.prompt_data import PromptCursor, read_prompt_file
+from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.tools.env_pool import EnvPool
+from spillover.rollout.scoring.reward_models import start_reward_models
+from spillover.tasks.reward import REWARD_KEYWORDS, RewardSetup
 
 log = logging.getLogger(__name__)
-BUILTIN_TASK_REWARD = "rollout.toy_task.reward"
+BUILTIN_TASK_REWARD = "spillover.rollout.builtin.toy_task.reward"
 RUN_CONFIG_FILE = "config.json"
 # Settings that did nothing and were removed; a config.json of an older run may still hold them.
 REMOVED_SETTINGS = {"rollout": ("async_check_steps",), "grpo": ("reward_model_path", "reward_model_weight")}
@@ -44,9 +44,9 @@ class Run:
     controller: RolloutController
     context: RolloutContext          # rollout functions' data_source (per iteration: context.for_iteration)
     reward: RewardSetup
-    policy: Any                      # tasks.learner_group.LearnerGroup; None: rollout only (no learner)
+    policy: Any                      # spillover.tasks.learner.group.LearnerGroup; None: rollout only (no learner)
     ref: Any                         # LearnerGroup, or None (no KL)
-    engine: Any                      # rollout.manager.RolloutManager, or None
+    engine: Any                      # spillover.rollout.fleet.manager.RolloutManager, or None
     baseline: float | None = None    # the built-in task's prompt-independent baseline reward
 
     @property
@@ -59,11 +59,11 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> Path:
     if cfg.data.prompts_path:
         return Path(cfg.data.prompts_path)
     if cfg.data.builtin_task == "calculator":
-        from rollout import calculator
+        from spillover.rollout.builtin import calculator
 
         return calculator.generate_dataset(run_dir / "data" / "train.jsonl", cfg.data.num_prompts, cfg.model.seed)
     if cfg.data.builtin_task == "arithmetic":
-        from rollout import arith_task
+        from spillover.rollout.builtin import arith_task
 
         return arith_task.generate_dataset(run_dir / "data" / "train.parquet", cfg.data.num_prompts, cfg.model.seed)
     return toy_task.generate_dataset(run_dir / "data" / "train.jsonl", cfg.data.num_prompts, cfg.model.seed)
@@ -77,7 +77,7 @@ def save_run_config(cfg: RunConfig, run_dir: Path) -> None:
 
 
 def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    from infra.config import ConfigError, build_config
+    from spillover.infra.config.run_config import ConfigError, build_config
 
     path = Path(run_dir) / RUN_CONFIG_FILE
     if not path.is_file():
@@ -91,14 +91,14 @@ def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> 
 
 
 def needs_engines(cfg: RunConfig) -> bool:
-    """Engines generate; replayed debug data and SFT samples need them only for eval (infra/config_plan.py)."""
+    """Engines generate; replayed debug data and SFT samples need them only for eval (infra/config/placement_plan.py)."""
     return plan_needs_engines(cfg)
 
 
 def refuse_unplaceable(cfg: RunConfig, resuming: bool) -> None:
     """Refuse, before any placement group waits for resources (120-600 s), a placement plan that the joined Ray
     cluster cannot hold, or multi-node placement with node-local storage (`spillover check` says the same earlier)."""
-    from flows.check import cluster_from_ray
+    from spillover.flows.check import cluster_from_ray
 
     cluster = cluster_from_ray(cfg.engines.ray_address)
     problems = plan_problems(placement_plan(cfg, cluster.gpus, resuming=resuming), cluster, cfg.storage.url)
@@ -109,13 +109,13 @@ def refuse_unplaceable(cfg: RunConfig, resuming: bool) -> None:
 def build_run(cfg: RunConfig, saved=None) -> Run:
     """Everything the tasks need. Fails early on bad config or input.
 
-    saved: an infra.checkpoint.CheckpointState to resume from (the dock and cursor come from it; weights are
-    restored by tasks.checkpoint.restore_weights)."""
+    saved: an spillover.infra.storage.checkpoint.CheckpointState to resume from (the dock and cursor come from it; weights are
+    restored by spillover.tasks.checkpoint.restore_weights)."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     reward_fn = load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
                               required_params=("response", "label"), optional_keywords=REWARD_KEYWORDS)
-    envs = EnvPool.from_config(cfg.rollout) if cfg.rollout.env_path else None  # multi-turn tools (rollout/env_pool.py)
+    envs = EnvPool.from_config(cfg.rollout) if cfg.rollout.env_path else None  # multi-turn tools (rollout/tools/env_pool.py)
     controller = RolloutController(cfg)
     model_path = resolve_model_path(cfg.model, run_dir, max(512, cfg.rollout.max_model_len), cfg.storage)
     tokenizer = load_tokenizer(model_path)
@@ -130,12 +130,12 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
         log.warning("%d prompts for %d groups: the run goes over the data more than once", len(prompts), needed)
     stop_ids = tuple(sorted({int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()))
     if saved is not None:
-        from tasks.checkpoint import restore_dock_and_cursor
+        from spillover.tasks.checkpoint import restore_dock_and_cursor
 
         dock, cursor = restore_dock_and_cursor(saved)
         dock.require_max_age_all_finished = cfg.rollout.staleness_bounded  # the config's rule, not the snapshot's
         if cfg.rollout.env_path:
-            from rollout.dock_turns import enable
+            from spillover.rollout.dock.turns import enable
 
             enable(dock)  # a checkpoint without tool turns: every token so far is a policy token
     else:
@@ -161,7 +161,7 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
 
 
 def start_learners_and_engines(cfg: RunConfig, model_path: Path, resuming: bool = False) -> tuple[tuple[Any, Any], Any]:
-    """((policy, ref), engine): borrowed from the active flows.parts.WarmParts if any, else started. Colocated
+    """((policy, ref), engine): borrowed from the active spillover.flows.parts.WarmParts if any, else started. Colocated
     engines live in the policy's ranks (placement.colocate): both are started for the run and never kept.
     schedule.debug_rollout_only starts no learner ((None, None)), unless resuming: the policy then carries the
     checkpoint's weights to the engines (it never trains)."""
@@ -173,7 +173,7 @@ def start_learners_and_engines(cfg: RunConfig, model_path: Path, resuming: bool 
     elif warm is not None:
         learners = warm.learners(model_path, cfg)
     else:
-        from tasks.learner_group import create_learners
+        from spillover.tasks.learner.group import create_learners
 
         learners = create_learners(model_path, cfg)
     if not needs_engines(cfg):
@@ -186,8 +186,8 @@ def start_learners_and_engines(cfg: RunConfig, model_path: Path, resuming: bool 
 
 
 def start_colocated(cfg: RunConfig, model_path: Path) -> tuple[tuple[Any, Any], Any]:
-    from rollout.manager import RolloutManager
-    from tasks.learner_group import create_learners
+    from spillover.rollout.fleet.manager import RolloutManager
+    from spillover.tasks.learner.group import create_learners
 
     learners = create_learners(model_path, cfg)
     if not needs_engines(cfg):
@@ -201,11 +201,11 @@ def start_colocated(cfg: RunConfig, model_path: Path) -> tuple[tuple[Any, Any], 
 
 
 def start_engines(engines_cfg, model_path, deterministic: bool = False):
-    """A rollout.manager.RolloutManager on model_path: borrowed from the active WarmParts if any, else started."""
+    """A spillover.rollout.fleet.manager.RolloutManager on model_path: borrowed from the active WarmParts if any, else started."""
     warm = active_warm_parts()
     if warm is not None:
         return warm.engine(engines_cfg, model_path, deterministic)
-    from rollout.manager import RolloutManager
+    from spillover.rollout.fleet.manager import RolloutManager
 
     return RolloutManager(engines_cfg, str(model_path), deterministic_inference=deterministic)
 

@@ -2,6 +2,6 @@
 logic itself is a test plugin, tests/e2e/kill_hook.py)."""
 from __future__ import annotations
 
-from infra.hooks import hook_point as maybe_kill
+from spillover.infra.hooks import hook_point as maybe_kill
 
 __all__ = ["maybe_kill"]

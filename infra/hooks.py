@@ -1,6 +1,6 @@
 """A hook point for test plugins: `hook_point(name, iteration)` at named points of a run (each task's start;
 "checkpoint_manifest": every object of a checkpoint written, its manifest not yet; "tool_step": a multi-turn env
-step about to run, rollout/env_pool.py).
+step about to run, rollout/tools/env_pool.py).
 
 Normal runs set nothing and a point costs one environment read. With SPILLOVER_TEST_HOOKS naming an
 importable module (e.g. `kill_hook`, tests/e2e/kill_hook.py, which SIGKILLs the process at a chosen point),

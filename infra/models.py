@@ -13,7 +13,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 # less per process start).
 from transformers import PreTrainedTokenizerFast
 
-from infra.config import TinyModelConfig
+from spillover.infra.config.run_config import TinyModelConfig
 
 PAD, EOS = "<pad>", "<eos>"
 TINY_ALPHABET = " \n0123456789abcdefghijklmnopqrstuvwxyz:=+-*.,?!"
@@ -52,7 +52,7 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None, se
     if (out / TINY_MARKER).is_file() and json.loads((out / TINY_MARKER).read_text()) == marker:
         return out
     if cfg.tokenizer == "bpe":
-        from infra.tiny_bpe import build_bpe_tokenizer
+        from spillover.infra.tiny_bpe import build_bpe_tokenizer
 
         tokenizer = build_bpe_tokenizer(seed=seed)
     else:
@@ -105,12 +105,12 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", device: str | None 
 
 def resolve_model_path(model_cfg, run_dir: str | Path, max_position: int = 512, storage=None) -> Path:
     """The HF folder a run uses: `model.path`, its copy in this node's model.cache_dir when it is an s3:// URL
-    (infra/model_staging.py; `storage` gives the endpoint and credentials), or the tiny model built into
+    (infra/storage/model_staging.py; `storage` gives the endpoint and credentials), or the tiny model built into
     `<run_dir>/tiny_model`."""
-    from infra.model_staging import is_remote_model, stage_model
+    from spillover.infra.storage.model_staging import is_remote_model, stage_model
 
     if is_remote_model(model_cfg.path):
-        from infra.config import StorageConfig
+        from spillover.infra.config.run_config import StorageConfig
 
         return Path(stage_model(model_cfg.path, storage or StorageConfig(), model_cfg.cache_dir)[0])
     if model_cfg.path:

@@ -1,4 +1,4 @@
-"""Ray's loopback settings, applied by `set_loopback_env()` at start-up (infra.cluster.init_ray calls it before
+"""Ray's loopback settings, applied by `set_loopback_env()` at start-up (spillover.infra.cluster.init_ray calls it before
 it starts a local Ray, whose processes read them when they start; tests call it first thing). Nothing here
 runs at import."""
 from __future__ import annotations

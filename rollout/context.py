@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable
 
-from rollout.data_source import PromptCursor, PromptSet, read_prompt_file
+from spillover.rollout.prompt_data import PromptCursor, PromptSet, read_prompt_file
 
 
 class EvalSets:
@@ -28,8 +28,8 @@ class EvalSets:
 
 @dataclass(frozen=True)
 class RolloutContext:
-    dock: Any                      # rollout.dock.TransferDock (None when the rollout needs no dock)
-    engine: Any                    # rollout.manager.RolloutManager or anything with generate(requests)
+    dock: Any                      # spillover.rollout.dock.transfer_dock.TransferDock (None when the rollout needs no dock)
+    engine: Any                    # spillover.rollout.fleet.manager.RolloutManager or anything with generate(requests)
     tokenizer: Any
     prompts: PromptSet
     cursor: PromptCursor
@@ -38,7 +38,7 @@ class RolloutContext:
     eval_data: EvalSets | None = None
     weight_version: int = 0
     on_round: Callable[[dict], None] | None = None
-    envs: Any = None               # rollout.env_pool.EnvPool with rollout.env_path set (lives as long as the run)
+    envs: Any = None               # spillover.rollout.tools.env_pool.EnvPool with rollout.env_path set (lives as long as the run)
 
     @property
     def eval_sets(self) -> dict[str, PromptSet]:

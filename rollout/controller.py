@@ -2,18 +2,18 @@
 
 The rollout and eval functions are loaded by import path with the seed's signature
 `fn(args, rollout_id, data_source, evaluation=False)`, where `args` is the RunConfig and `data_source` a
-rollout.context.RolloutContext (dock with carried-over and surplus rows, engines, prompts, weight version).
+spillover.rollout.context.RolloutContext (dock with carried-over and surplus rows, engines, prompts, weight version).
 Debug rollout data replaces generation when `storage.load_debug_rollout_data` is set, and is written
 after every rollout when `storage.save_debug_rollout_data` is set.
 """
 from __future__ import annotations
 
-from infra.config import RunConfig
-from rollout.debug_data import load_debug_rollout_data, save_debug_rollout_data
-from rollout.evaluation import eval_log_dict, eval_step
-from rollout.functions import RolloutOutput, flatten_rollout, load_rollout_function, to_rollout_output
+from spillover.infra.config.run_config import RunConfig
+from spillover.rollout.debug_data import load_debug_rollout_data, save_debug_rollout_data
+from spillover.rollout.scoring.evaluation import eval_log_dict, eval_step
+from spillover.rollout.functions import RolloutOutput, flatten_rollout, load_rollout_function, to_rollout_output
 
-DEFAULT_ROLLOUT = "rollout.partial.generate_rollout"
+DEFAULT_ROLLOUT = "spillover.rollout.drivers.default_rollout.generate_rollout"
 
 
 class RolloutController:

@@ -2,7 +2,7 @@
 
 The contract is slime's: `generate_rollout(args, rollout_id, data_source, evaluation=False)` returns
 groups of samples (`list[list[Sample]]`), or a `RolloutOutput` (the batch as samples or columns, plus
-generation stats). `args` is the RunConfig; `data_source` a rollout.context.RolloutContext (dock, engines,
+generation stats). `args` is the RunConfig; `data_source` a spillover.rollout.context.RolloutContext (dock, engines,
 tokenizer, prompts, weight version). Nested results are flattened into groups, a flat list of samples is
 grouped by `group_index`.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from infra.imports import ImportPathError, load_function
-from rollout.batch import RolloutBatch
-from rollout.sample import Sample
-from rollout.sft import is_sft_batch
+from spillover.infra.imports import ImportPathError, load_function
+from spillover.rollout.batch import RolloutBatch
+from spillover.rollout.sample import Sample
+from spillover.rollout.builtin.sft import is_sft_batch
 
 ROLLOUT_PARAMS = ("args", "rollout_id", "data_source")
 ROLLOUT_KEYWORDS = ("evaluation",)

@@ -11,12 +11,12 @@ import ray
 from prefect import task
 from prefect.cache_policies import NONE
 
-from infra.checkpoint import CheckpointState, load_latest_checkpoint, save_checkpoint
-from infra.config import ConfigError, RunConfig
-from infra.storage import Store, open_store
-from rollout.data_source import PromptCursor
-from rollout.dock import TransferDock
-from tasks.results import Checkpointed
+from spillover.infra.storage.checkpoint import CheckpointState, load_latest_checkpoint, save_checkpoint
+from spillover.infra.config.run_config import ConfigError, RunConfig
+from spillover.infra.storage.store import Store, open_store
+from spillover.rollout.prompt_data import PromptCursor
+from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.tasks.results import Checkpointed
 
 log = logging.getLogger("spillover")
 
@@ -52,11 +52,11 @@ def check_resume_compatible(saved: dict, cfg: RunConfig) -> None:
 
 def write_learner_shards(store: Store, policy, cfg: RunConfig, iteration: int) -> list[dict] | None:
     """A learner group of world_size > 1: every rank writes its own slices of the learner state under the
-    checkpoint's prefix, concurrently (tasks/learner_shards.py) -> what each wrote; None: one process, whose
+    checkpoint's prefix, concurrently (tasks/learner/shards.py) -> what each wrote; None: one process, whose
     full state goes with the rest."""
     if getattr(policy, "world_size", 1) <= 1:
         return None
-    from infra.checkpoint import checkpoint_name
+    from spillover.infra.storage.checkpoint import checkpoint_name
 
     return ray.get(policy.each("write_state_shards", checkpoint_url(cfg), cfg.storage, checkpoint_name(iteration)))
 
@@ -115,7 +115,7 @@ def restore_weights(policy, engine, state: CheckpointState) -> int:
     """Learner state into the policy actor, its weights to the engines -> the weight version."""
     meta = state.meta
     if "learner_shards" in meta:  # written rank by rank: put the slices together, each rank keeps its own
-        from tasks.learner_shards import assemble
+        from spillover.tasks.learner.shards import assemble
 
         parts = [(state.tensors[f"policy-rank{info['rank']:03d}"], info) for info in meta["learner_shards"]]
         tensors, learner_meta = assemble(parts)
@@ -132,7 +132,7 @@ def restore_weights(policy, engine, state: CheckpointState) -> int:
 def rewind_metrics(run_dir: Path, next_iteration: int, saved_row: dict | None) -> None:
     """metrics.jsonl as of the checkpoint: rows of iterations that will be redone go; the checkpoint's own
     row comes back if the crash happened before it was appended."""
-    from infra.tracking import read_metrics, append_metrics
+    from spillover.infra.tracking.run_tracker import read_metrics, append_metrics
 
     rows = [r for r in read_metrics(run_dir) if r.get("iteration", 0) < next_iteration]
     if saved_row is not None and not any(r.get("iteration") == saved_row.get("iteration") for r in rows):
@@ -147,10 +147,10 @@ def open_and_check(cfg: RunConfig, resume: bool) -> tuple[Store, CheckpointState
 
     A fresh start on a location that already holds checkpoints is refused: it would mix two runs.
     """
-    from infra.checkpoint import list_checkpoints
-    from infra.storage import check_storage
+    from spillover.infra.storage.checkpoint import list_checkpoints
+    from spillover.infra.storage.store import check_storage
 
-    from infra.storage import StorageError
+    from spillover.infra.storage.store import StorageError
 
     try:
         store = check_storage(checkpoint_url(cfg), cfg.storage)

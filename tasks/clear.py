@@ -4,8 +4,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NONE
 
-from rollout.data_source import PromptCursor
-from tasks.results import Cleared, Rollout
+from spillover.rollout.prompt_data import PromptCursor
+from spillover.tasks.results import Cleared, Rollout
 
 
 @task(name="clear_and_age_sort", cache_policy=NONE)

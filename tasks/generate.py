@@ -5,12 +5,12 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NONE
 
-from tasks.results import Rollout
+from spillover.tasks.results import Rollout
 
 
 @task(name="generate_until_ready", cache_policy=NONE)
 def generate_until_ready(controller, context, iteration: int) -> Rollout:
-    """controller: rollout.controller.RolloutController; context: rollout.context.RolloutContext."""
+    """controller: spillover.rollout.controller.RolloutController; context: spillover.rollout.context.RolloutContext."""
     out = controller.generate(iteration, context)
     if getattr(context.engine, "colocated", False):  # the learner's turn with the device (update resumes them)
         context.engine.offload()

@@ -7,7 +7,7 @@ import ray
 from prefect import task
 from prefect.cache_policies import NONE
 
-from tasks.results import Logprobs, Scored
+from spillover.tasks.results import Logprobs, Scored
 
 
 def needs_old_logprob_pass(token_versions: tuple[int, int], current_version: int, skip_old_logprob: bool) -> bool:

@@ -5,8 +5,8 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NONE
 
-from rollout.data_source import PromptCursor, PromptSet, groups_for_iteration
-from tasks.results import Loaded
+from spillover.rollout.prompt_data import PromptCursor, PromptSet, groups_for_iteration
+from spillover.tasks.results import Loaded
 
 
 def load_prompt_groups(dock, cursor: PromptCursor, prompts: PromptSet, iteration: int, count: int) -> int:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from rollout.batch import RolloutBatch
+from spillover.rollout.batch import RolloutBatch
 
 Scalar = (int, float, bool, np.integer, np.floating)
 

@@ -9,10 +9,10 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NONE
 
-from rollout.batch import RolloutBatch, label_of_rows, metadata_of_rows
-from rollout.scoring import RewardError, batch_decode, decode_responses, score_responses, score_samples, wants_samples
-from tasks.grpo_loss import group_advantages
-from tasks.results import Rollout, Scored
+from spillover.rollout.batch import RolloutBatch, label_of_rows, metadata_of_rows
+from spillover.rollout.scoring.rule_reward import RewardError, batch_decode, decode_responses, score_responses, score_samples, wants_samples
+from spillover.tasks.grpo_loss import group_advantages
+from spillover.tasks.results import Rollout, Scored
 
 REWARD_KEYWORDS = ("sample", "samples", "metadata")  # passed only to reward functions that name them
 
@@ -32,7 +32,7 @@ class RewardSetup:
     exact_match: Callable | None = None       # the built-in task's exact-match check (a reported metric)
     prompt_texts: Callable | None = None      # group stream ids[G] -> prompt texts[G]
     concurrency: int = 32                     # grpo.reward_concurrency: async reward calls at once
-    reward_models: Any = None                 # rollout.reward_models.RewardModels (grpo.reward_models), or None
+    reward_models: Any = None                 # spillover.rollout.scoring.reward_models.RewardModels (grpo.reward_models), or None
     keep_sample_rewards: bool = False         # samples a rollout function scored keep their reward (no reward
                                               # function configured: grpo.reward_function_path left at its default)
 
@@ -91,7 +91,7 @@ def rule_rewards(batch: RolloutBatch, texts: list[str], setup: RewardSetup) -> n
 
 def build_advantages(batch: RolloutBatch, rewards: np.ndarray) -> np.ndarray:
     """rewards[R] -> advantages[R]: group-normalised (GRPO), or 1 for every SFT sample (the NLL gradient at
-    ratio 1, see rollout/sft.py)."""
+    ratio 1, see rollout/builtin/sft.py)."""
     if batch.sft:
         return np.ones(len(batch), dtype=np.float32)
     return group_advantages(rewards.reshape(len(batch.group_ids), batch.n)).reshape(-1)

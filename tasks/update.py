@@ -10,7 +10,7 @@ import ray
 from prefect import task
 from prefect.cache_policies import NONE
 
-from tasks.results import Logprobs, Scored, Updated
+from spillover.tasks.results import Logprobs, Scored, Updated
 
 LOGGED = ("loss", "pg_loss", "kl", "kl_coef", "clip_fraction", "grad_norm", "tis_weight_mean", "tis_weight_max",
           "stale_token_share", "entropy", "old_logprob_source", "weight_version", "update_s", "lr",

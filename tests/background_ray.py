@@ -22,7 +22,7 @@ def actors_of(driver_pids: set[int]) -> list[dict]:
 def main() -> None:
     import ray
 
-    from infra.cluster import init_ray
+    from spillover.infra.cluster import init_ray
 
     init_ray(num_cpus=8)
     print(ray.get_runtime_context().gcs_address, flush=True)

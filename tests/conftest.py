@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-# Ray reads this once, when it is imported (infra.cluster imports it): set it first, or the driver, the
+# Ray reads this once, when it is imported (spillover.infra.cluster imports it): set it first, or the driver, the
 # actors and the engines they start take the host's address and Ray listens on every interface.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-from infra.cluster import set_loopback_env  # noqa: E402
-from infra.prefect_env import apply_process_defaults
+from spillover.infra.cluster import set_loopback_env  # noqa: E402
+from spillover.infra.prefect.env import apply_process_defaults
 
 set_loopback_env()
 apply_process_defaults()
@@ -25,7 +25,7 @@ pytest_plugins: list[str] = ["fixtures_engines", "fixtures_s3", "fixtures_manage
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from infra.models import build_tiny_model
+    from spillover.infra.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
 
@@ -34,7 +34,7 @@ def tiny_model_dir(tmp_path_factory):
 def ray_session():
     import ray
 
-    from infra.cluster import init_ray
+    from spillover.infra.cluster import init_ray
 
     # A SIGSTOPped (hung) actor that ray.kill cannot stop gracefully is SIGKILLed after this (Ray's default: 5 s);
     # the raylet reads it at start.

@@ -50,7 +50,7 @@ def sharded_killed_run(background, prefect_harness, watch_until_gone, tmp_path_f
 @pytest.fixture(scope="session")
 def placement_child(background, tiny_model_dir, s3_server, tmp_path_factory):
     """tests/integration/test_placement.py run as a script: its two-node Ray cluster's report (a dict)."""
-    from infra.storage import open_store
+    from spillover.infra.storage.store import open_store
 
     s3_url, storage = s3_server.url("models/placement"), s3_server.storage_config()
     store = open_store(s3_url, storage)

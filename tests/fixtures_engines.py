@@ -40,7 +40,7 @@ def varied_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def torch_engines(tiny_model_dir):
     """Two torch engine servers (in this process, background threads) on free 127.0.0.1 ports."""
-    from rollout.engines.torch_server import TorchEngineServer
+    from spillover.rollout.torch_engine.server import TorchEngineServer
 
     servers = []
     try:
@@ -57,7 +57,7 @@ def torch_engines(tiny_model_dir):
 @pytest.fixture(scope="session")
 def sglang_router(torch_engines):
     """The real sglang-router (round robin) with both torch engines registered."""
-    from rollout.engines.router import Router
+    from spillover.rollout.fleet.router import Router
 
     router = Router.launch(host="127.0.0.1")
     try:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from infra.config import StorageConfig
+from spillover.infra.config.run_config import StorageConfig
 from seaweed_server import SeaweedS3
 
 

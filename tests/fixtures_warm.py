@@ -9,7 +9,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def warm_pool(ray_session):
-    from flows.parts import WarmParts
+    from spillover.flows.parts import WarmParts
 
     with WarmParts(max_idle=3) as pool:  # the suite's runs alternate between a few engine and learner shapes
         yield pool

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from infra.config import StorageConfig
-from infra.storage_errors import is_transient
+from spillover.infra.config.run_config import StorageConfig
+from spillover.infra.storage.errors import is_transient
 
 _PORT_NAMES = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
                "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc")

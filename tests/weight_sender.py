@@ -1,5 +1,5 @@
 """A stand-in trainer for the engine-side protocol tests: joins the weight-update group as rank 0 and broadcasts
-the tensors of a safetensors file, bucket by bucket (the real sender is tasks/weight_sync.py in a learner actor).
+the tensors of a safetensors file, bucket by bucket (the real sender is tasks/learner/weight_sender.py in a learner actor).
 
 python tests/weight_sender.py ADDRESS PORT WORLD_SIZE GROUP_NAME FILE BUCKETS_JSON
 """
@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from safetensors.torch import load_file  # noqa: E402
 
-from rollout.engines.update_group import destroy_group, init_group, send_bucket  # noqa: E402
+from spillover.rollout.sglang.update_group import destroy_group, init_group, send_bucket  # noqa: E402
 
 
 def main() -> None:

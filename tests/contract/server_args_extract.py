@@ -1,7 +1,7 @@
-"""rollout/engines/sglang_server_args.json from SGLang's own parser (`ServerArgs.add_cli_args`), so that
+"""infra/config/sglang_flags.json from SGLang's own parser (`ServerArgs.add_cli_args`), so that
 engines.sglang_args accepts every flag SGLang 0.5.23 has, not only the ones the recorded contract lists.
 
-    python tests/contract/server_args_extract.py > rollout/engines/sglang_server_args.json
+    python tests/contract/server_args_extract.py > infra/config/sglang_flags.json
 
 Each field: cli_flags (the option strings), type (the recorded contract's where it has the field, else the parser's
 value type), default, choices, cli_kind for switches. `absent` (flags SGLang removed, with their replacements) and
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = ROOT / "rollout" / "engines" / "sglang_server_args.json"
+SHIPPED = ROOT / "infra" / "config" / "sglang_flags.json"
 STORE_TRUE = "store_true (flag takes no value)"
 BOOLEAN_OPTIONAL = "boolean_optional (--X true, --no-X false)"
 

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TORCHVISION_MODULES = ("torchvision", "torchvision.io", "torchvision.transforms", "torchvision.transforms.functional",
                        "torchvision.transforms.v2", "torchvision.transforms.v2.functional")
 SGLANG_VERSION = "0.5.23"
-INSTALL_HINT = ("install SGLang's classes for the contract tests with `make install` (pyproject extra sglang-contract "
+INSTALL_HINT = ("install SGLang's classes for the contract tests with `make test` (pyproject extra sglang-contract "
                 "and [tool.spillover] sglang-contract-no-deps, the latter with pip --no-deps)")
 
 

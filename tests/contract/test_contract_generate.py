@@ -3,20 +3,20 @@ GenerateReqInput, the route's JSON gate, normalize_batch_and_arguments, Sampling
 
 The bodies are the project's own: the real drivers (sync, async, multi-turn, evaluation) run over the real dock
 against SimulatedEngine (SGLang cannot run here), and what they hand the engine goes through
-rollout.generation.request_body, the function that makes the wire body of RolloutManager's every /generate call."""
+spillover.rollout.fleet.generation.request_body, the function that makes the wire body of RolloutManager's every /generate call."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from contract_checks import accepted
-from infra.config import RolloutConfig, load_config
-from rollout.dock import TransferDock
-from rollout.engines.simulated import EngineTiming, SimulatedEngine
-from rollout.engines.simulated_workload import DEFAULT_EOS, TableLengths, simulated_prompt
-from rollout.generation import request_body
-from rollout.partial import generate_batch
-from rollout.requests import SamplingSettings, build_requests
+from spillover.infra.config.run_config import RolloutConfig, load_config
+from spillover.rollout.dock.transfer_dock import TransferDock
+from bench.simulator.engine import EngineTiming, SimulatedEngine
+from bench.simulator.workload import DEFAULT_EOS, TableLengths, simulated_prompt
+from spillover.rollout.fleet.generation import request_body
+from spillover.rollout.drivers.default_rollout import generate_batch
+from spillover.rollout.drivers.requests import SamplingSettings, build_requests
 
 VOCAB = 151_936  # Qwen2.5's (the GPU recipes); the simulated engine's tokens stay below it
 GPU_RECIPES = ["qwen2.5-0.5b-gsm8k", "qwen2.5-0.5b-math", "qwen2.5-1.5b-gsm8k", "qwen2.5-1.5b-math"]
@@ -85,9 +85,9 @@ def dock_groups(cfg: RolloutConfig) -> int:
 
 def test_multi_turn_bodies_are_sglangs(sglang, tiny_model_dir):
     """The multi-turn driver adds rollout.tool_call_stop to the stop strings."""
-    from infra.models import load_tokenizer
-    from rollout.env_pool import EnvPool
-    from rollout.multi_turn import generate_until_ready_multi_turn
+    from spillover.infra.models import load_tokenizer
+    from spillover.rollout.tools.env_pool import EnvPool
+    from spillover.rollout.drivers.multi_turn import generate_until_ready_multi_turn
 
     class Quiet:
         async def reset(self, sample):
@@ -111,8 +111,8 @@ def test_multi_turn_bodies_are_sglangs(sglang, tiny_model_dir):
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_gpu_recipe_bodies_are_sglangs(sglang, recipe):
     """The first round and an evaluation batch of each configs/gpu recipe, as its settings make them: training
-    sampling from rollout.*, eval greedy (rollout.partial._evaluate) or eval.* sampling."""
-    from rollout.partial import generate_rollout
+    sampling from rollout.*, eval greedy (spillover.rollout.drivers.default_rollout._evaluate) or eval.* sampling."""
+    from spillover.rollout.drivers.default_rollout import generate_rollout
 
     run = load_config(f"configs/gpu/{recipe}.yaml")
     engine = Recorder()
@@ -159,7 +159,7 @@ def test_engine_client_generate_body_is_sglangs(sglang):
 
     import orjson
 
-    from rollout.engines.client import EngineClient
+    from spillover.rollout.fleet.engine_client import EngineClient
 
     sent = []
     client = EngineClient("http://127.0.0.1:1")

@@ -2,8 +2,8 @@
 (pydantic.TypeAdapter(io_struct.<class>).validate_python(body): what the route's FastAPI parse accepts), and no key
 the project sends is one SGLang drops.
 
-Bodies come from the project's builders (rollout/engines/sglang_backend.py) with the arguments their callers pass,
-and from the callers themselves where they build a body inline: DistributedWeightSync (rollout/weight_sync_client.py)
+Bodies come from the project's builders (rollout/sglang/backend.py) with the arguments their callers pass,
+and from the callers themselves where they build a body inline: DistributedWeightSync (rollout/fleet/distributed_weights.py)
 driven through a whole sync with recording clients, EngineClient (abort, update from disk) with its transport
 recorded. The project sends no /pause_generation, /continue_generation, /open_session or /close_session."""
 from __future__ import annotations
@@ -14,9 +14,9 @@ import orjson
 import pytest
 
 from contract_checks import accepted
-from rollout.engines import sglang_backend as sgl
-from rollout.engines.client import EngineClient
-from rollout.weight_sync_client import DistributedWeightSync
+from spillover.rollout.sglang import backend as sgl
+from spillover.rollout.fleet.engine_client import EngineClient
+from spillover.rollout.fleet.distributed_weights import DistributedWeightSync
 
 ROUTE_CLASS = {  # SGLang 0.5.23 http_server.py: route -> the io_struct class its handler takes as Body()
     "/abort_request": "AbortReq",
@@ -47,7 +47,7 @@ def check(sglang, path: str, body: dict) -> dict:
 
 @pytest.mark.parametrize("tags", [None, ["kv_cache"], ["weights"], ["weights", "kv_cache", "cuda_graph"]])
 def test_memory_bodies(sglang, tags):
-    """RolloutManager.offload/onload and the weight pusher's resume (rollout/manager.py, manager_weights.py)."""
+    """RolloutManager.offload/onload and the weight pusher's resume (rollout/fleet/manager.py, manager_weights.py)."""
     check(sglang, "/release_memory_occupation", sgl.release_memory_payload(tags))
     check(sglang, "/resume_memory_occupation", sgl.resume_memory_payload(tags))
 
@@ -62,7 +62,7 @@ def test_weight_update_session_bodies(sglang, selector):
 @pytest.mark.parametrize("version", [None, 0, 7, "7"])
 @pytest.mark.parametrize("backend", ["torch"])
 def test_update_from_tensor_bodies(sglang, version, backend):
-    """WeightPoster.post_bucket (engine actors) and the colocated load (tasks/engine_host.py): a bucket before the last
+    """WeightPoster.post_bucket (engine actors) and the colocated load (tasks/learner/engine_host.py): a bucket before the last
     carries no version and keeps the cache. The sglang backend's entries (CUDA IPC handles) need a GPU; their type
     (base64 text) is the torch backend's too."""
     import torch
@@ -226,7 +226,7 @@ def test_engine_actor_tensor_update_bodies(sglang):
     on the last only), end."""
     import torch
 
-    from rollout.engines.actor import EngineActor
+    from spillover.rollout.fleet.engine_actor import EngineActor
 
     server = CaptureServer()
     try:

@@ -3,9 +3,9 @@ prepare_server_args(argv) (its argparse and ServerArgs), then ServerArgs.resolve
 (the model-independent resolution; no GPU and no model here, so the model-config and device steps are skipped:
 memory fraction, CUDA graphs, attention backend per GPU).
 
-The argv is the project's: SGLangLaunch as EngineActor.start fills it (rollout/engines/actor.py), with
-engines.sglang_args through sglang_launch_options as EnginePool passes them (rollout/engine_pool.py), and
-launch_command (rollout/engines/sglang_backend.py)."""
+The argv is the project's: SGLangLaunch as EngineActor.start fills it (rollout/fleet/engine_actor.py), with
+engines.sglang_args through sglang_launch_options as EnginePool passes them (rollout/fleet/engine_pool.py), and
+launch_command (rollout/sglang/backend.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from contract_checks import accepted
-from infra.config import EnginesConfig, load_config
-from rollout.engines.sglang_args import MANAGED, _is_bool, server_fields, server_flags, sglang_launch_options
-from rollout.engines.sglang_backend import SGLangLaunch, launch_command
+from spillover.infra.config.run_config import EnginesConfig, load_config
+from spillover.infra.config.sglang_flags import MANAGED, _is_bool, server_fields, server_flags, sglang_launch_options
+from spillover.rollout.sglang.backend import SGLangLaunch, launch_command
 
 GPU_RECIPES = ["qwen2.5-0.5b-gsm8k", "qwen2.5-0.5b-math", "qwen2.5-1.5b-gsm8k", "qwen2.5-1.5b-math"]
 
@@ -76,7 +76,7 @@ def test_engines_sglang_args(sglang, args):
 
 
 def test_every_flag_sglang_args_knows_parses_as_sglangs(sglang_classes):
-    """rollout/engines/sglang_args.py's extract against SGLang's own parser: every switch it lets users set is a flag
+    """infra/config/sglang_flags.py's extract against SGLang's own parser: every switch it lets users set is a flag
     SGLang takes, every choice it allows SGLang allows, and every valued field given its default parses back to it."""
     fields = server_fields()
     settable = {k: f for k, f in fields.items() if f.get("cli_flags") and k not in MANAGED}
@@ -108,11 +108,11 @@ def test_a_removed_flag_is_refused(sglang):
 
 
 def test_sglang_refusal_runs_sglangs_parser_out_of_process(sglang_classes):
-    """rollout.engines.sglang_args.sglang_refusal (for a preflight: SGLang's parser without importing SGLang into the
+    """spillover.infra.config.sglang_flags.sglang_refusal (for a preflight: SGLang's parser without importing SGLang into the
     caller) says what the oracle says, and leaves this process without SGLang."""
     import sys
 
-    from rollout.engines.sglang_args import sglang_refusal
+    from spillover.infra.config.sglang_flags import sglang_refusal
 
     imported_before = "sglang" in sys.modules  # another in-process test may have imported it
     argv = engine_argv(load_config("configs/gpu/qwen2.5-0.5b-gsm8k.yaml").engines, "/models/m", 0, True)
@@ -124,7 +124,7 @@ def test_sglang_refusal_runs_sglangs_parser_out_of_process(sglang_classes):
 
 
 def test_the_shipped_flag_list_is_sglangs_own_parser(sglang_classes):
-    """rollout/engines/sglang_server_args.json (what engines.sglang_args accepts) is what SGLang's own parser has:
+    """infra/config/sglang_flags.json (what engines.sglang_args accepts) is what SGLang's own parser has:
     every flag of ServerArgs.add_cli_args, e.g. quantization, which the recorded contract's 81 fields lacked."""
     import json
     import subprocess
@@ -136,5 +136,5 @@ def test_the_shipped_flag_list_is_sglangs_own_parser(sglang_classes):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout) == json.loads(SHIPPED.read_text()), (
-        "rollout/engines/sglang_server_args.json is stale: python tests/contract/server_args_extract.py > it")
+        "infra/config/sglang_flags.json is stale: python tests/contract/server_args_extract.py > it")
     assert "quantization" in json.loads(SHIPPED.read_text())["fields"]

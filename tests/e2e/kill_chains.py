@@ -44,8 +44,8 @@ class PartialEvidence:
 
 def assert_checkpoints(url: str, expected: list[tuple[int, bool]], storage_cfg=None, after: str = "") -> None:
     """(iteration, has a manifest) of every checkpoint prefix at url."""
-    from infra.checkpoint import list_checkpoints
-    from infra.storage import open_store
+    from spillover.infra.storage.checkpoint import list_checkpoints
+    from spillover.infra.storage.store import open_store
 
     got = [(c.iteration, c.complete) for c in list_checkpoints(open_store(url, storage_cfg))]
     assert got == expected, after
@@ -61,7 +61,7 @@ def kill_chain(spillover: Spillover, run_dir: Path, url: str, storage_cfg, first
     ephemeral link's Prefect server starts on a copy of migrated_db (an empty database costs ~100 migrations,
     ~8 s on 2 cores; what is checked is that the server dies with the run). `stopping` (an Event) ends the chain
     before its next link. -> checkpoint 0's cut rows and what the finishing resume trained in iteration 1."""
-    from infra.storage import open_store
+    from spillover.infra.storage.store import open_store
 
     previous, cut = None, []
     links = [*kills, (None, [(1, True), (2, True)])]

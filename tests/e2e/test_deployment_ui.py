@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flows.report import PLOTS
+from spillover.flows.report import PLOTS
 from fixtures_prefect import copy_migrated_database
 from processes import free_port, running, wait_http
 from small_run import SMALL_RUN

@@ -59,8 +59,8 @@ from spillover_runs import assert_joined_runs_left_nothing, metrics_rows
 
 
 def final_state(url: str, storage_cfg=None):
-    from infra.checkpoint import load_latest_checkpoint
-    from infra.storage import open_store
+    from spillover.infra.storage.checkpoint import load_latest_checkpoint
+    from spillover.infra.storage.store import open_store
 
     return load_latest_checkpoint(open_store(url, storage_cfg))
 
@@ -87,8 +87,8 @@ def run_reference(ref_dir: Path):
     """The uninterrupted run, in this process on the session's warm parts (tests/fixtures_warm.py: a run on
     kept parts trains bit for bit like one on new parts) instead of one more `spillover train` process. -> its
     rollout config."""
-    from flows.train import grpo_train
-    from infra.config import load_config
+    from spillover.flows.train import grpo_train
+    from spillover.infra.config.run_config import load_config
 
     # two engines (the shape the suite's warm parts have) where the chains have one: seeded sampling makes the
     # tokens independent of the engine count, so the comparison also checks that
@@ -128,7 +128,7 @@ def test_kill_9_at_every_point_then_resume_matches_uninterrupted_and_leaks_nothi
 
 
 def assert_no_credentials(run_dir: Path, runs: list, url: str, s3_server, db: Path | None) -> None:
-    from infra.storage import open_store
+    from spillover.infra.storage.store import open_store
 
     store = open_store(url, s3_server.storage_config())
     texts = {str(p): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}

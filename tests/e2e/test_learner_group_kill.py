@@ -31,9 +31,9 @@ def run_args(run_dir) -> list[str]:
 
 
 def final_policy(run_dir) -> tuple[int, dict[str, torch.Tensor]]:
-    from flows.eval import policy_state
-    from infra.checkpoint import load_latest_checkpoint
-    from infra.storage import open_store
+    from spillover.flows.eval import policy_state
+    from spillover.infra.storage.checkpoint import load_latest_checkpoint
+    from spillover.infra.storage.store import open_store
 
     state = load_latest_checkpoint(open_store(str(run_dir / "checkpoints")))
     return state.iteration, policy_state(state)
@@ -44,9 +44,9 @@ def final_policy(run_dir) -> tuple[int, dict[str, torch.Tensor]]:
 @pytest.mark.timeout(900)
 def test_kill_9_at_a_sharded_update_then_resume_equals_the_uninterrupted_run(sharded_killed_run, background,
                                                                             prefect_harness, warm_parts, tmp_path):
-    from flows.setup import load_run_config
-    from flows.train import grpo_train
-    from infra.config import load_config
+    from spillover.flows.setup import load_run_config
+    from spillover.flows.train import grpo_train
+    from spillover.infra.config.run_config import load_config
 
     spillover, killed, killed_dir = sharded_killed_run.result()
     ref_dir = tmp_path / "reference"

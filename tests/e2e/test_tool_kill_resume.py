@@ -1,7 +1,7 @@
 """Kill -9 inside a tool call, then resume (issue 15): `spillover train --config configs/tiny-tools.yaml` (small, with
 a calculator that takes 0.6 s per step and more stop strings, so that the end of iteration 0 cuts rows with their call
 pending) SIGKILLs itself inside the first calculator step of iteration 1 -- a call pending since checkpoint 0, asked
-again -- (kill point "tool_step", rollout/env_pool.py, through the kill_hook test plugin), and `resume` (in process, on
+again -- (kill point "tool_step", rollout/tools/env_pool.py, through the kill_hook test plugin), and `resume` (in process, on
 the session's warm parts) finishes the run from checkpoint 0, whose dock holds multi-turn trajectories mid-way.
 Sampling is seeded (rollout.deterministic_sampling), so the rows cut with a call pending do not depend on chance:
 unseeded, the last round before the cut usually stopped 2-3 rows at a tool call and, once in a loaded suite, none.
@@ -22,8 +22,8 @@ from background_ray import actors_of
 from small_run import SMALL_RUN
 from spillover_runs import ROUTER, assert_joined_runs_left_nothing, metrics_rows
 
-from rollout.calculator import CalculatorEnv
-from rollout.tools_env import observation_tokens, split_actions
+from spillover.rollout.builtin.calculator import CalculatorEnv
+from spillover.rollout.tools.env import observation_tokens, split_actions
 
 ITERATIONS = 2
 
@@ -70,13 +70,13 @@ def assert_trajectory_intact(sample, tokenizer, stops: list[str], cap: int, max_
 @pytest.mark.timeout(400)
 def test_kill_9_inside_a_tool_call_then_resume(spillover, prefect_harness, ray_session, warm_parts,
                                                tmp_path):
-    from flows.setup import load_run_config
-    from flows.train import grpo_train
-    from infra.checkpoint import load_latest_checkpoint
-    from infra.models import load_tokenizer
-    from infra.storage import open_store
-    from rollout.debug_data import load_debug_rollout_data
-    from tasks.checkpoint import restore_dock_and_cursor
+    from spillover.flows.setup import load_run_config
+    from spillover.flows.train import grpo_train
+    from spillover.infra.storage.checkpoint import load_latest_checkpoint
+    from spillover.infra.models import load_tokenizer
+    from spillover.infra.storage.store import open_store
+    from spillover.rollout.debug_data import load_debug_rollout_data
+    from spillover.tasks.checkpoint import restore_dock_and_cursor
 
     run_dir = tmp_path / "tools"
     ray_address = ray_session.get_runtime_context().gcs_address  # it joins the session's cluster: no Ray start

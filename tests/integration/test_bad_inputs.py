@@ -1,4 +1,4 @@
-"""Bad inputs through the command line (`flows.cli.main`, in process: the same argument parsing, flow and
+"""Bad inputs through the command line (`spillover.flows.cli.main`, in process: the same argument parsing, flow and
 exit codes as the `spillover` script, without paying a process start per case): each one exits 2 with one
 clear line on stderr naming the input and the fix, and loses no data -- a later good run or resume goes on
 from the last checkpoint with every prompt group trained exactly once.
@@ -28,7 +28,7 @@ REWARD_CALLS = {"n": 0}
 
 def nan_after_first_iteration(response: str, label, **_) -> float:
     """The built-in reward for iteration 0's samples, NaN from then on (a scorer that broke mid-run)."""
-    from rollout.toy_task import reward
+    from spillover.rollout.builtin.toy_task import reward
 
     REWARD_CALLS["n"] += 1
     return reward(response, label) if REWARD_CALLS["n"] <= SAMPLES_PER_ITERATION else math.nan
@@ -41,7 +41,7 @@ def string_reward(response: str, label, **_):
 def spillover(*argv: str) -> tuple[int, str]:
     """Run the command line in this process -> (exit code, what it wrote to sys.stderr). Not capsys/capfd:
     Prefect's console log handler keeps the stream it first saw, and theirs are closed after each test."""
-    from flows.cli import main
+    from spillover.flows.cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -119,12 +119,12 @@ def test_unreachable_storage_at_start_exits_2_with_the_fix(prefect_harness, tmp_
     the same attempts and backoffs, none of the waiting."""
     import dataclasses
 
-    import infra.storage
+    import spillover.infra.storage.store
     from seaweed_server import free_ports
 
     now = [0.0]
-    real_policy = infra.storage.RetryPolicy
-    monkeypatch.setattr(infra.storage, "RetryPolicy", lambda **kw: dataclasses.replace(
+    real_policy = spillover.infra.storage.store.RetryPolicy
+    monkeypatch.setattr(spillover.infra.storage.store, "RetryPolicy", lambda **kw: dataclasses.replace(
         real_policy(**kw), sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0]))
     endpoint = f"http://127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
     code, err = train(tmp_path / "run", "storage.url=s3://spillover-test/run", f"storage.endpoint_url={endpoint}",
@@ -151,8 +151,8 @@ def rows(run_dir) -> list[dict]:
 
 
 def checkpoints(run_dir) -> list[tuple[int, bool]]:
-    from infra.checkpoint import list_checkpoints
-    from infra.storage import open_store
+    from spillover.infra.storage.checkpoint import list_checkpoints
+    from spillover.infra.storage.store import open_store
 
     return [(c.iteration, c.complete) for c in list_checkpoints(open_store(str(run_dir / "checkpoints")))]
 
@@ -191,7 +191,7 @@ def test_bad_rewards_and_mismatched_resumes_stop_clearly_and_lose_nothing(prefec
         assert code == 2 and "the checkpoint comes from a different run" in line and field in line, line
     assert checkpoints(run_dir) == [(0, True)]
 
-    code, err = spillover("resume", str(run_dir), "grpo.reward_function_path=rollout.toy_task.reward")
+    code, err = spillover("resume", str(run_dir), "grpo.reward_function_path=spillover.rollout.builtin.toy_task.reward")
     assert code == 0, err[-3000:]
     done = rows(run_dir)
     assert [r["iteration"] for r in done] == [0, 1, 2]

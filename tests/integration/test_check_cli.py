@@ -127,8 +127,8 @@ def header_gpus(recipe: Path) -> int:
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_every_recipe_passes_check_with_the_gpus_its_header_states(recipe, tiny_model_dir, tmp_path):
-    """In process (flows.cli.main: the same parsing and exit codes; the processes above cover the boundary)."""
-    from flows.cli import main
+    """In process (spillover.flows.cli.main: the same parsing and exit codes; the processes above cover the boundary)."""
+    from spillover.flows.cli import main
 
     gpus = header_gpus(recipe)
     for count, expected in ((gpus, 0), (gpus - 1, 2)):
@@ -146,8 +146,8 @@ def test_every_recipe_passes_check_with_the_gpus_its_header_states(recipe, tiny_
 
 def test_a_run_refuses_an_unplaceable_plan_before_any_placement_group_waits(ray_session):
     """build_run's own check (deployment runs start there, without the command line's preflight)."""
-    from flows.setup import refuse_unplaceable
-    from infra.config import ConfigError, build_config
+    from spillover.flows.setup import refuse_unplaceable
+    from spillover.infra.config.run_config import ConfigError, build_config
 
     gpus = ray_session.cluster_resources().get("GPU", 0)
     cfg = build_config({}, ["learner.device=cuda", "engines.backend=sglang", f"engines.rollout_num_gpus={int(gpus) + 1}"])

@@ -1,4 +1,4 @@
-"""infra/checkpoint.py against file:// and a real S3 server: round trip of model + AdamW + dock + meta,
+"""infra/storage/checkpoint.py against file:// and a real S3 server: round trip of model + AdamW + dock + meta,
 corrupt/truncated/incomplete checkpoints skipped with a warning, pruning (S3 outages during a write:
 test_checkpoint_outages.py)."""
 from __future__ import annotations
@@ -11,12 +11,12 @@ import pytest
 import safetensors.torch
 import torch
 
-from infra.checkpoint import (CheckpointError, CheckpointState, list_checkpoints, load_checkpoint,
+from spillover.infra.storage.checkpoint import (CheckpointError, CheckpointState, list_checkpoints, load_checkpoint,
                               load_latest_checkpoint, prune, save_checkpoint)
-from infra.config import RunConfig
-from infra.models import load_causal_lm
-from infra.storage import open_store
-from infra.train_state import (capture_rng_states, flatten_optimizer_state, restore_rng_states,
+from spillover.infra.config.run_config import RunConfig
+from spillover.infra.models import load_causal_lm
+from spillover.infra.storage.store import open_store
+from spillover.infra.storage.train_state import (capture_rng_states, flatten_optimizer_state, restore_rng_states,
                                unflatten_optimizer_state)
 
 

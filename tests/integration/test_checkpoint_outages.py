@@ -1,4 +1,4 @@
-"""infra/checkpoint.py while the real S3 server (SeaweedFS) is SIGKILLed or SIGSTOPped in the middle of a
+"""infra/storage/checkpoint.py while the real S3 server (SeaweedFS) is SIGKILLed or SIGSTOPped in the middle of a
 checkpoint write: past the retry deadline the write fails and the half checkpoint is ignored; an outage that ends
 in time only delays it. The backoff waits are skipped (SkippedWaits), the server and its outage are real."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from infra.checkpoint import CheckpointState, list_checkpoints, load_latest_checkpoint, save_checkpoint
-from infra.storage import StorageUnreachable, open_store
-from infra.storage_errors import RetryPolicy
+from spillover.infra.storage.checkpoint import CheckpointState, list_checkpoints, load_latest_checkpoint, save_checkpoint
+from spillover.infra.storage.store import StorageUnreachable, open_store
+from spillover.infra.storage.errors import RetryPolicy
 
 
 def _outage_after(store, n_objects, start_outage):

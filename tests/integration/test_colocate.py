@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import ray
 
-from infra.config import build_config
+from spillover.infra.config.run_config import build_config
 from small_run import SMALL_RUN
 from test_train_flow import small_config
 
@@ -35,8 +35,8 @@ def greedy(manager, prompts: list[list[int]]) -> list[list[int]]:
 
 def test_hosted_engine_releases_for_real_refuses_generation_and_comes_back_with_the_learners_weights(
         ray_session, tiny_model_dir):
-    from rollout.manager import RolloutManager
-    from tasks.learner_group import create_learner_group
+    from spillover.rollout.fleet.manager import RolloutManager
+    from spillover.tasks.learner.group import create_learner_group
 
     cfg = build_config(overrides=[*SMALL_RUN, *COLOCATED, "engines.weight_bucket_bytes=20000"])
     policy = create_learner_group(tiny_model_dir, cfg, trainable=True)
@@ -78,7 +78,7 @@ def test_hosted_engine_releases_for_real_refuses_generation_and_comes_back_with_
 
 def test_colocated_run_releases_trains_resumes_and_syncs_in_order_every_iteration(prefect_harness, ray_session,
                                                                                   tmp_path):
-    from flows.train import grpo_train
+    from spillover.flows.train import grpo_train
 
     run_dir = tmp_path / "run"
     cfg = small_config(run_dir, iterations=6, **{"placement.colocate": "true", "engines.rollout_num_gpus": 2,

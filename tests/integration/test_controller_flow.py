@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from infra.config import ConfigError, load_config
-from infra.imports import ImportPathError
+from spillover.infra.config.run_config import ConfigError, load_config
+from spillover.infra.imports import ImportPathError
 
 from test_train_flow import small_config
 from wandb_records import read_segments
@@ -18,7 +18,7 @@ def rows(run_dir):
 
 def test_debug_data_replay_reproduces_training_and_eval_is_logged(prefect_harness, ray_session, warm_parts,
                                                                   tmp_path):
-    from flows.train import grpo_train
+    from spillover.flows.train import grpo_train
 
     eval_file = tmp_path / "eval.jsonl"
     eval_file.write_text("".join(json.dumps({"prompt": f"a*{n}=", "label": n}) + "\n" for n in (2, 3, 5)))
@@ -53,15 +53,15 @@ def test_debug_data_replay_reproduces_training_and_eval_is_logged(prefect_harnes
 
 
 def test_sft_mode_raises_the_likelihood_of_the_given_responses(prefect_harness, ray_session, warm_parts, tmp_path):
-    from flows.train import grpo_train
-    from infra.checkpoint import load_latest_checkpoint
-    from infra.models import load_causal_lm
-    from infra.storage import open_store
+    from spillover.flows.train import grpo_train
+    from spillover.infra.storage.checkpoint import load_latest_checkpoint
+    from spillover.infra.models import load_causal_lm
+    from spillover.infra.storage.store import open_store
 
     sft = tmp_path / "sft.jsonl"
     sft.write_text("".join(json.dumps({"prompt": f"a*{n}=", "response": "a" * n}) + "\n" for n in (1, 2, 3, 4)))
     run_dir = tmp_path / "sft_run"
-    cfg = small_config(run_dir, iterations=4, **{"rollout.rollout_function_path": "rollout.sft.generate_sft_rollout",
+    cfg = small_config(run_dir, iterations=4, **{"rollout.rollout_function_path": "spillover.rollout.builtin.sft.generate_sft_rollout",
                                                  "rollout.n_samples_per_prompt": 1, "grpo.micro_batch_size": 4,
                                                  "grpo.tis": "false", "data.sft_path": str(sft),
                                                  "optimizer.lr": 0.01})
@@ -90,10 +90,10 @@ def test_sft_mode_raises_the_likelihood_of_the_given_responses(prefect_harness, 
 
 
 def test_wrong_rollout_function_fails_at_start_naming_the_path(prefect_harness, tmp_path):
-    from flows.setup import build_run
+    from spillover.flows.setup import build_run
 
-    with pytest.raises(ImportPathError, match="rollout.rollout_function_path='rollout.partial.nope'"):
+    with pytest.raises(ImportPathError, match="rollout.rollout_function_path='spillover.rollout.drivers.default_rollout.nope'"):
         build_run(small_config(tmp_path / "bad", iterations=1,
-                               **{"rollout.rollout_function_path": "rollout.partial.nope"}))
+                               **{"rollout.rollout_function_path": "spillover.rollout.drivers.default_rollout.nope"}))
     with pytest.raises(ConfigError, match="grpo.tis must be false in SFT mode"):
-        load_config("configs/tiny.yaml", ["rollout.rollout_function_path=rollout.sft.generate_sft_rollout"])
+        load_config("configs/tiny.yaml", ["rollout.rollout_function_path=spillover.rollout.builtin.sft.generate_sft_rollout"])

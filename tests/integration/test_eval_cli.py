@@ -31,7 +31,7 @@ def metadata_reward(response: str, label, metadata) -> float:
 
 
 def spillover(*argv: str) -> tuple[int, str, str]:
-    from flows.cli import main
+    from spillover.flows.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -11,11 +11,11 @@ import time
 import httpx
 import pytest
 
-from infra.models import load_tokenizer
-from rollout.data_source import read_prompts
-from rollout.evaluation import EvalAborted, eval_log_dict, eval_metrics, eval_step, run_eval
-from rollout.sample import Sample, Status
-from rollout.toy_task import generate_dataset
+from spillover.infra.models import load_tokenizer
+from spillover.rollout.prompt_data import read_prompts
+from spillover.rollout.scoring.evaluation import EvalAborted, eval_log_dict, eval_metrics, eval_step, run_eval
+from spillover.rollout.sample import Sample, Status
+from spillover.rollout.builtin.toy_task import generate_dataset
 
 MAX_NEW = 10
 

@@ -30,7 +30,7 @@ REWARD_CALLS = {"n": 0, "raised": 0}
 
 def reward_raising_once(response: str, label, **_) -> float:
     """The built-in task's reward, but the first call of the run raises (a flaky remote scorer)."""
-    from rollout.toy_task import reward
+    from spillover.rollout.builtin.toy_task import reward
 
     REWARD_CALLS["n"] += 1
     if REWARD_CALLS["n"] == 1:
@@ -69,10 +69,10 @@ def test_s3_down_during_two_checkpoint_writes_the_run_goes_on(prefect_harness, r
                                                                outage_s3_server, monkeypatch, tmp_path):
     """One run, two outages of OUTAGE_S each, after the first object of a checkpoint: iteration 1's
     checkpoint meets a killed server (restarted on the same ports), iteration 2's a paused one."""
-    import tasks.checkpoint as checkpoint_task
-    from infra.checkpoint import list_checkpoints, load_checkpoint
-    from infra.storage import open_store
-    from flows.train import grpo_train
+    import spillover.tasks.checkpoint as checkpoint_task
+    from spillover.infra.storage.checkpoint import list_checkpoints, load_checkpoint
+    from spillover.infra.storage.store import open_store
+    from spillover.flows.train import grpo_train
 
     url = outage_s3_server.url(f"faults-{uuid.uuid4().hex[:8]}")
     cfg = small_config(tmp_path / "run", iterations=3, **{
@@ -143,8 +143,8 @@ def test_engine_killed_mid_generation_and_reward_raising_once_run_completes(pref
     first checkpoint): the router retries them on engine 1, and the manager restarts engine 0 with the
     current weights. The reward function raises once: the task is retried. The run completes with every
     group trained once."""
-    from flows.train import grpo_train
-    from rollout.manager import RolloutManager
+    from spillover.flows.train import grpo_train
+    from spillover.rollout.fleet.manager import RolloutManager
 
     REWARD_CALLS.update(n=0, raised=0)
     cfg = small_config(tmp_path / "run", iterations=3, **{

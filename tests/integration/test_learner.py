@@ -7,15 +7,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from infra.config import GRPOConfig, OptimizerConfig, build_config
-from infra.models import load_causal_lm
+from spillover.infra.config.run_config import GRPOConfig, OptimizerConfig, build_config
+from spillover.infra.models import load_causal_lm
 from learner_batches import random_batch
-from rollout.batch import select_groups, split
-from tasks.learner import LearnerActor
-from tasks.learner_group import create_learners
-from tasks.logprob import needs_old_logprob_pass
-from tasks.offpolicy_metrics import SCALAR_KEYS
-from tasks.update import LOGGED
+from spillover.rollout.batch import select_groups, split
+from spillover.tasks.learner.actor import LearnerActor
+from spillover.tasks.learner.group import create_learners
+from spillover.tasks.logprob import needs_old_logprob_pass
+from spillover.tasks.learner.offpolicy_metrics import SCALAR_KEYS
+from spillover.tasks.update import LOGGED
 
 
 def hf_logprobs(model, tokens: list[int], resp: int, temperature: float) -> np.ndarray:

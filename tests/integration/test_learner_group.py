@@ -8,15 +8,15 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from infra.config import build_config
+from spillover.infra.config.run_config import build_config
 from learner_batches import random_batch
-from infra.config_learner import LearnerConfig, check_learner_start
-from infra.tensor_memory import TensorMemoryProbe
-from rollout.batch import from_sequences
-from tasks.batching import make_micro_batch
-from tasks.grpo_loss import entropy_from_logits, token_logprobs
-from tasks.learner_dist import balanced_shards
-from tasks.logprobs import ResponseLogprobModel
+from spillover.infra.config.learner import LearnerConfig, check_learner_start
+from spillover.infra.tensor_memory import TensorMemoryProbe
+from spillover.rollout.batch import from_sequences
+from spillover.tasks.learner.micro_batches import make_micro_batch
+from spillover.tasks.grpo_loss import entropy_from_logits, token_logprobs
+from spillover.tasks.learner.distributed import balanced_shards
+from spillover.tasks.learner.token_logprobs import ResponseLogprobModel
 
 
 def test_balanced_shards_equal_counts_and_tokens_within_one_row():
@@ -105,7 +105,7 @@ def test_logprob_memory_does_not_grow_with_vocab_times_sequence():
 
 @pytest.fixture(scope="module")
 def started_groups(tiny_model_dir, ray_session):
-    from tasks.learner_group import create_learners
+    from spillover.tasks.learner.group import create_learners
 
     cfg = build_config(overrides=["grpo.kl_coef=0.05", "grpo.micro_batch_size=2", "rollout.global_batch_size=2",
                                   "rollout.n_samples_per_prompt=4", "rollout.temperature=0.7",
@@ -120,7 +120,7 @@ def started_groups(tiny_model_dir, ray_session):
 def groups(started_groups, tiny_model_dir):
     """The module's sharded policy and reference, reset to a fresh start (weight version 0, new optimizer, seeded
     RNG) for each test, whatever the tests before it trained."""
-    from tasks.learner_group import reset_learner_group
+    from spillover.tasks.learner.group import reset_learner_group
 
     cfg, policy, ref = started_groups
     reset_learner_group(policy, tiny_model_dir, cfg, trainable=True)
@@ -129,7 +129,7 @@ def groups(started_groups, tiny_model_dir):
 
 
 def _single(tiny_model_dir, cfg):
-    from tasks.learner import LearnerActor
+    from spillover.tasks.learner.actor import LearnerActor
 
     return LearnerActor(str(tiny_model_dir), cfg.grpo, cfg.optimizer, cfg.rollout.temperature, cfg.model.seed, True,
                         total_steps=cfg.schedule.num_iterations,
@@ -194,8 +194,8 @@ def test_world_size_2_equals_1_logprobs_update_and_resume_across_sizes(groups, t
 
 
 def test_bad_learner_settings_are_refused_at_start(ray_session, tiny_model_dir):
-    from infra.config import ConfigError
-    from tasks.learner_group import create_learners
+    from spillover.infra.config.run_config import ConfigError
+    from spillover.tasks.learner.group import create_learners
 
     with pytest.raises(ConfigError, match=r"learner.world_size \(3\) must divide the samples of one optimizer step"):
         build_config(overrides=["learner.world_size=3"])
@@ -211,9 +211,9 @@ def test_bad_learner_settings_are_refused_at_start(ray_session, tiny_model_dir):
 def test_gradient_checkpointing_and_eager_attention_do_not_change_the_update(tiny_model_dir):
     """learner.gradient_checkpointing recomputes decoder layers in backward (same weights after a step, same
     state_dict keys); learner.attn_implementation=eager gives the same logprobs as sdpa."""
-    from tasks.learner import LearnerActor
+    from spillover.tasks.learner.actor import LearnerActor
 
-    from infra.config import GRPOConfig, OptimizerConfig
+    from spillover.infra.config.run_config import GRPOConfig, OptimizerConfig
 
     batch, learners = random_batch(5, max_response=14), {}
     for name, lcfg in {"plain": LearnerConfig(), "ckpt": LearnerConfig(gradient_checkpointing=True),
@@ -232,10 +232,10 @@ def test_sharded_checkpoint_each_rank_writes_its_slices_one_manifest(groups, tin
     """Each rank of the world_size 2 policy writes its own slices (safetensors) under the checkpoint prefix; the
     driver's manifest, written last, lists and verifies them; put back together they are exactly the state
     rank 0 gathers, and a world_size 1 learner resumes from them."""
-    from infra.checkpoint import CheckpointState, checkpoint_name, load_checkpoint, save_checkpoint
-    from infra.config import StorageConfig
-    from infra.storage import open_store
-    from tasks.learner_shards import assemble
+    from spillover.infra.storage.checkpoint import CheckpointState, checkpoint_name, load_checkpoint, save_checkpoint
+    from spillover.infra.config.run_config import StorageConfig
+    from spillover.infra.storage.store import open_store
+    from spillover.tasks.learner.shards import assemble
 
     ray = ray_session
     cfg, policy, _ = groups

@@ -10,11 +10,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from infra.config import GRPOConfig, OptimizerConfig, build_config
-from infra.config_learner import LearnerConfig
+from spillover.infra.config.run_config import GRPOConfig, OptimizerConfig, build_config
+from spillover.infra.config.learner import LearnerConfig
 from learner_batches import random_batch
-from rollout.engines.update_group import tensor_digest
-from tasks.learner import LearnerActor
+from spillover.rollout.sglang.update_group import tensor_digest
+from spillover.tasks.learner.actor import LearnerActor
 
 BF16 = ["model.dtype=bfloat16", "learner.param_dtype=bfloat16", "optimizer.lr=1e-6"]
 
@@ -97,7 +97,7 @@ def test_bf16_learner_state_is_float32_resumes_exactly_and_loads_a_bf16_state(ti
 
 @pytest.fixture(scope="module")
 def bf16_group(tiny_model_dir, ray_session):
-    from tasks.learner_group import create_learner_group
+    from spillover.tasks.learner.group import create_learner_group
 
     cfg = build_config(overrides=[*BF16, "learner.world_size=2", "grpo.micro_batch_size=4", "grpo.kl_coef=0",
                                   "rollout.global_batch_size=2", "rollout.n_samples_per_prompt=4"])

@@ -6,8 +6,8 @@ import socket
 
 import ray
 
-import tasks.learner_group as learner_group
-from infra.config import build_config
+import spillover.tasks.learner.group as learner_group
+from spillover.infra.config.run_config import build_config
 
 
 class TakenFirst:
@@ -34,7 +34,7 @@ def test_a_taken_rendezvous_port_restarts_the_ranks(ray_session, tiny_model_dir,
         taken.listen()
         stand_in = TakenFirst(taken.getsockname()[1], learner_group._free_address)
         monkeypatch.setattr(learner_group, "_free_address", stand_in)
-        caplog.set_level(logging.WARNING, logger="tasks.learner_group")
+        caplog.set_level(logging.WARNING, logger="spillover.tasks.learner.group")
         group = learner_group.create_learner_group(tiny_model_dir, cfg, trainable=False)
     try:
         assert stand_in.calls == 2

@@ -9,7 +9,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.longtail import Workload, run_mode  # noqa: E402
 from bench.longtail_real import NaturalLengths  # noqa: E402
-from rollout.engines.simulated_workload import LognormalLengths  # noqa: E402
+from bench.simulator.workload import LognormalLengths  # noqa: E402
 
 EOS = 1
 

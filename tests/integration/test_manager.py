@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from rollout.engines.client import EngineClient
+from spillover.rollout.fleet.engine_client import EngineClient
 
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 3], [40, 2, 2, 11, 30, 31, 12], [17], [33, 34, 35, 36], [9, 8, 7],
            [12, 13], [44, 45, 46]]
@@ -127,7 +127,7 @@ def test_tensor_update_in_buckets_runs_in_one_session_and_a_failed_one_ends_it(r
     import torch
     from safetensors.torch import load_file
 
-    from rollout.engines.update_group import tensor_digest
+    from spillover.rollout.sglang.update_group import tensor_digest
 
     m = rollout_manager
     tiny = load_file(str(next(tiny_model_dir.glob("*.safetensors"))))
@@ -282,8 +282,8 @@ def test_offload_then_onload_brings_back_the_served_weights(rollout_manager, mon
 
 
 def test_shutdown_leaves_no_process_and_stops_the_monitor_started_from_config(ray_session, varied_model_dir):
-    from infra.config import EnginesConfig
-    from rollout.manager import RolloutManager
+    from spillover.infra.config.run_config import EnginesConfig
+    from spillover.rollout.fleet.manager import RolloutManager
 
     m = RolloutManager(EnginesConfig(rollout_num_gpus=1, max_running_requests=4, health_interval_s=0.2),
                        varied_model_dir, use_gpu=False)
@@ -321,9 +321,9 @@ def test_requests_failed_by_the_router_are_retried_after_recovery(tiny_model_dir
     the router answer 5xx; the generator runs recover() (here: take the dead worker off) and resends."""
     import asyncio
 
-    from rollout.engines.router import Router
-    from rollout.engines.torch_server import TorchEngineServer
-    from rollout.generation import BatchGenerator
+    from spillover.rollout.fleet.router import Router
+    from spillover.rollout.torch_engine.server import TorchEngineServer
+    from spillover.rollout.fleet.generation import BatchGenerator
 
     victim = TorchEngineServer(str(tiny_model_dir), max_running_requests=4)
     victim.start()
@@ -351,8 +351,8 @@ def test_requests_failed_by_the_router_are_retried_after_recovery(tiny_model_dir
 
 
 def test_more_slots_than_the_cluster_has_fails_at_once_naming_the_field(ray_session, tiny_model_dir):
-    from infra.config import EnginesConfig
-    from rollout.engine_pool import EnginePool
+    from spillover.infra.config.run_config import EnginesConfig
+    from spillover.rollout.fleet.engine_pool import EnginePool
 
     too_many = EnginesConfig(rollout_num_gpus=4, num_cpus_per_engine=1000)
     started = time.monotonic()

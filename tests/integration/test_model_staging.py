@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra.config import TinyModelConfig
-from infra.model_staging import SOURCE_DIGESTS, STAGED_MANIFEST, file_sha256, stage_model
-from infra.storage import open_store
+from spillover.infra.config.run_config import TinyModelConfig
+from spillover.infra.storage.model_staging import SOURCE_DIGESTS, STAGED_MANIFEST, file_sha256, stage_model
+from spillover.infra.storage.store import open_store
 
 SMALL_SHAPE = TinyModelConfig(num_layers=2, hidden_size=64, intermediate_size=128)  # tests/small_run.py's model
 
@@ -29,7 +29,7 @@ def upload(folder: Path, url: str, storage) -> None:
 
 @pytest.fixture(scope="module")
 def s3_model(s3_server, tmp_path_factory):
-    from infra.models import build_tiny_model
+    from spillover.infra.models import build_tiny_model
 
     folder = build_tiny_model(tmp_path_factory.mktemp("s3-model") / "tiny", SMALL_SHAPE, 0, 512)
     url = s3_server.url("models/tiny")
@@ -75,11 +75,11 @@ def test_a_torn_upload_or_a_folder_without_config_is_refused(s3_model, s3_server
 @pytest.mark.slow  # ~10 s: one iteration on the session's warm parts, an engine on the export
 def test_a_run_trains_from_an_s3_model_and_its_export_loads_everywhere(prefect_harness, ray_session, warm_parts,
                                                                      s3_model, s3_server, tmp_path, monkeypatch):
-    from flows.cli import main
-    from flows.train import grpo_train
-    from infra.models import load_causal_lm
-    from rollout.engines.client import EngineClient
-    from rollout.engines.torch_server import TorchEngineServer
+    from spillover.flows.cli import main
+    from spillover.flows.train import grpo_train
+    from spillover.infra.models import load_causal_lm
+    from spillover.rollout.fleet.engine_client import EngineClient
+    from spillover.rollout.torch_engine.server import TorchEngineServer
     from test_train_flow import small_config
 
     url, storage, _ = s3_model

@@ -17,10 +17,10 @@ def rows(run_dir):
 
 
 def record_dispatch(monkeypatch) -> list[dict]:
-    """Every round the drivers dispatch (rollout.dispatch.DispatchPlanner.next_rows, wrapped): its planner (one per
+    """Every round the drivers dispatch (spillover.rollout.drivers.dispatch.DispatchPlanner.next_rows, wrapped): its planner (one per
     iteration), whether the iteration is a long round, the rows in dispatch order with their engine, group age, load
     order and generated length, and the rows held back for the long round after it."""
-    from rollout.dispatch import DispatchPlanner
+    from spillover.rollout.drivers.dispatch import DispatchPlanner
 
     seen, next_rows = [], DispatchPlanner.next_rows
 
@@ -43,7 +43,7 @@ def test_length_aware_dispatch_pins_rows_reorders_them_and_holds_the_tail_for_th
     oldest group first but not in the dock's load order; in iterations 0 and 1 rows expected above the median wait
     (held, untouched) and the long round of iteration 2 sends them first among their age; no long round holds any.
     Ignored (fifo, or no tail batching): no engine choice, load order, nothing held."""
-    from flows.train import grpo_train
+    from spillover.flows.train import grpo_train
 
     seen = record_dispatch(monkeypatch)
     grpo_train(small_config(tmp_path / "run", iterations=4, **{
@@ -79,7 +79,7 @@ def external_router(tmp_path):
     """A real sglang-router on 127.0.0.1 that no run starts or stops: (url, its Prometheus metrics URL)."""
     import time
 
-    from rollout.engines.router import free_port, stop_process
+    from spillover.rollout.fleet.router import free_port, stop_process
 
     port, metrics_port = free_port(), free_port()
     url, log = f"http://127.0.0.1:{port}", tmp_path / "router.log"
@@ -109,8 +109,8 @@ def test_an_external_router_serves_the_runs_generation(tmp_path, warm_parts, ext
     """engines.router_address: the run launches no router; it registers its engine with the given one, every rollout
     request goes through it (the router's own request counter), and the engine leaves it when it is shut down.
     Ignored, the run would start a router of its own and the given one would see no worker and no request."""
-    from flows.train import grpo_train
-    from rollout.engines.router import Router
+    from spillover.flows.train import grpo_train
+    from spillover.rollout.fleet.router import Router
 
     url, metrics_url = external_router
     grpo_train(small_config(tmp_path / "run", iterations=2, **{"engines.router_address": url,

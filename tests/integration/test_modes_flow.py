@@ -22,7 +22,7 @@ def test_async_mode_aborts_and_trains_the_cut_tokens_in_a_later_iteration(tmp_pa
     sync would need rounds of max_tokens // max_split tokens and at most GBS x n rows each), the engines abort once
     GBS groups are ready (128 rows for 64 slots: rows still decoding are cut), and the cut rows' tokens are trained
     after an update: one trained sample holds tokens of two weight versions."""
-    from flows.train import grpo_train
+    from spillover.flows.train import grpo_train
 
     gbs, n = 16, 4
     grpo_train(small_config(tmp_path / "run", iterations=3, **{"rollout.mode": "async",
@@ -41,7 +41,7 @@ def test_over_sampled_surplus_groups_are_generated_and_trained_the_next_iteratio
     """rollout.over_sampling_groups=2 without partial rollout (max_split 1): iteration 0 loads and generates GBS + 2
     groups in one round, trains GBS of them, and the two surplus groups (complete, made by weight version 0) are
     trained first in iteration 1, one update late. Ignored, iteration 1 would train four fresh groups."""
-    from flows.train import grpo_train
+    from spillover.flows.train import grpo_train
 
     grpo_train(small_config(tmp_path / "run", iterations=3, **{"rollout.over_sampling_groups": 2,
                                                               "rollout.max_split": 1}))
@@ -59,8 +59,8 @@ def test_adaptive_kl_moves_the_coefficient_by_the_measured_kl(tmp_path):
     """grpo.kl_ctrl=adaptive: the coefficient each update uses follows tasks/kl_control.next_kl_coef from the KL the
     previous update measured: down after the first update (policy = reference, KL 0), up once the trained policy's
     KL exceeds the target (fixed would keep 0.05 throughout)."""
-    from flows.train import grpo_train
-    from tasks.kl_control import next_kl_coef
+    from spillover.flows.train import grpo_train
+    from spillover.tasks.learner.kl_control import next_kl_coef
 
     target, horizon, samples = 1e-6, 32, 16
     grpo_train(small_config(tmp_path / "run", iterations=3, **{
@@ -80,7 +80,7 @@ def test_rollout_only_starts_no_learner_and_runs_no_logprob_or_update(tmp_path, 
     """schedule.debug_rollout_only: engines generate and rewards are scored; no learner group is started or borrowed,
     no logprob or update task runs, the engines keep weight version 0, and no checkpoint is written (no learner
     state to keep)."""
-    from flows.train import grpo_train
+    from spillover.flows.train import grpo_train
 
     parts_before = warm_parts.started + warm_parts.reused
     grpo_train(small_config(tmp_path / "run", iterations=2, **{"schedule.debug_rollout_only": "true"}))
@@ -95,8 +95,8 @@ def test_rollout_only_starts_no_learner_and_runs_no_logprob_or_update(tmp_path, 
 def scored_rollout(args, rollout_id, data_source, evaluation=False):
     """A custom (non-SFT) rollout function: GBS groups of n engine samples, each scored by the function itself with
     0.1 x its index in the group (slime: the function sets Sample.reward)."""
-    from rollout.requests import build_requests, parse_responses, SamplingSettings
-    from rollout.sample import Sample, Status
+    from spillover.rollout.drivers.requests import build_requests, parse_responses, SamplingSettings
+    from spillover.rollout.sample import Sample, Status
 
     gbs, n = args.rollout.global_batch_size, args.rollout.n_samples_per_prompt
     prompts = data_source.prompts
@@ -123,7 +123,7 @@ def half(response, label, **_):
 def test_a_custom_rollout_functions_own_rewards_are_trained_unless_a_reward_function_is_set(tmp_path):
     """rollout.rollout_function_path=a function that scores its samples: those rewards are trained (group-normalised:
     0, 0.1, 0.2, 0.3 in every group), as in slime; with grpo.reward_function_path set, that function scores them."""
-    from flows.train import grpo_train
+    from spillover.flows.train import grpo_train
 
     custom = {"rollout.rollout_function_path": "test_modes_flow.scored_rollout"}
     grpo_train(small_config(tmp_path / "own", iterations=2, **custom))
@@ -140,8 +140,8 @@ def test_a_custom_rollout_functions_own_rewards_are_trained_unless_a_reward_func
 def weight_version_eval(args, rollout_id, data_source, evaluation=False):
     """A custom eval function with data of its own (no data.eval_paths): one greedy engine sample per prompt of the
     first two training prompts, each scored with the weight version the engines serve."""
-    from rollout.requests import SamplingSettings, build_requests, parse_responses
-    from rollout.sample import Sample
+    from spillover.rollout.drivers.requests import SamplingSettings, build_requests, parse_responses
+    from spillover.rollout.sample import Sample
 
     assert evaluation
     samples = []
@@ -161,7 +161,7 @@ def test_a_custom_eval_function_runs_at_the_eval_interval_and_its_scores_are_log
     """rollout.eval_function_path with schedule.eval_interval=1: the function runs after every update (it sees the
     new weight version) and eval/<its key> is what it scored. (Before this test it never ran without
     data.eval_paths.)"""
-    from flows.train import grpo_train
+    from spillover.flows.train import grpo_train
 
     grpo_train(small_config(tmp_path / "run", iterations=2, **{"rollout.eval_function_path": "test_modes_flow."
                                                                 "weight_version_eval", "schedule.eval_interval": 1}))
@@ -173,7 +173,7 @@ def test_a_custom_eval_function_runs_at_the_eval_interval_and_its_scores_are_log
 def test_reward_model_scores_are_the_trained_reward(tmp_path):
     """grpo.reward_models with the rule reward weighed 0: the trained reward is 2 x the classifier's score
     (reward_model_rm_mean), and it varies within groups (the rule reward alone would be 0 everywhere)."""
-    from flows.train import grpo_train
+    from spillover.flows.train import grpo_train
     from test_reward_models import build_classifier
 
     classifier = build_classifier(tmp_path / "rm")

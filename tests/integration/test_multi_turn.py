@@ -1,4 +1,4 @@
-"""Multi-turn tool trajectories (rollout/multi_turn.py) against real engines (Ray actors behind the real router,
+"""Multi-turn tool trajectories (rollout/drivers/multi_turn.py) against real engines (Ray actors behind the real router,
 the 'varied' tiny model) and the real dock: cut anywhere and continued == uncut; tool failures; custom rollout
 functions that do their own multi-turn logic."""
 from __future__ import annotations
@@ -8,15 +8,15 @@ import threading
 
 import numpy as np
 
-from infra.config import RolloutConfig, build_config
-from infra.models import load_tokenizer
-from rollout import dock_turns
-from rollout.dock import TransferDock
-from rollout.env_pool import EnvPool
-from rollout.multi_turn import generate_until_ready_multi_turn
-from rollout.requests import SamplingSettings
-from rollout.sample import Sample
-from rollout.tools_env import StepResult
+from spillover.infra.config.run_config import RolloutConfig, build_config
+from spillover.infra.models import load_tokenizer
+from spillover.rollout.dock import turns as dock_turns
+from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.tools.env_pool import EnvPool
+from spillover.rollout.drivers.multi_turn import generate_until_ready_multi_turn
+from spillover.rollout.drivers.requests import SamplingSettings
+from spillover.rollout.sample import Sample
+from spillover.rollout.tools.env import StepResult
 
 EOS = 1
 STOPS = ["e", "t", "a", "o", "i", "n"]  # the varied model's output is near uniform: ~1 token in 8 ends a tool call
@@ -191,8 +191,8 @@ def custom_multi_turn_rollout(args, rollout_id, data_source, evaluation=False):
 
 
 def test_custom_rollout_functions_keep_their_own_loss_mask(rollout_manager, varied_model_dir):
-    from rollout.context import RolloutContext
-    from rollout.controller import RolloutController
+    from spillover.rollout.context import RolloutContext
+    from spillover.rollout.controller import RolloutController
 
     run_cfg = build_config({"rollout": {"rollout_function_path": "test_multi_turn.custom_multi_turn_rollout",
                                         "global_batch_size": 2, "n_samples_per_prompt": 2},

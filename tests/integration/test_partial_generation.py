@@ -2,11 +2,11 @@
 import numpy as np
 import pytest
 
-from infra.config import RolloutConfig
-from rollout.dock import TransferDock
-from rollout.partial_async import generate_until_ready_async
-from rollout.partial_sync import generate_until_ready_sync
-from rollout.requests import SamplingSettings
+from spillover.infra.config.run_config import RolloutConfig
+from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.drivers.async_stream import generate_until_ready_async
+from spillover.rollout.drivers.sync_rounds import generate_until_ready_sync
+from spillover.rollout.drivers.requests import SamplingSettings
 
 EOS = 1
 

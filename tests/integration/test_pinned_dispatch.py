@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from rollout.dispatch import DispatchPlanner
-from rollout.requests import SamplingSettings, build_requests
+from spillover.rollout.drivers.dispatch import DispatchPlanner
+from spillover.rollout.drivers.requests import SamplingSettings, build_requests
 
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 3], [40, 2, 2, 11, 30, 31, 12], [17], [33, 34, 35, 36], [9, 8, 7]]
 

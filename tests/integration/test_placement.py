@@ -109,10 +109,10 @@ def _stage_and_train(staging: dict) -> dict:
     the staged folder: one update from a rank on each node."""
     import ray
 
-    from infra.config import StorageConfig, build_config
-    from infra.model_staging import stage_model, stage_on_other_nodes
+    from spillover.infra.config.run_config import StorageConfig, build_config
+    from spillover.infra.storage.model_staging import stage_model, stage_on_other_nodes
     from learner_batches import random_batch
-    from tasks.learner_group import create_learner_group
+    from spillover.tasks.learner.group import create_learner_group
 
     storage = StorageConfig(endpoint_url=staging["endpoint_url"])
     path, digests, downloaded = stage_model(staging["url"], storage, staging["cache_dir"])
@@ -143,12 +143,12 @@ def _child(model_dir: str, staging: dict) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from infra.config import EnginesConfig
+    from spillover.infra.config.run_config import EnginesConfig
     import httpx
 
     from background import lower_priority
-    from rollout.engine_pool import EnginePool, create_rollout_engines
-    from rollout.manager import RolloutManager
+    from spillover.rollout.fleet.engine_pool import EnginePool, create_rollout_engines
+    from spillover.rollout.fleet.manager import RolloutManager
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False})

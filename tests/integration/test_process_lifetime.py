@@ -51,7 +51,7 @@ def kill_9_and_check_nothing_left(proc: subprocess.Popen, expect_in_session: str
 def test_fate_shared_command_dies_with_a_sigkilled_parent():
     proc = start_in_own_session(textwrap.dedent("""
         import subprocess
-        from infra.fate_share import fate_shared
+        from spillover.infra.fate_share import fate_shared
         def start():
             return subprocess.Popen(fate_shared(["sleep", "600"]))
     """))
@@ -61,7 +61,7 @@ def test_fate_shared_command_dies_with_a_sigkilled_parent():
 def test_without_pidfds_the_wrapper_polls_and_the_command_still_dies():
     proc = start_in_own_session(textwrap.dedent("""
         import os, subprocess
-        import infra.fate_share as fate_share
+        import spillover.infra.fate_share as fate_share
         code = ("import os, runpy, sys; del os.pidfd_open; "  # as on a kernel before 5.3
                 f"sys.argv = [sys.argv[0], '{os.getpid()}', '--', 'sleep', '600']; "
                 f"runpy.run_path({fate_share.__file__!r}, run_name='__main__')")
@@ -76,7 +76,7 @@ def test_whole_group_mode_takes_the_commands_own_children_too():
     session goes when the parent is SIGKILLed."""
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import subprocess, time
-        from infra.fate_share import fate_shared
+        from spillover.infra.fate_share import fate_shared
         wrapper = subprocess.Popen(fate_shared(["sh", "-c", "sleep 600 & exec sleep 601"], whole_group=True),
                                    start_new_session=True)
         print(wrapper.pid, flush=True)
@@ -101,7 +101,7 @@ def test_whole_group_mode_takes_the_commands_own_children_too():
 
 
 def test_group_mode_refuses_to_run_outside_its_own_group():
-    from infra.fate_share import fate_shared
+    from spillover.infra.fate_share import fate_shared
 
     out = subprocess.run(fate_shared(["true"], whole_group=True), capture_output=True, text=True)
     assert out.returncode == 1 and "must lead its process group" in out.stderr
@@ -109,7 +109,7 @@ def test_group_mode_refuses_to_run_outside_its_own_group():
 
 def test_router_dies_with_a_sigkilled_driver():
     proc = start_in_own_session(textwrap.dedent("""
-        from rollout.engines.router import Router
+        from spillover.rollout.fleet.router import Router
         def start():
             return Router.launch(host="127.0.0.1")
     """))
@@ -117,7 +117,7 @@ def test_router_dies_with_a_sigkilled_driver():
 
 
 def test_wrapper_passes_on_exit_status_and_sigterm():
-    from infra.fate_share import fate_shared
+    from spillover.infra.fate_share import fate_shared
 
     assert subprocess.run(fate_shared(["sh", "-c", "exit 7"])).returncode == 7
     proc = subprocess.Popen(fate_shared(["sleep", "600"]))
@@ -134,8 +134,8 @@ def test_ephemeral_server_command_is_prefects_wrapped(monkeypatch):
     command or its environment fails here."""
     import prefect.server.api.server as prefect_server
 
-    from infra.fate_share import fate_shared
-    from infra.prefect_server import FateSharedServer
+    from spillover.infra.fate_share import fate_shared
+    from spillover.infra.prefect.server import FateSharedServer
 
     calls = []
     monkeypatch.setattr(prefect_server.subprocess, "Popen", lambda **kw: calls.append(kw))
@@ -153,8 +153,8 @@ def test_ephemeral_server_command_is_prefects_wrapped(monkeypatch):
 def test_process_defaults_install_the_server_only_without_an_api_url(api_url, installed, monkeypatch):
     from prefect.server.api.server import SubprocessASGIServer
 
-    from infra.prefect_env import apply_process_defaults
-    from infra.prefect_server import FateSharedServer
+    from spillover.infra.prefect.env import apply_process_defaults
+    from spillover.infra.prefect.server import FateSharedServer
 
     monkeypatch.setattr(SubprocessASGIServer, "_instances", {})  # Prefect's table of servers, this test's own
     if api_url:

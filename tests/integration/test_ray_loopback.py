@@ -1,5 +1,5 @@
 """No spillover package init writes the environment at import (tests/unit/test_no_env_writes_at_import.py
-scans every module for direct writes), and a local Ray started by infra.cluster.init_ray
+scans every module for direct writes), and a local Ray started by spillover.infra.cluster.init_ray
 listens only on loopback even when `ray` was imported before Ray's loopback variables were set (Ray reads
 them at its import), and a driver started without any Ray variable joins it through RAY_ADDRESS=127.0.0.1:port
 (Ray would swap that for the host's address and retry for minutes). Runs in a child process: this one's Ray and
@@ -19,7 +19,7 @@ before = dict(os.environ)
 import ray  # noqa: E402  (first, before any loopback variable is set)
 before.update({k: v for k, v in os.environ.items() if k not in before})  # what ray itself sets
 import flows, tasks, rollout, infra  # noqa: F401,E401  (the package inits used to set Ray's variables)
-from infra.cluster import init_ray
+from spillover.infra.cluster import init_ray
 written = sorted(k for k, v in os.environ.items() if before.get(k) != v)
 init_ray(num_cpus=2)
 
@@ -34,7 +34,7 @@ join_env = {k: v for k, v in before.items() if not k.startswith("RAY_")}
 join_env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
 started = time.monotonic()
 try:
-    joined = subprocess.run([sys.executable, "-c", "from infra.cluster import init_ray; init_ray(); print('joined')"],
+    joined = subprocess.run([sys.executable, "-c", "from spillover.infra.cluster import init_ray; init_ray(); print('joined')"],
                             env=join_env, capture_output=True, text=True, timeout=60).stdout.strip().endswith("joined")
 except subprocess.TimeoutExpired:
     joined = False

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from infra.config import ConfigError
+from spillover.infra.config.run_config import ConfigError
 
 from test_train_flow import small_config
 
@@ -13,8 +13,8 @@ def rows(run_dir):
 
 
 def test_resume_continues_and_refuses_mixed_runs(prefect_harness, ray_session, warm_parts, tmp_path):
-    from flows.setup import load_run_config
-    from flows.train import grpo_train
+    from spillover.flows.setup import load_run_config
+    from spillover.flows.train import grpo_train
 
     run_dir = tmp_path / "run"
     grpo_train(small_config(run_dir, iterations=2))

@@ -7,14 +7,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from infra.config import RewardModelConfig
+from spillover.infra.config.run_config import RewardModelConfig
 
 
 def build_classifier(folder, num_labels: int = 1, seed: int = 0):
     import torch
     from transformers import AutoModelForSequenceClassification, Qwen2Config
 
-    from infra.models import build_char_tokenizer
+    from spillover.infra.models import build_char_tokenizer
 
     tok = build_char_tokenizer()
     config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -35,7 +35,7 @@ def classifier(tmp_path_factory):
 def starts(ray_session, classifier, tmp_path_factory):
     """This module's two start_reward_models calls, run at once (every actor is a new process that imports
     torch and transformers): the models the tests score with, and a num_labels=2 folder that must be refused."""
-    from rollout.reward_models import start_reward_models
+    from spillover.rollout.scoring.reward_models import start_reward_models
 
     two_labels = build_classifier(tmp_path_factory.mktemp("two"), num_labels=2)
     with ThreadPoolExecutor(2) as pool:
@@ -82,10 +82,10 @@ def test_weights_combine(models):
 def test_compute_reward_adds_the_weighted_scores_to_the_rule_reward(models):
     import ray
 
-    from infra.models import build_char_tokenizer
-    from rollout.batch import from_sequences
-    from tasks.results import Rollout
-    from tasks.reward import RewardSetup, compute_reward, response_texts
+    from spillover.infra.models import build_char_tokenizer
+    from spillover.rollout.batch import from_sequences
+    from spillover.tasks.results import Rollout
+    from spillover.tasks.reward import RewardSetup, compute_reward, response_texts
 
     tok = build_char_tokenizer()
     ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -105,7 +105,7 @@ def test_compute_reward_adds_the_weighted_scores_to_the_rule_reward(models):
 
 
 def test_a_folder_that_is_not_a_reward_model_is_refused(starts):
-    from rollout.reward_models import RewardModelError
+    from spillover.rollout.scoring.reward_models import RewardModelError
 
     with pytest.raises(RewardModelError, match=r"num_labels=2; a reward model needs num_labels=1"):
         starts[1].result()  # start_reward_models on the num_labels=2 folder

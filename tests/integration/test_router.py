@@ -1,4 +1,4 @@
-"""The real sglang-router launched by rollout.engines.router: loopback only, worker registration,
+"""The real sglang-router launched by spillover.rollout.fleet.router: loopback only, worker registration,
 generation through it, and no process left behind."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from rollout.engines.router import Router
+from spillover.rollout.fleet.router import Router
 from run_processes import children_of
 
 

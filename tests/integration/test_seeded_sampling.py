@@ -6,7 +6,7 @@ import asyncio
 
 
 def _generate(url: str, requests: list[dict]) -> list[list[int]]:
-    from rollout.engines.client import EngineClient
+    from spillover.rollout.fleet.engine_client import EngineClient
 
     async def go():
         async with EngineClient(url) as client:
@@ -38,8 +38,8 @@ def test_seeded_sampling_ignores_batching_engine_and_splitting(sglang_router, to
 def test_request_seeds_come_from_group_and_sample_not_from_the_round():
     import numpy as np
 
-    from rollout.dock import TransferDock
-    from rollout.requests import SamplingSettings, build_requests, request_seeds
+    from spillover.rollout.dock.transfer_dock import TransferDock
+    from spillover.rollout.drivers.requests import SamplingSettings, build_requests, request_seeds
 
     dock = TransferDock(gbs=2, n=2, max_split=2, max_tokens=8, max_model_len=16, eos_token_ids=[1])
     dock.load_groups([10, 11], [[5, 6], [7, 8]], [0, 0])

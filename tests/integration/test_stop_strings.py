@@ -8,7 +8,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def engine(varied_model_dir):
-    from rollout.engines.torch_server import TorchEngineServer
+    from spillover.rollout.torch_engine.server import TorchEngineServer
 
     server = TorchEngineServer(str(varied_model_dir), port=0, max_running_requests=4, seed=0)
     server.start()
@@ -24,7 +24,7 @@ def generate(engine, ids, **params):
 
 
 def test_stop_string_ends_generation_where_the_text_first_holds_it(engine):
-    from infra.models import load_tokenizer
+    from spillover.infra.models import load_tokenizer
 
     tok = load_tokenizer(engine.model_path)
     prompt = tok("1+2=", add_special_tokens=False)["input_ids"]

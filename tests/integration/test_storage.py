@@ -1,4 +1,4 @@
-"""infra/storage.py against file:// and a real S3 server (SeaweedFS): round trips, clear errors for wrong
+"""infra/storage/store.py against file:// and a real S3 server (SeaweedFS): round trips, clear errors for wrong
 credentials and unreachable endpoints (never echoing a secret), credentials from the environment, and
 retries with backoff under a deadline."""
 from __future__ import annotations
@@ -13,11 +13,11 @@ from urllib.parse import urlsplit
 import pytest
 from pydantic import SecretStr
 
-from infra.config import StorageConfig
+from spillover.infra.config.run_config import StorageConfig
 from seaweed_server import free_ports
-from infra.storage import (ObjectMissing, StorageAuthError, StorageError, StorageUnreachable, check_storage,
+from spillover.infra.storage.store import (ObjectMissing, StorageAuthError, StorageError, StorageUnreachable, check_storage,
                            open_store, resolve_storage_url)
-from infra.storage_errors import Fixes, Redactor, RetryPolicy, is_transient, with_retries
+from spillover.infra.storage.errors import Fixes, Redactor, RetryPolicy, is_transient, with_retries
 
 
 def test_round_trip_list_delete(storage_target):
@@ -70,10 +70,10 @@ def test_wrong_credentials_clear_error_no_secret_anywhere(s3_server, caplog):
 def test_unreachable_endpoint_fails_fast_with_the_fix(monkeypatch):
     """check_storage retries a refused connection until its deadline, on a clock that only its sleeps advance
     (FakeClock): the same attempts and backoffs, none of the waiting."""
-    import infra.storage
+    import spillover.infra.storage.store
 
-    clock, real_policy = FakeClock(), infra.storage.RetryPolicy
-    monkeypatch.setattr(infra.storage, "RetryPolicy",
+    clock, real_policy = FakeClock(), spillover.infra.storage.store.RetryPolicy
+    monkeypatch.setattr(spillover.infra.storage.store, "RetryPolicy",
                         lambda **kw: real_policy(**kw, sleep=clock.sleep, clock=lambda: clock.now))
     (port,) = free_ports(1)
     cfg = StorageConfig(endpoint_url=f"http://127.0.0.1:{port}", access_key_id=SecretStr("AKID0001"),
@@ -250,7 +250,7 @@ def test_an_upload_that_lost_its_body_cannot_replace_the_object(outage_s3_server
 def test_large_local_objects_are_mapped_copy_on_write_and_verified(tmp_path):
     """From MMAP_MIN_BYTES on a local object is mapped, not copied: the view is still hashed, writable, and a
     write to it never reaches the file; a shorter or changed object shows in the returned size/sha256."""
-    from infra.storage_io import MMAP_MIN_BYTES
+    from spillover.infra.storage.hashed_io import MMAP_MIN_BYTES
 
     store = open_store(str(tmp_path / "s"))
     data = bytes(range(256)) * ((MMAP_MIN_BYTES * 3) // 256)

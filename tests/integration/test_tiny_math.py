@@ -16,7 +16,7 @@ SHRINK = ["rollout.global_batch_size=4", "rollout.n_samples_per_prompt=4", "grpo
 
 
 def spillover(*argv: str) -> tuple[int, str, str]:
-    from flows.cli import main
+    from spillover.flows.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -25,7 +25,7 @@ def spillover(*argv: str) -> tuple[int, str, str]:
 
 
 def test_tiny_math_trains_and_evaluates(prefect_harness, warm_parts, tmp_path):
-    from infra.models import load_tokenizer
+    from spillover.infra.models import load_tokenizer
 
     run_dir = tmp_path / "tiny-math"
     code, _, err = spillover("train", "--config", "configs/tiny-math.yaml", f"run_dir={run_dir}",
@@ -42,4 +42,4 @@ def test_tiny_math_trains_and_evaluates(prefect_harness, warm_parts, tmp_path):
     assert code == 0, err[-3000:]
     result = json.loads((run_dir / "eval" / "train.json").read_text())
     assert result["prompts"] == 32 and result["checkpoint_iteration"] == 1 and "pass@2" in result
-    assert result["reward_function"] == "rollout.math_reward.reward" and "pass@1 (greedy)" in out
+    assert result["reward_function"] == "spillover.rollout.builtin.math_reward.reward" and "pass@1 (greedy)" in out

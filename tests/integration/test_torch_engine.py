@@ -9,8 +9,8 @@ import httpx
 import pytest
 import torch
 
-from rollout.engines.client import EngineClient, EngineError
-from rollout.engines.torch_server import TorchEngineServer
+from spillover.rollout.fleet.engine_client import EngineClient, EngineError
+from spillover.rollout.torch_engine.server import TorchEngineServer
 
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 3], [40, 2, 2, 11, 30, 31, 12], [17], [33, 34, 35, 36], [9, 8, 7]]
 
@@ -25,7 +25,7 @@ def varied_engine(varied_model_dir):
 
 @pytest.fixture(scope="module")
 def varied_hf(varied_model_dir):
-    from infra.models import load_causal_lm
+    from spillover.infra.models import load_causal_lm
 
     return load_causal_lm(varied_model_dir).eval()
 
@@ -134,7 +134,7 @@ def test_abort_queued_request_returns_no_tokens(varied_engine):
 
 
 def test_weight_update_from_disk_and_in_process(varied_engine, tiny_model_dir, varied_model_dir):
-    from rollout.engines.lean_forward import read_safetensors
+    from spillover.rollout.torch_engine.lean_forward import read_safetensors
 
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     before = run(generate_all(varied_engine.url, PROMPTS[:3], params))
@@ -192,7 +192,7 @@ def test_bad_requests_get_400_and_do_not_disturb_others(sglang_router, torch_eng
 
 
 def test_requests_through_router_reach_both_engines(sglang_router, torch_engines, tiny_model_dir):
-    from infra.models import load_causal_lm
+    from spillover.infra.models import load_causal_lm
 
     before = [s.batcher.generated_tokens for s in torch_engines]
     results = run(generate_all(sglang_router.url, PROMPTS * 2, {"max_new_tokens": 8, "temperature": 0}))
@@ -252,7 +252,7 @@ def test_sampling_is_seeded_and_respects_top_k(varied_engine):
 
 
 def test_client_transport_errors_are_httpx_transport_errors():
-    from rollout.engines.router import free_port
+    from spillover.rollout.fleet.router import free_port
 
     async def scenario():
         async with EngineClient(f"http://127.0.0.1:{free_port()}") as client:
@@ -296,8 +296,8 @@ def test_a_row_carried_across_a_weight_update_continues_under_the_new_weights(va
     continuation is computed from the new weights alone -- no key/value state of the old ones is reused
     (cached_tokens 0), its tokens carry version 2, and they are what HF generates from prompt + kept tokens with
     the new weights, not with the old ones."""
-    from infra.models import load_causal_lm
-    from rollout.engines.lean_forward import read_safetensors
+    from spillover.infra.models import load_causal_lm
+    from spillover.rollout.torch_engine.lean_forward import read_safetensors
 
     prompt, total, rest_len = [5, 6, 7, 8, 9], 200, 12
     params = {"max_new_tokens": total, "temperature": 0, "ignore_eos": True}

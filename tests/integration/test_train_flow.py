@@ -6,7 +6,7 @@ import json
 import shutil
 import time
 
-from infra.config import load_config
+from spillover.infra.config.run_config import load_config
 from partial_evidence import assert_cut_rows_trained, assert_partial_rollout_happened, cut_rows, trained_samples
 from small_run import SMALL_RUN
 
@@ -50,8 +50,8 @@ def debug_template(run_dir) -> str:
 
 def resume_from_checkpoint_0(run_dir, resumed_dir):
     """A run resumed from `run_dir`'s checkpoint 0 (as after a crash in iteration 1), in `resumed_dir`."""
-    from flows.setup import load_run_config
-    from flows.train import grpo_train
+    from spillover.flows.setup import load_run_config
+    from spillover.flows.train import grpo_train
 
     resumed_dir.mkdir()
     shutil.copy(run_dir / "config.json", resumed_dir / "config.json")
@@ -61,8 +61,8 @@ def resume_from_checkpoint_0(run_dir, resumed_dir):
 
 
 def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_harness, ray_session, warm_parts, tmp_path):
-    from flows.train import grpo_train
-    from infra.storage import open_store
+    from spillover.flows.train import grpo_train
+    from spillover.infra.storage.store import open_store
 
     run_dir = tmp_path / "run"
     cfg = small_config(run_dir, **PARTIAL_EVIDENCE, **{"storage.save_debug_rollout_data": debug_template(run_dir)})
@@ -98,7 +98,7 @@ def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_
     assert [r["trained_stream_ids"] for r in resumed_rows] == [r["trained_stream_ids"] for r in rows]
 
     names = [f"iteration-{i:04d}" for i in range(3)]
-    deadline = time.time() + 20  # the server records task runs in batches (see infra/prefect_env.py)
+    deadline = time.time() + 20  # the server records task runs in batches (see infra/prefect/env.py)
     while True:
         found = task_names_by_iteration(state.state_details.flow_run_id, names)
         if all(found.get(n, ("", []))[1] == ITERATION_TASKS for n in names) or time.time() > deadline:

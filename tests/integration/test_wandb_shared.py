@@ -1,7 +1,7 @@
 """A real Ray actor joins the driver's wandb run (offline mode: no network) with join_shared_run."""
 from __future__ import annotations
 
-from infra import wandb_shared
+from spillover.infra.tracking import wandb_shared
 from wandb_records import read_segments
 
 
@@ -11,7 +11,7 @@ def test_ray_actor_joins_the_driver_run_offline(ray_session, tmp_path):
     @ray.remote(num_cpus=0)
     class MetricsActor:
         def log(self, run_id: str, directory: str) -> tuple:
-            from infra.wandb_shared import join_shared_run, log_at_iteration
+            from spillover.infra.tracking.wandb_shared import join_shared_run, log_at_iteration
 
             run = join_shared_run(run_id, mode="offline", label="learner", directory=directory)
             log_at_iteration(run, {"train/actor_grad_norm": 7.0}, 0)

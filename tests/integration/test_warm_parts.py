@@ -18,8 +18,8 @@ def rows(run_dir):
 
 
 def final_tensors(run_dir):
-    from infra.checkpoint import load_latest_checkpoint
-    from infra.storage import open_store
+    from spillover.infra.storage.checkpoint import load_latest_checkpoint
+    from spillover.infra.storage.store import open_store
 
     return load_latest_checkpoint(open_store(str(run_dir / "checkpoints"))).tensors["policy"]
 
@@ -27,8 +27,8 @@ def final_tensors(run_dir):
 def test_kept_parts_train_exactly_like_new_ones_and_take_the_new_runs_settings(prefect_harness, ray_session,
                                                                                 tmp_path):
     """(Which parts may serve which run: tests/unit/test_warm_parts_pool.py.)"""
-    from flows.parts import WarmParts
-    from flows.train import grpo_train
+    from spillover.flows.parts import WarmParts
+    from spillover.flows.train import grpo_train
 
     first, second = tmp_path / "first", tmp_path / "second"
     with WarmParts() as pool, pool.active():
@@ -58,7 +58,7 @@ def test_a_reset_restarts_each_engines_random_stream(ray_session, warm_parts, tm
     it from the engine's start seed, so what a run samples does not depend on what the engines served before.
     One request at a time on each engine, so an answer depends on the stream alone, not on batching or timing
     (a whole run does not: which rows share a decode step, and which are cut, depends on arrival order)."""
-    from infra.models import resolve_model_path
+    from spillover.infra.models import resolve_model_path
 
     cfg = small_config(tmp_path / "run")  # the suite's flow tests' engines: borrowed when they are idle
     model = resolve_model_path(cfg.model, tmp_path / "run", max(512, cfg.rollout.max_model_len))

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollout.engines import sglang_backend as sgl
-from rollout.engines.update_group import dtype_name, plan_buckets
+from spillover.rollout.sglang import backend as sgl
+from spillover.rollout.sglang.update_group import dtype_name, plan_buckets
 from sglang_contract import check_payload, field_default, route
 
 SENDER = Path(__file__).resolve().parents[1] / "weight_sender.py"
@@ -24,7 +24,7 @@ SENDER = Path(__file__).resolve().parents[1] / "weight_sender.py"
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from rollout.engines.torch_server import TorchEngineServer
+    from spillover.rollout.torch_engine.server import TorchEngineServer
 
     server = TorchEngineServer(str(tiny_model_dir), port=0, max_running_requests=4)
     server.update_group_timeout_s = 60.0

@@ -18,13 +18,13 @@ import pytest
 import ray
 import torch
 
-from infra.config import build_config
+from spillover.infra.config.run_config import build_config
 from learner_batches import random_batch
 
 
 @pytest.fixture(scope="module")
 def policy(tiny_model_dir, ray_session):
-    from tasks.learner_group import create_learner_group
+    from spillover.tasks.learner.group import create_learner_group
 
     cfg = build_config(overrides=["grpo.kl_coef=0", "grpo.micro_batch_size=2", "rollout.global_batch_size=2",
                                   "rollout.n_samples_per_prompt=4", "optimizer.lr=0.01", "learner.world_size=2"])
@@ -130,7 +130,7 @@ def test_flow_trains_with_distributed_weight_sync(prefect_harness, ray_session, 
     engines in several buckets by the distributed path (a spy counts its syncs), the sync timed."""
     import json
 
-    from rollout.weight_sync_client import DistributedWeightSync
+    from spillover.rollout.fleet.distributed_weights import DistributedWeightSync
 
     syncs, real_sync = [], DistributedWeightSync.sync
 
@@ -140,8 +140,8 @@ def test_flow_trains_with_distributed_weight_sync(prefect_harness, ray_session, 
 
     monkeypatch.setattr(DistributedWeightSync, "sync", spy)
 
-    from flows.train import grpo_train
-    from infra.config import load_config
+    from spillover.flows.train import grpo_train
+    from spillover.infra.config.run_config import load_config
     from small_run import SMALL_RUN
 
     cfg = load_config("configs/tiny.yaml", [f"run_dir={tmp_path / 'run'}", "schedule.num_iterations=2", *SMALL_RUN,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rollout.dock import TransferDock
+from spillover.rollout.dock.transfer_dock import TransferDock
 
 EOS = 0
 

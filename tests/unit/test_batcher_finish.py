@@ -1,4 +1,4 @@
-"""The torch engine's batch loop (rollout/engines/batcher.py) without HTTP or Ray: how a request finishes.
+"""The torch engine's batch loop (rollout/torch_engine/batcher.py) without HTTP or Ray: how a request finishes.
 
 SGLang 0.5.23 (../shared/sglang-contract/README.md, "Stop before length"): a stop token produced as the last
 allowed token finishes as {"type": "stop", "matched": id}, the token included in output_ids and logprobs.
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.engines.batcher import ContinuousBatcher, EngineRequest
-from rollout.engines.lean_forward import LeanDecoder, read_safetensors, read_shape
-from rollout.engines.protocol import SamplingParams
+from spillover.rollout.torch_engine.batcher import ContinuousBatcher, EngineRequest
+from spillover.rollout.torch_engine.lean_forward import LeanDecoder, read_safetensors, read_shape
+from spillover.rollout.sglang.protocol import SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9]
 

@@ -3,9 +3,9 @@ micro-batches (positions predicting each response token)."""
 import numpy as np
 import pytest
 
-from rollout.batch import RolloutBatch, from_sequences, select_groups, split, to_samples
-from rollout.sample import Sample, Status
-from tasks.batching import check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
+from spillover.rollout.batch import RolloutBatch, from_sequences, select_groups, split, to_samples
+from spillover.rollout.sample import Sample, Status
+from spillover.tasks.learner.micro_batches import check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
 
 
 def _batch(**over):
@@ -85,7 +85,7 @@ def test_failed_and_aborted_samples_are_not_trained():
 
 
 def test_dock_columns_hold_each_rows_prompt_and_response():
-    from rollout.dock import TransferDock
+    from spillover.rollout.dock.transfer_dock import TransferDock
 
     dock = TransferDock(2, 3, 1, max_tokens=4, max_model_len=16, eos_token_ids=[1])
     dock.load_groups([10, 11], [[3, 4, 5], [6]], ["a", "b"])

@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from infra.models import build_char_tokenizer
-from rollout.batch import metadata_of_rows, select_groups, to_samples
-from rollout.data_source import PromptFileError, read_prompts
-from rollout.dock import TransferDock
+from spillover.infra.models import build_char_tokenizer
+from spillover.rollout.batch import metadata_of_rows, select_groups, to_samples
+from spillover.rollout.prompt_data import PromptFileError, read_prompts
+from spillover.rollout.dock.transfer_dock import TransferDock
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +155,8 @@ def test_metadata_rides_the_dock_snapshot_and_batch():
 
 
 def test_debug_rollout_data_keeps_metadata(tmp_path):
-    from rollout.batch import RolloutBatch
-    from rollout.debug_data import load_debug_rollout_data, save_debug_rollout_data
+    from spillover.rollout.batch import RolloutBatch
+    from spillover.rollout.debug_data import load_debug_rollout_data, save_debug_rollout_data
 
     dock = TransferDock(gbs=1, n=2, max_split=1, max_tokens=4, max_model_len=16, eos_token_ids=[1])
     dock.load_groups([0], [[3, 4]], [5], [{"id": "q0"}])

@@ -1,4 +1,4 @@
-"""infra/checkpoint_objects.py: tensors and arrays of every dtype and odd shape round trip through the safetensors
+"""infra/storage/checkpoint_objects.py: tensors and arrays of every dtype and odd shape round trip through the safetensors
 library on file:// (save_file / safe_open, mapped, from 1 MiB on) and as bytes (small objects, and S3); overlapping tensors (tied
 weights) are stored once each; a checkpoint written by the earlier hand-written codec still loads; an object
 that is not safetensors is one clear CheckpointError."""
@@ -15,9 +15,9 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 
-from infra import checkpoint_objects as objects_io
-from infra.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, CheckpointState
-from infra.storage import open_store
+from spillover.infra.storage import checkpoint_objects as objects_io
+from spillover.infra.storage.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, CheckpointState
+from spillover.infra.storage.store import open_store
 
 V1 = Path(__file__).resolve().parents[1] / "data" / "checkpoint_v1"
 

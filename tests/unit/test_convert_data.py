@@ -1,4 +1,4 @@
-"""GSM8K/MATH converters (rollout.convert_data) and the GPU recipes (configs/gpu/*.yaml) load and agree with them."""
+"""GSM8K/MATH converters (spillover.rollout.builtin.convert_data) and the GPU recipes (configs/gpu/*.yaml) load and agree with them."""
 from __future__ import annotations
 
 import json
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import load_config
-from infra.models import build_char_tokenizer
-from rollout.convert_data import ConvertError, convert, last_boxed, main
-from rollout.data_source import read_prompts
+from spillover.infra.config.run_config import load_config
+from spillover.infra.models import build_char_tokenizer
+from spillover.rollout.builtin.convert_data import ConvertError, convert, last_boxed, main
+from spillover.rollout.prompt_data import read_prompts
 
 GPU_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "gpu").glob("*.yaml"))  # from any cwd
 
@@ -53,7 +53,7 @@ def test_bad_rows_name_file_and_line(tmp_path, capsys, kind, line, match):
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=[p.stem for p in GPU_CONFIGS])
 def test_gpu_recipes_load(path):
     cfg = load_config(path)
-    assert cfg.grpo.reward_function_path == "rollout.math_reward.reward" and cfg.engines.backend == "sglang"
+    assert cfg.grpo.reward_function_path == "spillover.rollout.builtin.math_reward.reward" and cfg.engines.backend == "sglang"
     assert cfg.data.apply_chat_template and cfg.learner.device == "cuda" and cfg.rollout.partial
 
 

@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollout.debug_data import DebugDataError, debug_data_url, load_debug_rollout_data, save_debug_rollout_data
-from rollout.sample import Sample, Status, convert_samples_to_train_data
-from rollout.batch import RolloutBatch
-from tasks.reward import build_advantages
+from spillover.rollout.debug_data import DebugDataError, debug_data_url, load_debug_rollout_data, save_debug_rollout_data
+from spillover.rollout.sample import Sample, Status, convert_samples_to_train_data
+from spillover.rollout.batch import RolloutBatch
+from spillover.tasks.reward import build_advantages
 
 
 def rollout_groups(seed: int = 0, groups: int = 3, n: int = 2) -> list[list[Sample]]:

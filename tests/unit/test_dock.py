@@ -1,4 +1,4 @@
-"""The transfer dock's rules (rollout/dock.py), one test per rule, on small docks: loading, generation
+"""The transfer dock's rules (rollout/dock/transfer_dock.py), one test per rule, on small docks: loading, generation
 and its checks, the paged columns. The batch, clear, drain and snapshot rules: test_dock_batch.py."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from dock_helpers import EOS, finish_groups, load, make_dock, put
 
-from infra.config import RolloutConfig
-from rollout.batch import to_samples
-from rollout.dock import DockError, TransferDock
-from rollout.dock_buffers import PagedColumns
-from rollout.sample import Status
+from spillover.infra.config.run_config import RolloutConfig
+from spillover.rollout.batch import to_samples
+from spillover.rollout.dock.transfer_dock import DockError, TransferDock
+from spillover.rollout.dock.buffers import PagedColumns
+from spillover.rollout.sample import Status
 
 
 def test_capacity_and_loading_2gbs_then_gbs():

@@ -1,4 +1,4 @@
-"""The transfer dock's batch rules (rollout/dock.py) on small docks: ready groups and the batch chosen
+"""The transfer dock's batch rules (rollout/dock/transfer_dock.py) on small docks: ready groups and the batch chosen
 once, clear and ageing, drain, the max-age rule, snapshot/restore. Loading and generation: test_dock.py."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from dock_helpers import finish_groups, load, make_dock, put
 
-from rollout.batch import to_samples
-from rollout.dock import DockError, TransferDock
+from spillover.rollout.batch import to_samples
+from spillover.rollout.dock.transfer_dock import DockError, TransferDock
 
 
 def test_ready_groups_update_ready_and_batch_chosen_once():

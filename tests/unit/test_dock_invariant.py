@@ -13,9 +13,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout.batch import to_samples
-from rollout.dock import TransferDock
-from rollout.sample import Status
+from spillover.rollout.batch import to_samples
+from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.sample import Status
 
 EOS = 0
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from infra.config import RolloutConfig
-from rollout.dock import TransferDock
-from tasks.prompts import groups_for_iteration
+from spillover.infra.config.run_config import RolloutConfig
+from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.tasks.prompts import groups_for_iteration
 
 EOS = 0
 
@@ -110,11 +110,11 @@ def test_a_run_loads_and_trains_exactly_iterations_x_gbs_groups(max_split, extra
 
 
 class CountingEngine:
-    """A simulated engine (rollout/engines/simulated.py) that records how many requests each round sent."""
+    """A simulated engine (bench/simulator/engine.py) that records how many requests each round sent."""
 
     def __init__(self, lengths):
-        from rollout.engines.simulated import EngineTiming, SimulatedEngine
-        from rollout.engines.simulated_workload import TableLengths
+        from bench.simulator.engine import EngineTiming, SimulatedEngine
+        from bench.simulator.workload import TableLengths
 
         self.engine = SimulatedEngine(EngineTiming(num_engines=1, slots_per_engine=64), TableLengths(lengths), EOS)
         self.rounds: list[int] = []
@@ -128,9 +128,9 @@ class CountingEngine:
 def test_sync_rounds_dispatch_the_over_sampled_groups_from_the_first_round(max_split):
     """README: the K extra groups are loaded and dispatched (APRIL) -- in sync mode too, not only once earlier
     rows finish: the first round sends (GBS + K) x n requests."""
-    from rollout.engines.simulated_workload import simulated_prompt
-    from rollout.partial_sync import generate_until_ready_sync
-    from rollout.requests import SamplingSettings
+    from bench.simulator.workload import simulated_prompt
+    from spillover.rollout.drivers.sync_rounds import generate_until_ready_sync
+    from spillover.rollout.drivers.requests import SamplingSettings
 
     gbs, n, extra = 2, 2, 2
     cfg = RolloutConfig(global_batch_size=gbs, n_samples_per_prompt=n, max_split=max_split, max_tokens=8,

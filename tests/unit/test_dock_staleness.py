@@ -1,13 +1,13 @@
-"""The staleness bound of the transfer dock (rollout.dock_staleness): it holds by group, in both modes, with
+"""The staleness bound of the transfer dock (spillover.rollout.dock.staleness): it holds by group, in both modes, with
 over-sampling, and cannot deadlock generation."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from infra.config import RolloutConfig
-from rollout.dock import TransferDock
-from rollout.dock_staleness import (counts_at_least, fresh_groups_allowed, staleness_bound_met,
+from spillover.infra.config.run_config import RolloutConfig
+from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.dock.staleness import (counts_at_least, fresh_groups_allowed, staleness_bound_met,
                                     token_staleness_max)
 
 

@@ -2,7 +2,7 @@
 bound on, every trained token is at most max_age - 1 weight versions older than the update that trains it;
 bound on or off, every loaded group is trained exactly once and generation never stalls.
 
-The drivers here are the two real ones reduced to their dock calls (rollout/partial.py, partial_async.py):
+The drivers here are the two real ones reduced to their dock calls (rollout/drivers/default_rollout.py, partial_async.py):
 sync = rounds of take_rows((gbs + K) * n) with max_tokens // max_split new tokens each; async = take every
 row with its whole budget, rows advance at their own speeds, abort the moment update_ready() holds (rows
 keep their tokens so far; some come back empty, some are released). Each row has a natural length with EOS
@@ -14,10 +14,10 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from infra.config import RolloutConfig
-from rollout.dock import TransferDock
-from rollout.dock_staleness import token_staleness_max
-from tasks.prompts import groups_for_iteration
+from spillover.infra.config.run_config import RolloutConfig
+from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.dock.staleness import token_staleness_max
+from spillover.tasks.prompts import groups_for_iteration
 
 EOS = 0
 MAX_ROUNDS = 10_000

@@ -1,4 +1,4 @@
-"""The dock's multi-turn columns (rollout/dock_turns.py): per-token loss mask, turns, awaiting_tool, env rewards;
+"""The dock's multi-turn columns (rollout/dock/turns.py): per-token loss mask, turns, awaiting_tool, env rewards;
 what the batch hands the learner; snapshots with and without them; tool tokens get no gradient."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from dock_helpers import load, make_dock, put
-from rollout import dock_turns
-from rollout.dock import TransferDock
+from spillover.rollout.dock import turns as dock_turns
+from spillover.rollout.dock.transfer_dock import TransferDock
 
 
 def _tool_turn(dock, row, call_tokens, observation, version=1):
@@ -99,8 +99,8 @@ def test_tool_tokens_never_get_gradient(tiny_model_dir):
     test fails if tool tokens reach the loss."""
     import torch
 
-    from infra.config import GRPOConfig, OptimizerConfig
-    from tasks.learner import LearnerActor
+    from spillover.infra.config.run_config import GRPOConfig, OptimizerConfig
+    from spillover.tasks.learner.actor import LearnerActor
 
     def batch(tail, tail_mask):
         dock = make_dock(gbs=1, n=2, max_tokens=12, max_model_len=20, multi_turn=True)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from infra.models import build_char_tokenizer, load_tokenizer
-from rollout.engines.engine_tokenizer import BackendTokenizer, backend_is_enough, load_engine_tokenizer
+from spillover.infra.models import build_char_tokenizer, load_tokenizer
+from spillover.rollout.torch_engine.tokenizer import BackendTokenizer, backend_is_enough, load_engine_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["12+3=15", "what is 7*8? 56.", " two  spaces\nand a newline ", ""]
@@ -66,7 +66,7 @@ def test_configs_that_change_transformers_results_get_transformers(tmp_path):
 
 ENGINE_PROCESS = """
 import sys, httpx
-from rollout.engines.torch_server import TorchEngineServer
+from spillover.rollout.torch_engine.server import TorchEngineServer
 server = TorchEngineServer(sys.argv[1], max_running_requests=4, seed=0)
 server.start()
 try:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flows.eval import pass_at_k, policy_state, write_policy_folder
-from infra.checkpoint import CheckpointState
+from spillover.flows.eval import pass_at_k, policy_state, write_policy_folder
+from spillover.infra.storage.checkpoint import CheckpointState
 
 
 def full_state(model_dir) -> dict[str, torch.Tensor]:
@@ -17,7 +17,7 @@ def full_state(model_dir) -> dict[str, torch.Tensor]:
 
 
 def sliced(state: dict, world_size: int = 2) -> CheckpointState:
-    """The same state as learner ranks write it (tasks/learner_shards.py): dim-0 chunks and their offsets."""
+    """The same state as learner ranks write it (tasks/learner/shards.py): dim-0 chunks and their offsets."""
     tensors, infos = {}, []
     for rank in range(world_size):
         part, layout = {}, {}

@@ -5,9 +5,9 @@ import textwrap
 
 import pytest
 
-from infra.imports import ImportPathError
-from rollout.functions import RolloutResultError, flatten_rollout, load_rollout_function
-from rollout.sample import Sample
+from spillover.infra.imports import ImportPathError
+from spillover.rollout.functions import RolloutResultError, flatten_rollout, load_rollout_function
+from spillover.rollout.sample import Sample
 
 USER_MODULE = """
 def seed_style(args, rollout_id, data_source, evaluation=False):
@@ -44,11 +44,11 @@ def test_fitting_functions_load_and_are_called_like_the_seed(user_module, name, 
 
 
 def test_the_shipped_functions_fit():
-    from rollout.partial import generate_rollout
-    from rollout.sft import generate_sft_rollout
+    from spillover.rollout.drivers.default_rollout import generate_rollout
+    from spillover.rollout.builtin.sft import generate_sft_rollout
 
-    for path, function in (("rollout.partial.generate_rollout", generate_rollout),
-                           ("rollout.sft.generate_sft_rollout", generate_sft_rollout)):
+    for path, function in (("spillover.rollout.drivers.default_rollout.generate_rollout", generate_rollout),
+                           ("spillover.rollout.builtin.sft.generate_sft_rollout", generate_sft_rollout)):
         assert load_rollout_function(path, "rollout.rollout_function_path") is function, path
 
 
@@ -110,4 +110,4 @@ def test_flat_samples_are_grouped_by_group_index():
 ])
 def test_anything_else_is_refused(bad, match):
     with pytest.raises(RolloutResultError, match=match):
-        flatten_rollout(bad, source="rollout.partial.generate_rollout")
+        flatten_rollout(bad, source="spillover.rollout.drivers.default_rollout.generate_rollout")

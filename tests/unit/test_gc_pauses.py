@@ -1,9 +1,9 @@
-"""infra.gc_pauses: the heap built before the training loop leaves the collector's view, and comes back."""
+"""spillover.infra.gc_pauses: the heap built before the training loop leaves the collector's view, and comes back."""
 from __future__ import annotations
 
 import gc
 
-from infra.gc_pauses import long_lived_heap_frozen
+from spillover.infra.gc_pauses import long_lived_heap_frozen
 
 
 def test_freezes_inside_and_unfreezes_after():

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from infra.config import ConfigError, GRPOConfig, build_config
-from tasks.grpo_loss import (aggregate, behaviour_weights, clipped_policy_loss, decoupled_ppo_loss,
+from spillover.infra.config.run_config import ConfigError, GRPOConfig, build_config
+from spillover.tasks.grpo_loss import (aggregate, behaviour_weights, clipped_policy_loss, decoupled_ppo_loss,
                              entropy_from_logits, geometric_mean_ratio, group_advantages, kl_penalty, masked_is_weights,
                              masked_mean, off_policy_correction, sequence_rejection_mask, tis_weights, token_logprobs)
 

@@ -22,7 +22,8 @@ KNOWN_CYCLES: set[tuple[str, ...]] = set()
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    """flows/cli.py -> spillover.flows.cli (pyproject.toml installs the repository root as the `spillover` package)."""
+    parts = ["spillover", *path.relative_to(ROOT).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -195,3 +196,26 @@ def test_every_module_imports_on_its_own():
     assert len(modules) > 100  # the four packages were found
     failing = modules_failing_alone(sorted(modules), top_level_third_party(modules), ROOT)
     assert failing == {}, failing
+
+
+# The layers from the top down: a module may import its own layer and the layers below it, never one above.
+LAYERS = ("flows", "tasks", "rollout", "infra")
+
+
+def layer(module: str) -> int:
+    return LAYERS.index(module.split(".")[1])
+
+
+def test_no_layer_imports_a_layer_above_it():
+    upward = sorted(f"{name} -> {dep}" for name, deps in import_graph().items() for dep in deps
+                    if layer(dep) < layer(name))
+    assert upward == [], f"imports of a layer above: {upward}"
+
+
+def test_every_package_folder_is_installed_under_spillover():
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {module_name(init) for pkg in PACKAGES for init in (ROOT / pkg).rglob("__init__.py")} | {"spillover"}
+    assert listed == folders, f"pyproject.toml [tool.setuptools] packages: add {sorted(folders - listed)}, " \
+                              f"remove {sorted(listed - folders)}"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from infra.config import ConfigError, GRPOConfig, OptimizerConfig, build_config
-from tasks.kl_control import next_kl_coef
+from spillover.infra.config.run_config import ConfigError, GRPOConfig, OptimizerConfig, build_config
+from spillover.tasks.learner.kl_control import next_kl_coef
 
 
 @pytest.mark.parametrize("kl, n, expected", [
@@ -37,8 +37,8 @@ def test_config_checks():
 
 
 def test_the_learner_uses_advances_and_checkpoints_the_coefficient(tiny_model_dir):
-    from rollout.batch import from_sequences
-    from tasks.learner import LearnerActor
+    from spillover.rollout.batch import from_sequences
+    from spillover.tasks.learner.actor import LearnerActor
 
     grpo = GRPOConfig(kl_coef=0.5, kl_ctrl="adaptive", kl_target=1e-9, kl_horizon=8, micro_batch_size=4)
     learner = LearnerActor(str(tiny_model_dir), grpo, OptimizerConfig(lr=1e-3), temperature=1.0, seed=0,

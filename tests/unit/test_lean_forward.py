@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.engines.attn_plan import plan_attention
-from rollout.engines.lean_forward import AttnGroup, DecoderShape, KVCache, LeanDecoder
+from spillover.rollout.torch_engine.attn_plan import plan_attention
+from spillover.rollout.torch_engine.lean_forward import AttnGroup, DecoderShape, KVCache, LeanDecoder
 
 
 def tiny_hf(model_type: str):

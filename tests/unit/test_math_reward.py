@@ -1,11 +1,11 @@
-"""The built-in math reward (rollout.math_reward): math-verify in a worker process with a time limit per call."""
+"""The built-in math reward (spillover.rollout.builtin.math_reward): math-verify in a worker process with a time limit per call."""
 from __future__ import annotations
 
 import time
 
 import pytest
 
-from rollout.math_reward import MathVerifier, gold_text
+from spillover.rollout.builtin.math_reward import MathVerifier, gold_text
 
 CASES = [  # (response, label, reward)
     (r"so the answer is \boxed{\frac{1}{2}}", "0.5", 1.0),

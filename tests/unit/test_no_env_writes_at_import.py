@@ -1,6 +1,6 @@
 """No module of the runtime packages writes the environment when it is imported: every os.environ write
 (assignment, setdefault, update, pop, os.putenv) sits inside a function called at start-up
-(e.g. infra.ray_env.set_loopback_env, infra.prefect_env.apply_process_defaults)."""
+(e.g. spillover.infra.ray_env.set_loopback_env, spillover.infra.prefect.env.apply_process_defaults)."""
 from __future__ import annotations
 
 import ast

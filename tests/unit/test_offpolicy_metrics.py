@@ -1,4 +1,4 @@
-"""Off-policy metrics of an update (tasks/offpolicy_metrics.py) against hand-computed values."""
+"""Off-policy metrics of an update (tasks/learner/offpolicy_metrics.py) against hand-computed values."""
 import json
 import math
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.grpo_loss import off_policy_correction
-from tasks.offpolicy_metrics import (IS_WEIGHT_BIN_EDGES, SCALAR_KEYS, OffPolicyStats, is_weight_histogram,
+from spillover.tasks.grpo_loss import off_policy_correction
+from spillover.tasks.learner.offpolicy_metrics import (IS_WEIGHT_BIN_EDGES, SCALAR_KEYS, OffPolicyStats, is_weight_histogram,
                                      is_weight_quantiles, mismatch_kl, token_staleness, version_spans)
 
 T = torch.tensor
@@ -78,7 +78,7 @@ def test_rejected_sequence_share_counts_only_under_seq_reject():
 
 
 def test_the_prefect_metrics_table_carries_the_scalars_not_the_histogram():
-    from infra.prefect_artifacts import metrics_table
+    from spillover.infra.tracking.prefect_artifacts import metrics_table
 
     stats = OffPolicyStats("tis", current_version=3)
     stats.add(VERSIONS, MASK, torch.zeros(3, 4), torch.full((3, 4), -0.1), MASK)
@@ -90,10 +90,10 @@ def test_the_prefect_metrics_table_carries_the_scalars_not_the_histogram():
 
 def test_tracker_sends_the_scalars_and_the_histogram_to_wandb_and_the_summary(tmp_path):
     """Through the real reporting path: the update task's LOGGED keys -> Updated -> RunTracker -> offline wandb."""
-    from infra.config import load_config
-    from infra.tracking import RunTracker, summary_markdown
-    from tasks.results import Updated
-    from tasks.update import LOGGED
+    from spillover.infra.config.run_config import load_config
+    from spillover.infra.tracking.run_tracker import RunTracker, summary_markdown
+    from spillover.tasks.results import Updated
+    from spillover.tasks.update import LOGGED
     from wandb_records import read_segments
 
     stats = OffPolicyStats("tis", current_version=3)

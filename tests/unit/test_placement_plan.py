@@ -1,4 +1,4 @@
-"""The placement plan (infra/config_plan.py), its memory estimate (infra/config_memory.py) and the preflight's input
+"""The placement plan (infra/config/placement_plan.py), its memory estimate (infra/config/memory.py) and the preflight's input
 checks (flows/check_inputs.py) as pure functions; `spillover check` as a process: tests/integration/test_check_cli.py."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import build_config, load_config
-from infra.config_memory import memory_lines, model_shape
-from infra.config_plan import Cluster, engine_bundle, learner_bundle, placement_plan, plan_problems
+from spillover.infra.config.run_config import build_config, load_config
+from spillover.infra.config.memory import memory_lines, model_shape
+from spillover.infra.config.placement_plan import Cluster, engine_bundle, learner_bundle, placement_plan, plan_problems
 
 RECIPES = sorted(Path("configs/gpu").glob("*.yaml"))
 QWEN_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -55,8 +55,8 @@ def test_what_is_started_decides_the_count():
 def test_bundles_are_the_ones_the_placing_code_requests():
     from types import SimpleNamespace
 
-    import rollout.engine_pool as engine_pool
-    import tasks.learner_group as learner_group
+    import spillover.rollout.fleet.engine_pool as engine_pool
+    import spillover.tasks.learner.group as learner_group
 
     engines = build_config({}, ["engines.num_cpus_per_engine=0.5"]).engines
     assert engine_bundle(engines, False)["CPU"] == engine_pool.EnginePool._bundle_cpu(SimpleNamespace(cfg=engines))
@@ -94,8 +94,8 @@ def test_memory_estimate_of_a_recipe():
 
 
 def test_reward_keywords_match_the_reward_task():
-    from flows.check_inputs import REWARD_KEYWORDS
-    from tasks.reward import REWARD_KEYWORDS as used
+    from spillover.flows.check_inputs import REWARD_KEYWORDS
+    from spillover.tasks.reward import REWARD_KEYWORDS as used
 
     assert REWARD_KEYWORDS == used
 
@@ -107,8 +107,8 @@ def _prompts(tmp_path, rows: list) -> str:
 
 
 def test_data_check_names_the_first_bad_line_and_null_labels(tmp_path):
-    from flows.check_inputs import check_data
-    from infra.models import build_char_tokenizer
+    from spillover.flows.check_inputs import check_data
+    from spillover.infra.models import build_char_tokenizer
 
     tok = build_char_tokenizer()
     good = [{"prompt": f"a*{n}=", "label": n} for n in range(1, 5)]
@@ -122,7 +122,7 @@ def test_data_check_names_the_first_bad_line_and_null_labels(tmp_path):
     path = _prompts(tmp_path, good + [{"prompt": "a*5=", "label": "five"}])
     [line] = check_data(build_config({}, [f"data.prompts_path={path}"]), tok)
     assert f"{path}:5: label 'label' is 'five'" in line and "integer" in line
-    math = build_config({}, [f"data.prompts_path={path}", "grpo.reward_function_path=rollout.math_reward.reward"])
+    math = build_config({}, [f"data.prompts_path={path}", "grpo.reward_function_path=spillover.rollout.builtin.math_reward.reward"])
     assert check_data(math, tok) == []  # any label for the math reward
     [line] = check_data(build_config({}, ["data.eval_paths={test: /nowhere.jsonl}"]), tok)
     assert "data.eval_paths.test='/nowhere.jsonl' does not exist" in line
@@ -133,7 +133,7 @@ def bad_signature(response):
 
 
 def test_import_and_model_checks(tmp_path, tiny_model_dir):
-    from flows.check_inputs import check_imports, check_model
+    from spillover.flows.check_inputs import check_imports, check_model
 
     [line] = check_imports(build_config({}, ["grpo.reward_function_path=nosuch_pkg.reward"]))
     assert line.startswith("grpo.reward_function_path='nosuch_pkg.reward': cannot import module 'nosuch_pkg'")
@@ -148,7 +148,7 @@ def test_import_and_model_checks(tmp_path, tiny_model_dir):
 def test_quiet_console_drops_only_prefects_own_info_lines():
     import prefect
 
-    from infra.prefect_env import PrefectEngineLines
+    from spillover.infra.prefect.env import PrefectEngineLines
 
     quiet = PrefectEngineLines()
     engine_file = str(Path(prefect.__file__).parent / "task_engine.py")
@@ -163,8 +163,8 @@ def test_quiet_console_drops_only_prefects_own_info_lines():
 
 
 def test_verbose_takes_the_quiet_filter_off_the_console():
-    from flows.cli import build_parser, parse_args
-    from infra.prefect_env import PrefectEngineLines, quiet_console
+    from spillover.flows.cli import build_parser, parse_args
+    from spillover.infra.prefect.env import PrefectEngineLines, quiet_console
 
     root = logging.getLogger()
     handler = logging.StreamHandler()
@@ -182,7 +182,7 @@ def test_verbose_takes_the_quiet_filter_off_the_console():
 
 
 def test_this_machine_counts_the_gpus_ray_would(monkeypatch):
-    from flows.check import choose_cluster, local_cluster
+    from spillover.flows.check import choose_cluster, local_cluster
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     assert local_cluster().gpus == 2

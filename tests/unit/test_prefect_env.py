@@ -1,11 +1,11 @@
-"""infra.prefect_env: which defaults a process gets, and that a user's own settings always win."""
+"""spillover.infra.prefect.env: which defaults a process gets, and that a user's own settings always win."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from infra.prefect_env import EPHEMERAL_SERVER_DEFAULTS, apply_process_defaults
+from spillover.infra.prefect.env import EPHEMERAL_SERVER_DEFAULTS, apply_process_defaults
 
 DB = "PREFECT_SERVER_DATABASE_CONNECTION_URL"
 
@@ -43,7 +43,7 @@ def test_user_values_win(clean_env):
 def test_writes_never_collide_only_on_the_ephemeral_in_memory_database(clean_env):
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
 
-    from infra.prefect_env import writes_never_collide
+    from spillover.infra.prefect.env import writes_never_collide
 
     memory = EPHEMERAL_SERVER_DEFAULTS[DB]
     with temporary_settings(updates={PREFECT_API_URL: None, PREFECT_SERVER_DATABASE_CONNECTION_URL: memory}):

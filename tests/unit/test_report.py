@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from flows.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from flows.report import PLOTS, report_markdown, write_report
-from infra.tracking import append_metrics, length_histogram
-from tasks.offpolicy_metrics import OffPolicyStats
+from spillover.flows.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from spillover.flows.report import PLOTS, report_markdown, write_report
+from spillover.infra.tracking.run_tracker import append_metrics, length_histogram
+from spillover.tasks.learner.offpolicy_metrics import OffPolicyStats
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -7,11 +7,11 @@ import asyncio
 import numpy as np
 import pytest
 
-from infra.models import build_char_tokenizer
-from rollout.batch import from_sequences
-from rollout.dock import TransferDock
-from rollout.scoring import RewardError, score_responses
-from tasks.reward import RewardSetup, response_texts, score_batch
+from spillover.infra.models import build_char_tokenizer
+from spillover.rollout.batch import from_sequences
+from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.scoring.rule_reward import RewardError, score_responses
+from spillover.tasks.reward import RewardSetup, response_texts, score_batch
 
 
 def dock_batch(metadata):
@@ -75,8 +75,8 @@ def test_async_reward_functions_run_concurrently_within_the_bound():
 
 
 def test_rollout_stop_strings_go_into_the_requests():
-    from infra.config import RolloutConfig
-    from rollout.requests import SamplingSettings, build_requests
+    from spillover.infra.config.run_config import RolloutConfig
+    from spillover.rollout.drivers.requests import SamplingSettings, build_requests
 
     cfg = RolloutConfig(stop=["</answer>", "\n\n"])
     requests = build_requests([[3, 4]], np.array([8]), SamplingSettings.from_rollout(cfg, (1,)))

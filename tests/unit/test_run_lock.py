@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from flows.run_lock import FLOCK_NAME, LOCK_NAME, RunLockedError, acquire_run_lock, lock_locations
-from infra.config import StorageConfig
+from spillover.flows.run_lock import FLOCK_NAME, LOCK_NAME, RunLockedError, acquire_run_lock, lock_locations
+from spillover.infra.config.run_config import StorageConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,9 +45,9 @@ def test_second_run_is_refused_with_the_owner_named_and_release_frees_it(tmp_pat
 
 _HOLDER = """
 import sys, time
-from flows.run_lock import acquire_run_lock
+from spillover.flows.run_lock import acquire_run_lock
 from types import SimpleNamespace
-from infra.config import StorageConfig
+from spillover.infra.config.run_config import StorageConfig
 lock = acquire_run_lock(SimpleNamespace(run_dir=sys.argv[1], storage=StorageConfig()), flow_run_id="crashed-run")
 print("locked", flush=True)
 time.sleep(120)

@@ -1,6 +1,6 @@
 import pytest
 
-from rollout.sample import AlignmentError, Sample, Status, convert_samples_to_train_data
+from spillover.rollout.sample import AlignmentError, Sample, Status, convert_samples_to_train_data
 
 
 def make(i=0, **kw):

@@ -1,4 +1,4 @@
-"""Length-aware dispatch (rollout/scheduling.py, rollout/dispatch.py): the estimate on hand-computed dock
+"""Length-aware dispatch (rollout/drivers/scheduling.py, rollout/drivers/dispatch.py): the estimate on hand-computed dock
 states, engine balancing, tail batching's split, the simulator's prediction on a tiny workload (fifo vs
 length_aware), and the estimate's independence from responses not yet generated."""
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rollout.dispatch import DispatchPlanner
-from rollout.dock import TransferDock
-from rollout.engines.simulated import EngineTiming, SimulatedEngine
-from rollout.engines.simulated_workload import DEFAULT_EOS, TableLengths, simulated_prompt
-from rollout.requests import SamplingSettings, build_requests, parse_responses
-from rollout.scheduling import (balance_engines, expected_remaining, longest_first, plan_dispatch,
+from spillover.rollout.drivers.dispatch import DispatchPlanner
+from spillover.rollout.dock.transfer_dock import TransferDock
+from bench.simulator.engine import EngineTiming, SimulatedEngine
+from bench.simulator.workload import DEFAULT_EOS, TableLengths, simulated_prompt
+from spillover.rollout.drivers.requests import SamplingSettings, build_requests, parse_responses
+from spillover.rollout.drivers.scheduling import (balance_engines, expected_remaining, longest_first, plan_dispatch,
                                 reserve_tail_engines, split_tail)
 
 # one engine, two slots, one second per step, nothing else costs: a request of L tokens takes L seconds
@@ -131,7 +131,7 @@ def test_tail_rows_get_the_reserved_engines():
 
 
 def test_correlated_lengths_keep_the_marginal_and_tie_a_group_together():
-    from rollout.engines.simulated_workload import LognormalLengths
+    from bench.simulator.workload import LognormalLengths
 
     groups = [LognormalLengths(16, 100.0, 1.0, seed=3, group_share=0.8).group_lengths(g) for g in range(400)]
     logs = np.log(np.stack(groups).astype(float))

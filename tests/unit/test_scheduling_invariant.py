@@ -9,15 +9,15 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from infra.config import RolloutConfig
-from rollout import dispatch
-from rollout.dock import TransferDock
-from rollout.dock_staleness import token_staleness_max
-from rollout.engines.simulated import EngineTiming, SimulatedEngine
-from rollout.engines.simulated_workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths,
+from spillover.infra.config.run_config import RolloutConfig
+from spillover.rollout.drivers import dispatch
+from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.dock.staleness import token_staleness_max
+from bench.simulator.engine import EngineTiming, SimulatedEngine
+from bench.simulator.workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths,
                                                  simulated_prompt)
-from rollout.partial import generate_batch
-from tasks.prompts import groups_for_iteration
+from spillover.rollout.drivers.default_rollout import generate_batch
+from spillover.tasks.prompts import groups_for_iteration
 
 PROMPT = 4
 ITERATIONS = 7

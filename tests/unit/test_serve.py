@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from flows.serve import build_deployments, config_parameter, read_deployment_specs
-from infra.config import ConfigError, load_config
+from spillover.flows.serve import build_deployments, config_parameter, read_deployment_specs
+from spillover.infra.config.run_config import ConfigError, load_config
 
 
 def test_prefect_yaml_declares_train_and_nightly_smoke():
@@ -22,7 +22,7 @@ def test_serve_builds_deployments_with_the_config_as_default_and_the_cron():
     assert train.parameters["config"]["schedule"]["num_iterations"] == 5
     assert "RunConfig" in str(train._parameter_openapi_schema.model_dump())
     assert not train.schedules and [s.schedule.cron for s in smoke.schedules] == ["5 4 * * *"]
-    assert smoke.entrypoint == "flows.serve.nightly_smoke" and train.entrypoint == "flows.train.grpo_train"
+    assert smoke.entrypoint == "spillover.flows.serve.nightly_smoke" and train.entrypoint == "spillover.flows.train.grpo_train"
     cron_from_config = load_config("configs/tiny.yaml", ["schedule.cron=1 2 * * *"])
     assert [s.schedule.cron for s in build_deployments(cron_from_config, only=["nightly-smoke"])[0].schedules] == [
         "1 2 * * *"]

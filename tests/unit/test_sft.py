@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from infra.config import build_config
-from infra.models import build_char_tokenizer, load_causal_lm
-from rollout.functions import flatten_rollout
-from rollout.sample import Sample, Status, convert_samples_to_train_data
-from rollout.sft import SFT_WEIGHT_VERSION, SFTDataError, generate_sft_rollout, is_sft_batch
-from tasks.grpo_loss import aggregate, clipped_policy_loss, token_logprobs
+from spillover.infra.config.run_config import build_config
+from spillover.infra.models import build_char_tokenizer, load_causal_lm
+from spillover.rollout.functions import flatten_rollout
+from spillover.rollout.sample import Sample, Status, convert_samples_to_train_data
+from spillover.rollout.builtin.sft import SFT_WEIGHT_VERSION, SFTDataError, generate_sft_rollout, is_sft_batch
+from spillover.tasks.grpo_loss import aggregate, clipped_policy_loss, token_logprobs
 
 
 def write_jsonl(path, rows):

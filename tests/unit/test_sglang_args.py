@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from infra.config import EnginesConfig, build_config
-from infra.config_parsing import ConfigError
-from rollout.engines import sglang_backend as sgl
-from rollout.engines.sglang_args import MANAGED, server_fields, server_flags
+from spillover.infra.config.run_config import EnginesConfig, build_config
+from spillover.infra.config.parsing import ConfigError
+from spillover.rollout.sglang import backend as sgl
+from spillover.infra.config.sglang_flags import MANAGED, server_fields, server_flags
 from sglang_contract import record
 
 
@@ -78,7 +78,7 @@ def test_launch_command_carries_the_extra_flags():
 
 
 def test_pool_launch_options_put_the_run_flags_after_the_callers():
-    from rollout.engines.sglang_args import sglang_launch_options
+    from spillover.infra.config.sglang_flags import sglang_launch_options
 
     cfg = EnginesConfig(backend="sglang", sglang_args={"context_length": 4096})
     options = sglang_launch_options(cfg, {"mem_fraction_static": 0.8, "extra_args": ("--trust-remote-code",)}, True)

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from rollout.engine_pool import bundle_order, engine_layout
-from rollout.engines import sglang_backend as sgl
-from rollout.engines.actor import free_ports
+from spillover.rollout.fleet.engine_pool import bundle_order, engine_layout
+from spillover.rollout.sglang import backend as sgl
+from spillover.rollout.fleet.engine_actor import free_ports
 
 
 def flags(cmd: list[str]) -> dict[str, str | bool]:
@@ -91,7 +91,7 @@ def test_weight_update_session_bodies_and_tensor_encodings():
     import torch
     from sglang_contract import check_payload
 
-    from rollout.engines.tensor_wire import decode_named_tensors
+    from spillover.rollout.sglang.tensor_wire import decode_named_tensors
 
     assert sgl.begin_weight_update_payload() == {"selector": "all"}
     assert sgl.begin_weight_update_payload("draft") == {"selector": "draft"}

@@ -1,22 +1,22 @@
-"""The simulated engine (rollout/engines/simulated.py): its timing model on hand-computed cases, abort
+"""The simulated engine (bench/simulator/engine.py): its timing model on hand-computed cases, abort
 semantics, SGLang answer shapes, and a small long-tail run through the real dock and drivers."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from infra.config import RolloutConfig
-from rollout.batch import to_samples
-from rollout.dock import TransferDock
-from rollout.dock_staleness import token_staleness_max
-from rollout.engines.protocol import GenerateResponse
-from rollout.engines.simulated import EngineTiming, SimulatedEngine
-from rollout.engines.simulated_workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths,
+from spillover.infra.config.run_config import RolloutConfig
+from spillover.rollout.batch import to_samples
+from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.dock.staleness import token_staleness_max
+from spillover.rollout.sglang.protocol import GenerateResponse
+from bench.simulator.engine import EngineTiming, SimulatedEngine
+from bench.simulator.workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths,
                                                 TableLengths, answer, parse_simulated_input, simulated_prompt)
-from rollout.partial_async import generate_until_ready_async
-from rollout.partial_sync import generate_until_ready_sync
-from rollout.requests import SamplingSettings, parse_responses
-from tasks.prompts import groups_for_iteration
+from spillover.rollout.drivers.async_stream import generate_until_ready_async
+from spillover.rollout.drivers.sync_rounds import generate_until_ready_sync
+from spillover.rollout.drivers.requests import SamplingSettings, parse_responses
+from spillover.tasks.prompts import groups_for_iteration
 
 EOS = DEFAULT_EOS
 # one engine, 2 slots: a step costs 10 ms + 1 ms per running request; prefill 0.1 ms per input token

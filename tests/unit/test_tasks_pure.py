@@ -4,19 +4,19 @@ import math
 import numpy as np
 import pytest
 
-from infra.imports import ImportPathError, load_function
-from rollout.data_source import PromptCursor, PromptSet
-from rollout.dock import TransferDock
-from rollout.sample import Sample
-from tasks.logprob import needs_old_logprob_pass
-from tasks.prompts import groups_for_iteration, load_prompt_groups
-from rollout.batch import RolloutBatch
-from tasks.reward import RewardError, RewardSetup, build_advantages, response_texts, score_batch, score_samples
+from spillover.infra.imports import ImportPathError, load_function
+from spillover.rollout.prompt_data import PromptCursor, PromptSet
+from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.sample import Sample
+from spillover.tasks.logprob import needs_old_logprob_pass
+from spillover.tasks.prompts import groups_for_iteration, load_prompt_groups
+from spillover.rollout.batch import RolloutBatch
+from spillover.tasks.reward import RewardError, RewardSetup, build_advantages, response_texts, score_batch, score_samples
 
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer():
-    from infra.models import build_char_tokenizer
+    from spillover.infra.models import build_char_tokenizer
 
     return build_char_tokenizer()
 
@@ -29,9 +29,9 @@ def sample(i, response="aa", label=2, group=0):
 
 
 def test_score_samples_calls_the_rule_per_sample():
-    from rollout.toy_task import reward
+    from spillover.rollout.builtin.toy_task import reward
 
-    out = score_samples([sample(0, "aa"), sample(1, "a")], reward, "rollout.toy_task.reward")
+    out = score_samples([sample(0, "aa"), sample(1, "a")], reward, "spillover.rollout.builtin.toy_task.reward")
     assert out.tolist() == [1.0, 0.0]
 
 
@@ -85,8 +85,8 @@ def test_score_batch_gives_samples_only_to_functions_that_ask(tiny_tokenizer):
 @pytest.mark.parametrize("path, match", [
     ("nodots", "not an import path"),
     ("no_such_pkg.fn", "cannot import module 'no_such_pkg'"),
-    ("rollout.toy_task.nope", "has no function 'nope'"),
-    ("rollout.toy_task.make_prompt", r"must accept \(response, label\)"),
+    ("spillover.rollout.builtin.toy_task.nope", "has no function 'nope'"),
+    ("spillover.rollout.builtin.toy_task.make_prompt", r"must accept \(response, label\)"),
 ])
 def test_wrong_import_paths_fail_with_the_setting(path, match):
     with pytest.raises(ImportPathError, match=match) as err:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from infra.tensor_memory import TensorMemoryProbe
+from spillover.infra.tensor_memory import TensorMemoryProbe
 
 
 def test_in_place_copies_count_nothing_and_new_tensors_count_their_bytes():

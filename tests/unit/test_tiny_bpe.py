@@ -1,11 +1,11 @@
-"""The tiny model's BPE tokenizer (infra/tiny_bpe.py) and the arithmetic task (rollout/arith_task.py)."""
+"""The tiny model's BPE tokenizer (infra/tiny_bpe.py) and the arithmetic task (rollout/builtin/arith_task.py)."""
 from __future__ import annotations
 
 import pytest
 
-from infra.tiny_bpe import build_bpe_tokenizer
-from rollout.arith_task import generate_dataset, make_rows
-from rollout.data_source import read_prompts
+from spillover.infra.tiny_bpe import build_bpe_tokenizer
+from spillover.rollout.builtin.arith_task import generate_dataset, make_rows
+from spillover.rollout.prompt_data import read_prompts
 
 
 @pytest.fixture(scope="module")

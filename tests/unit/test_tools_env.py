@@ -1,5 +1,5 @@
-"""The multi-turn environment interface (rollout/tools_env.py), the calculator (rollout/calculator.py) and the env
-pool (rollout/env_pool.py): time limits, errors, truncation, replay. No engine here
+"""The multi-turn environment interface (rollout/tools/env.py), the calculator (rollout/builtin/calculator.py) and the env
+pool (rollout/tools/env_pool.py): time limits, errors, truncation, replay. No engine here
 (tests/integration/test_multi_turn.py drives trajectories through the real router)."""
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import threading
 import numpy as np
 import pytest
 
-from infra.config import ConfigError, build_config
-from infra.imports import ImportPathError
-from infra.models import build_char_tokenizer
-from rollout.calculator import CalculatorEnv, CalculatorError, evaluate, expression_of, make_rows, reward
-from rollout.env_pool import EnvPool
-from rollout.tools_env import (TRUNCATION_MARKER, StepResult, find_stop, guarded_call, load_env_factory,
+from spillover.infra.config.run_config import ConfigError, build_config
+from spillover.infra.imports import ImportPathError
+from spillover.infra.models import build_char_tokenizer
+from spillover.rollout.builtin.calculator import CalculatorEnv, CalculatorError, evaluate, expression_of, make_rows, reward
+from spillover.rollout.tools.env_pool import EnvPool
+from spillover.rollout.tools.env import (TRUNCATION_MARKER, StepResult, find_stop, guarded_call, load_env_factory,
                                observation_tokens, split_actions)
 
 
@@ -128,15 +128,15 @@ def test_actions_are_split_at_tool_stops_and_across_cuts(tok):
 
 def test_env_path_and_tool_settings_are_checked():
     with pytest.raises(ImportPathError, match="rollout.env_path"):
-        load_env_factory("rollout.calculator.NoSuchEnv")
+        load_env_factory("spillover.rollout.builtin.calculator.NoSuchEnv")
     with pytest.raises(ImportPathError, match="no arguments"):
-        load_env_factory("rollout.calculator.evaluate")
+        load_env_factory("spillover.rollout.builtin.calculator.evaluate")
     with pytest.raises(ConfigError, match="tool_call_stop"):
-        build_config({"rollout": {"env_path": "rollout.calculator.CalculatorEnv"}})
+        build_config({"rollout": {"env_path": "spillover.rollout.builtin.calculator.CalculatorEnv"}})
     with pytest.raises(ConfigError, match="length_aware"):
-        build_config({"rollout": {"env_path": "rollout.calculator.CalculatorEnv", "tool_call_stop": ["="],
+        build_config({"rollout": {"env_path": "spillover.rollout.builtin.calculator.CalculatorEnv", "tool_call_stop": ["="],
                                   "scheduling": "length_aware"}})
-    cfg = build_config({"rollout": {"env_path": "rollout.calculator.CalculatorEnv", "tool_call_stop": ["="]}})
+    cfg = build_config({"rollout": {"env_path": "spillover.rollout.builtin.calculator.CalculatorEnv", "tool_call_stop": ["="]}})
     assert cfg.rollout.max_turns == 4 and cfg.rollout.on_tool_error == "observe"
 
 

@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from rollout import toy_task
-from rollout.data_source import PromptCursor, PromptFileError, read_prompts
+from spillover.rollout.builtin import toy_task
+from spillover.rollout.prompt_data import PromptCursor, PromptFileError, read_prompts
 
 
 def test_reward_and_baseline():
@@ -18,7 +18,7 @@ def test_reward_and_baseline():
 
 
 def test_tokenizer_round_trips_whitespace(tiny_model_dir):
-    from infra.models import load_tokenizer
+    from spillover.infra.models import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
     text = "a*7= aaa\n  b"
@@ -29,7 +29,7 @@ def test_tokenizer_round_trips_whitespace(tiny_model_dir):
 def test_tiny_model_reloads_offline(tiny_model_dir):
     import torch
 
-    from infra.models import build_tiny_model, load_causal_lm
+    from spillover.infra.models import build_tiny_model, load_causal_lm
 
     model = load_causal_lm(tiny_model_dir)
     assert model.config.model_type == "qwen2" and model.config.num_hidden_layers == 2
@@ -54,7 +54,7 @@ def write(tmp_path, lines):
     (['{"prompt": "aaaaaaaaaaaaaaaaaaaa", "label": 1}'], r"prompt #1 has 20 tokens.*over_long_prompts=truncate"),
 ])
 def test_bad_prompt_files_name_line_and_fix(tmp_path, tiny_model_dir, lines, match):
-    from infra.models import load_tokenizer
+    from spillover.infra.models import load_tokenizer
 
     with pytest.raises(PromptFileError, match=match):
         read_prompts(write(tmp_path, lines), load_tokenizer(tiny_model_dir), max_prompt_tokens=8)
@@ -73,7 +73,7 @@ def test_bad_prompt_files_name_line_and_fix(tmp_path, tiny_model_dir, lines, mat
 ], ids=["gzip", "latin-1", "number-prompt", "list-prompt", "control-bytes", "array-line"])
 def test_binary_non_utf8_and_non_string_prompts_name_file_line_and_expectation(tmp_path, tiny_model_dir, content,
                                                                                 match):
-    from infra.models import load_tokenizer
+    from spillover.infra.models import load_tokenizer
 
     path = tmp_path / "p.jsonl"
     path.write_bytes(content)
@@ -83,7 +83,7 @@ def test_binary_non_utf8_and_non_string_prompts_name_file_line_and_expectation(t
 
 
 def test_a_utf8_bom_is_not_an_error(tmp_path, tiny_model_dir):
-    from infra.models import load_tokenizer
+    from spillover.infra.models import load_tokenizer
 
     path = tmp_path / "p.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "a*1=", "label": 1}\n\n{"prompt": "a*2=", "label": 2}\n')
@@ -91,7 +91,7 @@ def test_a_utf8_bom_is_not_an_error(tmp_path, tiny_model_dir):
 
 
 def test_over_long_prompts_truncated_and_counted(tmp_path, tiny_model_dir):
-    from infra.models import load_tokenizer
+    from spillover.infra.models import load_tokenizer
 
     p = write(tmp_path, [json.dumps({"prompt": "x" * 12 + "a*1=", "label": 1}), '{"prompt": "a*2=", "label": 2}'])
     prompts = read_prompts(p, load_tokenizer(tiny_model_dir), max_prompt_tokens=8, over_long="truncate")
@@ -109,8 +109,8 @@ def test_cursor_is_a_seeded_permutation_per_epoch_and_round_trips():
 
 
 def test_batch_decode_fast_path_matches_the_tokenizers_own(tiny_model_dir):
-    from infra.models import load_tokenizer
-    from tasks.reward import batch_decode
+    from spillover.infra.models import load_tokenizer
+    from spillover.tasks.reward import batch_decode
 
     tok = load_tokenizer(tiny_model_dir)
     texts = ["aaa", " a b ", "a*7=aaaa", "", "a\n a"]

@@ -6,12 +6,12 @@ import io
 import json
 import threading
 
-from flows.report import build_report
-from infra.config import load_config
-from infra.prefect_artifacts import RunArtifacts, artifact_key, metrics_table
-from infra.terminal_progress import TerminalProgress, progress_fields
-from infra.tracking import RunTracker, length_histogram, summary_markdown
-from tasks.results import Cleared, Evaluated, Logprobs, Rollout, Scored, Updated, iteration_row, iteration_scalars
+from spillover.flows.report import build_report
+from spillover.infra.config.run_config import load_config
+from spillover.infra.tracking.prefect_artifacts import RunArtifacts, artifact_key, metrics_table
+from spillover.infra.tracking.terminal_progress import TerminalProgress, progress_fields
+from spillover.infra.tracking.run_tracker import RunTracker, length_histogram, summary_markdown
+from spillover.tasks.results import Cleared, Evaluated, Logprobs, Rollout, Scored, Updated, iteration_row, iteration_scalars
 from wandb_records import read_segments
 
 # What the iteration's stages return (tasks/results.py), as the flow assembles them.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flows.parts import WarmParts, active_warm_parts, engine_key, learner_key, model_shape_digest
-from infra.config import load_config
+from spillover.flows.parts import WarmParts, active_warm_parts, engine_key, learner_key, model_shape_digest
+from spillover.infra.config.run_config import load_config
 
 
 class Part:

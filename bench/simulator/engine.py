@@ -1,0 +1,278 @@
+"""A simulated engine pool: RolloutManager's generation interface in virtual time instead of compute.
+
+    engine = SimulatedEngine(EngineTiming(), LognormalLengths(n=16))
+    answers = engine.generate(requests, on_result=None)   # SGLang /generate answers, in input order
+    on_result(index, answer) -> True                       # stop right there (as RolloutManager does)
+    engine.abort_all()                                     # the same, called from an on_result callback
+    engine.update_weights(None, version); engine.advance(seconds); engine.clock_s; engine.usage()
+
+Timing model (all in integer nanoseconds, so hand-computed cases are exact):
+- `num_engines` engines with `slots_per_engine` slots each. Continuous batching: a request runs in a slot
+  until it ends; queued requests (one FIFO for the pool, i.e. a load-aware router) take slots as they free.
+  The first fill goes round robin over the engines.
+- Every engine steps on its own clock. One decode step costs `step_base_s + step_per_seq_s x active`
+  and gives every active request one token. The step in which requests are admitted also costs
+  `prefill_per_token_s x their input length` (prompt + partial response: a continued row is re-prefilled).
+- A request ends at its sample's natural length (last token EOS, finish "stop" with "matched", also when that
+  EOS falls on the last allowed position, as SGLang 0.5.23 reports it) or at max_new_tokens ("length").
+- on_result returning True (or calling abort_all()) at virtual time T: every running request answers with
+  the tokens of the steps its engine completed by T (finish "abort"; a request whose last step ended exactly
+  at T has finished normally), queued requests answer with none, and the clock stops at T.
+
+The loop is event-driven: between two events an engine's batch is fixed, so it jumps straight to the
+next time a request ends on any engine. Costs are per request, never per token or per step.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from bench.simulator.workload import DEFAULT_EOS, answer, parse_simulated_input, response_tokens
+
+NS = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class EngineTiming:
+    """Defaults: about a 7B model on one H100-class GPU per engine, 8 engines."""
+
+    num_engines: int = 8
+    slots_per_engine: int = 256
+    step_base_s: float = 0.015
+    step_per_seq_s: float = 0.00008
+    prefill_per_token_s: float = 0.00002  # 50k prompt tokens/s
+
+    def __post_init__(self):
+        for name in ("num_engines", "slots_per_engine"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineTiming.{name} must be >= 1; got {getattr(self, name)}")
+        if self.step_base_s <= 0 or self.step_per_seq_s < 0 or self.prefill_per_token_s < 0:
+            raise ValueError("EngineTiming: step_base_s must be > 0, step_per_seq_s and prefill_per_token_s >= 0")
+
+
+class _Request:
+    """One request; `produce` (tokens it will generate) and `eos` are fixed when it is admitted."""
+
+    __slots__ = ("index", "rid", "input_len", "group", "j", "start", "budget", "produce", "eos", "start_step",
+                 "return_logprob", "received_ns", "engine")
+
+    def __init__(self, index, rid, input_len, group, j, start, budget, return_logprob, received_ns, engine=None):
+        self.index, self.rid, self.input_len, self.group, self.j = index, rid, input_len, group, j
+        self.engine = engine
+        self.start, self.budget, self.return_logprob, self.received_ns = start, budget, return_logprob, received_ns
+        self.produce, self.eos, self.start_step = 0, False, 0
+
+
+class _Engine:
+    """One engine: `steps` completed by time `t`; the batch (a heap by finish step) is fixed since t."""
+
+    def __init__(self):
+        self.t = self.steps = self.pending_prefill = 0
+        self.heap: list[tuple[int, int, _Request]] = []
+        self.busy_ns = self.slot_ns = 0
+
+    def step_ns(self, base: int, per_seq: int) -> int:
+        return base + per_seq * len(self.heap)
+
+    def next_event(self, base: int, per_seq: int) -> int:
+        return self.t + self.pending_prefill + (self.heap[0][0] - self.steps) * self.step_ns(base, per_seq)
+
+    def steps_by(self, now: int, base: int, per_seq: int) -> int:
+        """Steps completed by time `now` (>= t) with the current batch."""
+        step = self.step_ns(base, per_seq)
+        first_end = self.t + self.pending_prefill + step
+        return self.steps + (0 if now < first_end else 1 + (now - first_end) // step)
+
+    def account(self, now: int) -> None:
+        if self.heap:
+            self.busy_ns += now - self.t
+            self.slot_ns += len(self.heap) * (now - self.t)
+        self.t = now
+
+
+class SimulatedEngine:
+    """Same generation interface as spillover.rollout.fleet.manager.RolloutManager; not thread-safe (one caller)."""
+
+    def __init__(self, timing: EngineTiming, lengths, eos_token_id: int = DEFAULT_EOS, weight_version: int = 0):
+        """lengths: anything with group_lengths(group_id) -> int[n] natural response lengths
+        (bench.simulator.workload.LognormalLengths, TableLengths)."""
+        self.timing, self.lengths, self.eos, self.weight_version = timing, lengths, int(eos_token_id), weight_version
+        self.num_engines = timing.num_engines
+        # requests without an "engine_index" wait in one queue and each goes to the first engine with a free slot:
+        # a load-aware pool, so length-aware dispatch only orders them (spillover.rollout.drivers.dispatch.engine_count)
+        self.shared_queue = True
+        self._base, self._per_seq = round(timing.step_base_s * NS), round(timing.step_per_seq_s * NS)
+        self._prefill = round(timing.prefill_per_token_s * NS)
+        self._now = 0
+        self._engines = [_Engine() for _ in range(timing.num_engines)]
+        self._natural: dict[int, list[int]] = {}
+        self._free_j: dict[int, list[int]] = {}
+        self._abort_requested = False
+        self._running = False
+        self.tokens_generated = self.prefill_tokens = self.requests_done = 0
+
+    # ---- clock, weights, counters -------------------------------------------------------------------
+    @property
+    def clock_s(self) -> float:
+        return self._now / NS
+
+    def advance(self, seconds: float) -> None:
+        """Let virtual time pass with the engines idle (e.g. the learner's update)."""
+        if seconds < 0:
+            raise ValueError(f"advance: seconds must be >= 0; got {seconds}")
+        self._now += round(seconds * NS)
+        for engine in self._engines:
+            engine.t = self._now
+
+    def update_weights(self, weights, weight_version: int) -> dict[int, int]:
+        """The engines report `weight_version` from now on (weights themselves are not simulated)."""
+        self.weight_version = weight_version
+        return {i: weight_version for i in range(self.timing.num_engines)}
+
+    def usage(self) -> dict:
+        """Cumulative counters: diff two readings to measure a stretch of virtual time."""
+        return {"clock_s": self.clock_s, "engine_busy_s": sum(e.busy_ns for e in self._engines) / NS,
+                "slot_busy_s": sum(e.slot_ns for e in self._engines) / NS, "tokens_generated": self.tokens_generated,
+                "prefill_tokens": self.prefill_tokens, "requests": self.requests_done}
+
+    def abort_all(self) -> None:
+        """Stop the running generate() at the current virtual time (a no-op when nothing runs)."""
+        if self._running:
+            self._abort_requested = True
+
+    # ---- generation ---------------------------------------------------------------------------------
+    def generate(self, requests: list[dict], on_result: Callable[[int, dict], None] | None = None) -> list[dict]:
+        """SGLang /generate answers for `requests` (input_ids, sampling_params.max_new_tokens, rid?,
+        return_logprob?), in input order; on_result(index, answer) as each one ends, in virtual-time order."""
+        if self._running:
+            raise RuntimeError("SimulatedEngine.generate is not re-entrant (call abort_all() from a callback)")
+        self._running, self._abort_requested = True, False
+        self._results: list = [None] * len(requests)
+        self._on_result = on_result
+        try:
+            queue = deque(self._parse(i, item) for i, item in enumerate(requests))
+            for req in [r for r in queue if r.budget == 0]:  # nothing to generate: answered at once
+                self._deliver(req, 0, "length")
+            queue = deque(r for r in queue if r.budget > 0)
+            self._run(queue)
+        finally:
+            for engine in self._engines:  # after an error in a callback: drop what was running
+                engine.account(self._now)
+                engine.heap.clear()
+                engine.pending_prefill = 0
+            self._running, self._on_result = False, None
+        return self._results
+
+    def _parse(self, index: int, item: dict) -> _Request:
+        ids = item["input_ids"]
+        group, plen, j = parse_simulated_input(ids)
+        budget = int((item.get("sampling_params") or {}).get("max_new_tokens", 128))
+        engine = item.get("engine_index")
+        return _Request(index, item.get("rid") or f"sim-{index}", len(ids), group, j, len(ids) - plen, budget,
+                        bool(item.get("return_logprob", False)), self._now, None if engine is None else int(engine))
+
+    def _run(self, queue: deque) -> None:
+        engines, size = self._engines, self.timing.slots_per_engine
+        if any(r.engine is not None for r in queue):
+            return self._run_assigned(queue)
+        for k in range(min(len(queue), len(engines) * size)):  # first fill: round robin
+            self._admit(engines[k % len(engines)], queue.popleft())
+        if self._loop(lambda engine: queue):
+            self._abort_everything(queue)
+
+    def _run_assigned(self, queue: deque) -> None:
+        """Requests that name their engine ("engine_index", as RolloutManager's per-engine dispatch sends them)
+        queue there (FIFO per engine); the others go round robin."""
+        engines = self._engines
+        queues = [deque() for _ in engines]
+        for k, req in enumerate(queue):
+            queues[(req.engine if req.engine is not None else k) % len(engines)].append(req)
+        for engine, own in zip(engines, queues):
+            while own and len(engine.heap) < self.timing.slots_per_engine:
+                self._admit(engine, own.popleft())
+        index = {id(e): i for i, e in enumerate(engines)}
+        if self._loop(lambda engine: queues[index[id(engine)]]):
+            self._abort_everything(deque(req for own in queues for req in own))
+
+    def _loop(self, queue_of) -> bool:
+        """Run events until every engine is idle (-> False) or an abort is requested (-> True)."""
+        engines, size = self._engines, self.timing.slots_per_engine
+        while not self._abort_requested:
+            busy = [e for e in engines if e.heap]
+            if not busy:
+                return False
+            engine = min(busy, key=lambda e: e.next_event(self._base, self._per_seq))  # ties: lowest index
+            now = engine.next_event(self._base, self._per_seq)
+            engine.account(now)
+            self._now = now
+            engine.steps, engine.pending_prefill = engine.heap[0][0], 0
+            while engine.heap and engine.heap[0][0] == engine.steps:
+                req = heapq.heappop(engine.heap)[2]
+                self._deliver(req, req.produce, self._finish_type(req))
+            if self._abort_requested:
+                break
+            queue = queue_of(engine)
+            while queue and len(engine.heap) < size:
+                self._admit(engine, queue.popleft())
+        return True
+
+    def _admit(self, engine: _Engine, req: _Request) -> None:
+        natural = self._natural.get(req.group)
+        if natural is None:
+            natural = self._natural[req.group] = [int(x) for x in self.lengths.group_lengths(req.group)]
+            self._free_j[req.group] = list(range(len(natural)))
+        if req.j is None:
+            free = self._free_j[req.group]
+            if not free:
+                raise RuntimeError(f"simulated engine: group {req.group} got more than {len(natural)} fresh "
+                                   "requests (each of its n rows starts once; continue partial rows from their ids)")
+            req.j = heapq.heappop(free)
+        remaining = natural[req.j] - req.start
+        if remaining < 1:
+            raise ValueError(f"simulated engine: group {req.group} sample {req.j} already has {req.start} tokens, "
+                             f"its natural length is {natural[req.j]}")
+        req.eos = remaining <= req.budget
+        req.produce = min(remaining, req.budget)
+        req.start_step = engine.steps
+        heapq.heappush(engine.heap, (engine.steps + req.produce, req.index, req))
+        engine.pending_prefill += self._prefill * req.input_len
+        self.prefill_tokens += req.input_len
+
+    @staticmethod
+    def _finish_type(req: _Request) -> str:
+        """SGLang 0.5.23: an EOS ends a request with "stop", also on the last allowed position."""
+        return "stop" if req.eos else "length"
+
+    def _abort_everything(self, queue: deque) -> None:
+        """At the current time: running requests answer with what their engine's completed steps gave them."""
+        cut: list[tuple[_Request, int]] = []
+        for engine in self._engines:
+            steps = engine.steps_by(self._now, self._base, self._per_seq)
+            engine.account(self._now)
+            engine.steps, engine.pending_prefill = steps, 0
+            cut += [(req, min(steps - req.start_step, req.produce)) for _, _, req in engine.heap]
+            engine.heap.clear()
+        cut += [(req, 0) for req in queue]
+        queue.clear()
+        for req, produced in sorted(cut, key=lambda item: item[0].index):
+            if req.j is not None and produced == 0 and req.start == 0:
+                heapq.heappush(self._free_j[req.group], req.j)  # no token carries its key: hand j out again
+                req.j = None
+            if produced > 0 and produced == req.produce:
+                self._deliver(req, produced, self._finish_type(req))
+            else:
+                self._deliver(req, produced, "abort")
+
+    def _deliver(self, req: _Request, produced: int, finish: str) -> None:
+        ends_with_eos = finish != "abort" and req.eos and produced == req.produce
+        ids, entries = response_tokens(req.start, produced, req.j if req.j is not None else 0, ends_with_eos,
+                                       self.eos)
+        response = answer(req.rid, req.input_len, ids, entries if req.return_logprob else None, finish, self.eos,
+                          self.weight_version, (self._now - req.received_ns) / NS)
+        self.tokens_generated += produced
+        self.requests_done += 1
+        self._results[req.index] = response
+        if self._on_result is not None and self._on_result(req.index, response) is True:
+            self.abort_all()

@@ -1,0 +1,1 @@
+"""The run configuration: pydantic sections, parsing, the placement plan, the generated reference."""

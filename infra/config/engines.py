@@ -1,0 +1,44 @@
+"""The engines section's weight-sync and SGLang fields (issue 13), a base of `EnginesConfig` in infra/config/run_config.py
+(kept apart so that file stays small)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from spillover.infra.config.base import Section
+
+__all__ = ["EngineSyncFields", "ROUTER_POLICIES"]
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sglang-router 0.3.2's regular ones
+
+
+class EngineSyncFields(Section):
+    weight_sync: Literal["distributed", "tensor", "disk"] = Field(
+        "tensor", description="How new weights reach the engines: distributed = SGLang's weight-update group (the "
+        "learner's rank 0 broadcasts bucket by bucket; NCCL on GPUs, gloo on CPU); tensor = the whole state dict "
+        "through Ray's object store; disk = an HF folder the learner writes (engines.weight_sync_dir).")
+    weight_bucket_bytes: int = Field(
+        512 * 2**20, gt=0, description="Bytes per weight-update bucket (whole tensors; a larger tensor goes alone): a "
+        "broadcast (distributed) or one /update_weights_from_tensor call (tensor, colocated). Neither end holds more "
+        "than about one bucket beyond its model.")
+    weight_sync_timeout_s: float = Field(
+        600.0, gt=0, description="distributed: rendezvous and per-bucket timeout of the weight-update group.")
+    weight_sync_dir: str | None = Field(
+        None, description="disk: where the learner exports each version (every engine must read it); empty = "
+        "next to the model folder.")
+    sglang_args: dict[str, Any] = Field(
+        default_factory=dict, description="sglang backend: extra server flags as SGLang ServerArgs field names "
+        "(e.g. {mem_fraction_static: 0.7, context_length: 8192, chunked_prefill_size: 4096, "
+        "cuda_graph_max_bs_decode: 256, attention_backend: fa3}); checked against SGLang 0.5.23's fields.")
+    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] | None = Field(
+        None, description="sglang-router policy; empty = cache_aware for the sglang backend, round_robin for torch.")
+
+    @field_validator("sglang_args")
+    @classmethod
+    def _known_flags(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from spillover.infra.config.sglang_flags import check_sglang_args
+
+        return check_sglang_args(v)
+
+    def resolved_router_policy(self, backend: str) -> str:
+        return self.router_policy or ("cache_aware" if backend == "sglang" else "round_robin")

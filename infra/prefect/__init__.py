@@ -1,0 +1,1 @@
+"""Prefect process settings and its ephemeral server for a training process."""

@@ -1,0 +1,1 @@
+"""Object storage (fsspec: file://, s3://), checkpoints and model staging."""

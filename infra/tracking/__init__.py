@@ -1,0 +1,1 @@
+"""Where a run reports: metrics files, the terminal, wandb, Prefect artifacts."""

@@ -1,0 +1,317 @@
+"""The transfer dock: every sample of the current and the next global batch, with partial rollout.
+
+Semantics follow MindSpeed-RL's GRPOTransferDock (see ../shared/DESIGN.md), with these choices:
+- Storage is columnar. Group slot g holds one prompt group; its n rows are g*n .. g*n+n-1. Per-row
+  state (complete, in flight, generated, stopped, age, rounds) lives in numpy arrays; prompts and
+  partial responses (tokens, rollout logprobs, weight versions) live in paged flat columns
+  (spillover.rollout.dock.buffers). Nothing on the hot path loops over rows or tokens in Python: engine inputs
+  come back as TokenRows (each row's list[int] is built when the request is built), the learner reads
+  `rollout_batch()` (columns; `spillover.rollout.batch.to_samples` makes the slower Sample view of it).
+- Order is by key, not by moving data: rows go to generation and groups to training by (group age
+  descending, load order ascending).
+- The training batch is chosen once (`select_batch`) and every consumer reads that batch.
+- Staleness bound (`require_max_age_all_finished`, on by default in both modes): ages are per group (every
+  row carries its group's age: the updates since the group's first token, as MindSpeed-RL); a batch forms
+  only when no group will ever be trained above age max_age - 1, and take_rows starts no more groups than
+  the next max_age batches can take (spillover.rollout.dock.staleness). A group "at max age" (age >= max_age - 1) is
+  in its max_age-th iteration; its rows are handed out first.
+- Over-sampling (slime's over_sampling_batch_size, APRIL): `over_sampling_groups` extra group slots on top of
+  GBS (2*GBS with partial rollout). The first iteration loads every slot, later ones GBS; generation still
+  stops at GBS ready groups, and the surplus -- untouched, partial (aborted rows keep their tokens) or even
+  complete groups -- stays for the next iteration, oldest first. With max_split = 1 this is APRIL without
+  chunked rounds; it needs a driver that stops early (the async one: abort once ready).
+- Drain mode (last iterations, or the data set ran out): ready only when every loaded row is
+  complete; then `select_batch` takes min(gbs, ready) groups, so repeated drains empty the dock.
+- Multi-turn tool trajectories (spillover.rollout.dock.turns): per-row turns, awaiting_tool (take_rows skips those rows) and
+  the env's reward, and in a `multi_turn` dock a per-token loss mask column (0: tool tokens); snapshots carry them.
+  A single-turn dock has no mask column (every token is a policy token), so it pays nothing for it.
+- `snapshot()` records in-flight rows as *not* in flight: their requests die with the process, and
+  the tokens already written stay. After `restore` those rows are generated again from where they were.
+- One controller owns the dock (not thread-safe). Each call costs ~0.1-0.5 ms of fixed numpy overhead,
+  so an async driver should put finished requests in batches (e.g. at each stop-signal poll).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from spillover.rollout.dock import export as dock_export
+from spillover.rollout.dock import staleness as dock_staleness
+from spillover.rollout.batch import RolloutBatch
+from spillover.rollout.dock.buffers import PagedColumns, TokenRows
+from spillover.rollout.dock.checks import (DockError, check_dock_sizes, check_in_flight, check_load, check_occupied,
+                                 check_rows, parse_generation, parse_prompts)
+
+PROMPT_DTYPES = {"tokens": np.int32}
+RESPONSE_DTYPES = {"tokens": np.int32, "logprobs": np.float32, "versions": np.int32}
+MASK_DTYPES = {"mask": np.uint8}  # multi_turn docks only: the loss mask (spillover.rollout.dock.turns)
+ROW_FLAGS = ("complete", "in_flight", "generated", "stopped", "awaiting_tool")
+
+
+class TransferDock:
+    def __init__(self, gbs: int, n: int, max_split: int, max_tokens: int, max_model_len: int,
+                 eos_token_ids: Sequence[int], max_age: int | None = None,
+                 require_max_age_all_finished: bool = False, over_sampling_groups: int = 0, multi_turn: bool = False):
+        check_dock_sizes(gbs=gbs, n=n, max_split=max_split, max_tokens=max_tokens, max_model_len=max_model_len,
+                         max_age=max_age, over_sampling_groups=over_sampling_groups)
+        self.gbs, self.n, self.max_split = int(gbs), int(n), int(max_split)
+        self.max_tokens, self.max_model_len = int(max_tokens), int(max_model_len)
+        self.eos_token_ids = np.asarray(sorted(set(int(t) for t in eos_token_ids)), dtype=np.int64)
+        self.max_age = self.max_split if max_age is None else int(max_age)
+        self.require_max_age_all_finished = bool(require_max_age_all_finished)
+        self.partial = self.max_split > 1
+        self.over_sampling_groups = int(over_sampling_groups)
+        self.capacity_groups = (2 * self.gbs if self.partial else self.gbs) + self.over_sampling_groups
+        self.capacity_rows = self.capacity_groups * self.n
+        self.group_ids = np.full(self.capacity_groups, -1, dtype=np.int64)  # -1: free slot
+        self.load_seq = np.zeros(self.capacity_groups, dtype=np.int64)
+        self.labels: list[Any] = [None] * self.capacity_groups
+        self.metadata: list[dict | None] = [None] * self.capacity_groups  # data.additional_keys per group (JSON)
+        self.next_load_seq = 0
+        for flag in ROW_FLAGS:
+            setattr(self, flag, np.zeros(self.capacity_rows, dtype=bool))
+        self.age = np.zeros(self.capacity_rows, dtype=np.int32)
+        self.rounds = np.zeros(self.capacity_rows, dtype=np.int32)
+        self.turns = np.zeros(self.capacity_rows, dtype=np.int32)  # multi-turn: tool calls made (spillover.rollout.dock.turns)
+        self.env_reward = np.full(self.capacity_rows, np.nan, dtype=np.float32)  # the env's latest reward, NaN: none
+        self.prompts = PagedColumns(self.capacity_groups, self.max_model_len - 1, PROMPT_DTYPES, page_size=128)
+        self.multi_turn = bool(multi_turn)
+        dtypes = {**RESPONSE_DTYPES, **MASK_DTYPES} if multi_turn else RESPONSE_DTYPES
+        self.responses = PagedColumns(self.capacity_rows, self.max_tokens, dtypes, page_size=256)
+        self.batch: np.ndarray | None = None
+        self._batch_arrays: dict[str, np.ndarray] | None = None
+        self.drain = False
+
+    @classmethod
+    def from_config(cls, rollout_cfg, eos_token_ids: Sequence[int]) -> "TransferDock":
+        """From an spillover.infra.config.run_config.RolloutConfig."""
+        return cls(rollout_cfg.global_batch_size, rollout_cfg.n_samples_per_prompt, rollout_cfg.max_split,
+                   rollout_cfg.max_tokens, rollout_cfg.max_model_len, eos_token_ids, rollout_cfg.effective_max_age,
+                   rollout_cfg.staleness_bounded, rollout_cfg.over_sampling_groups,
+                   multi_turn=bool(getattr(rollout_cfg, "env_path", None)))
+
+    # ---- derived views -------------------------------------------------------------------------
+    @property
+    def sync_round_tokens(self) -> int:
+        """Tokens per sync round: max_tokens // max_split."""
+        return self.max_tokens // self.max_split
+
+    def _occupied_rows(self) -> np.ndarray:
+        return np.repeat(self.group_ids >= 0, self.n)
+
+    def _group_age(self) -> np.ndarray:
+        """int32[G] (a view): every row of a group carries the group's age (clear and restore keep it so)."""
+        return self.age[::self.n]
+
+    def _started_groups(self) -> np.ndarray:
+        """bool[G]: occupied and holding a response token or a complete row (the group's age clock runs)."""
+        held = (self.responses.length > 0) | self.complete
+        return (self.group_ids >= 0) & held.reshape(self.capacity_groups, self.n).any(axis=1)
+
+    def _ready_groups(self) -> np.ndarray:
+        """bool[G]: occupied and all n rows complete."""
+        return (self.group_ids >= 0) & self.complete.reshape(self.capacity_groups, self.n).all(axis=1)
+
+    def _oldest_first(self, slots: np.ndarray) -> np.ndarray:
+        """slots[k] (repeats allowed: a group's rows) -> the stable permutation ordering them oldest first:
+        age descending, then load order."""
+        key = self._group_age()[slots].astype(np.int64) * -(1 << 40) + self.load_seq[slots]
+        return np.argsort(key, kind="stable")
+
+    def group_order(self) -> np.ndarray:
+        """Occupied group slots, oldest first."""
+        slots = np.flatnonzero(self.group_ids >= 0)
+        return slots[self._oldest_first(slots)]
+
+    def prompt_lengths(self, rows: np.ndarray) -> np.ndarray:
+        return self.prompts.length[np.asarray(rows, dtype=np.int64) // self.n]
+
+    # ---- loading -------------------------------------------------------------------------------
+    def free_group_slots(self) -> int:
+        return int(np.count_nonzero(self.group_ids < 0))
+
+    def groups_to_load(self, first_iteration: bool) -> int:
+        """Every slot on the first iteration (2*gbs with partial rollout, + over_sampling_groups), gbs after;
+        never more than the free slots."""
+        wanted = self.capacity_groups if first_iteration else self.gbs
+        return min(wanted, self.free_group_slots())
+
+    def load_groups(self, group_ids: np.ndarray | Sequence[int], prompt_tokens, labels: Sequence[Any],
+                    metadata: Sequence[dict | None] | None = None) -> np.ndarray:
+        """Load k prompt groups (n rows each) into free slots; -> slots[k]. A group id already here is an error.
+        metadata: a JSON-able dict per group (data.additional_keys), kept next to its label."""
+        ids, flat, lengths = parse_prompts(group_ids, prompt_tokens, labels, self.max_model_len)
+        check_load(ids, metadata, self.group_ids, self.batch is not None)
+        slots = np.flatnonzero(self.group_ids < 0)[:len(ids)]
+        self.group_ids[slots] = ids
+        self.load_seq[slots] = self.next_load_seq + np.arange(len(ids))
+        self.next_load_seq += len(ids)
+        for slot, label, meta in zip(slots.tolist(), labels, metadata if metadata is not None else [None] * len(ids)):
+            self.labels[slot], self.metadata[slot] = label, meta
+        self.prompts.append(slots, lengths, {"tokens": flat})
+        return slots
+
+    # ---- generation ----------------------------------------------------------------------------
+    def take_rows(self, limit: int | None = None) -> np.ndarray:
+        """Rows to generate (not complete, not in flight, no tool call pending), carried-over/oldest first; marks
+        them in flight.
+        With the staleness bound (outside drain mode), rows of groups that may not start yet stay back."""
+        if limit is not None and limit < 0:
+            raise ValueError(f"take_rows: limit must be >= 0 or None; got {limit}")
+        waiting = self._occupied_rows() & ~self.complete & ~self.in_flight & ~self.awaiting_tool
+        if self.require_max_age_all_finished and not self.drain:
+            held_back = dock_staleness.groups_held_back(self)
+            waiting[(held_back[:, None] * self.n + np.arange(self.n)).reshape(-1)] = False
+        waiting = np.flatnonzero(waiting)
+        rows = waiting[self._oldest_first(waiting // self.n)][:limit]
+        self.in_flight[rows] = True
+        return rows
+
+    def max_new_tokens(self, rows: np.ndarray, round_tokens: int | None) -> np.ndarray:
+        """int64[k]: min(round_tokens, max_tokens - response, max_model_len - prompt - response)."""
+        resp = self.responses.length[rows]
+        room = np.minimum(self.max_tokens - resp, self.max_model_len - self.prompt_lengths(rows) - resp)
+        if round_tokens is not None:
+            room = np.minimum(room, int(round_tokens))
+        return np.maximum(room, 0)
+
+    def generation_inputs(self, rows, round_tokens: int | None) -> tuple[TokenRows, np.ndarray]:
+        """-> (prompt + partial response ids per row, max_new_tokens int64[k]).
+
+        The ids are a TokenRows: a sequence whose item i is row i's list[int], built on access.
+        """
+        rows = check_occupied(check_rows(rows, self.capacity_rows, "generation_inputs"), self.group_ids, self.n,
+                              "generation_inputs")
+        if round_tokens is not None and round_tokens < 1:
+            raise ValueError(f"generation_inputs: round_tokens must be >= 1 or None; got {round_tokens}")
+        return TokenRows(self.prompts, rows // self.n, self.responses, rows), self.max_new_tokens(rows, round_tokens)
+
+    def put_generation(self, rows, tokens, logprobs, weight_version: int | np.ndarray,
+                       finished_by_stop: np.ndarray | Sequence[bool]) -> None:
+        """Append generated tokens/logprobs/version to in-flight rows; they leave the in-flight state.
+
+        tokens and logprobs: list of per-row lists, or (flat, lengths). A row is complete on a stop
+        (finished_by_stop, or its last new token is an EOS id), on prompt+response >= max_model_len, or
+        on response >= max_tokens. Any inconsistency raises before anything changes.
+        """
+        rows = check_in_flight(check_rows(rows, self.capacity_rows, "put_generation"), self.in_flight, "put_generation")
+        k = len(rows)
+        flat, lengths, flat_lp, versions, stop = parse_generation(
+            rows, tokens, logprobs, weight_version, finished_by_stop, self.max_new_tokens(rows, None))
+        has_new = lengths > 0
+        last = np.full(k, -1, dtype=np.int64)
+        last[has_new] = flat[np.cumsum(lengths)[has_new] - 1]
+        stopped = stop | np.isin(last, self.eos_token_ids)
+        response = self.responses.length[rows] + lengths
+        limit = np.minimum(self.max_tokens, self.max_model_len - self.prompt_lengths(rows))
+        complete = stopped | (response >= limit)
+        one_version = k == 0 or bool((versions == versions[0]).all())
+        self.responses.append(rows, lengths, {  # one version for all rows (the common case) broadcasts
+            "tokens": flat, "logprobs": flat_lp, "mask": 1,  # (a mask column exists in multi_turn docks only)
+            "versions": versions[0] if one_version and k else np.repeat(versions.astype(np.int32), lengths)})
+        self.complete[rows] = complete
+        self.stopped[rows] = stopped
+        self.generated[rows] = True
+        self.rounds[rows] += 1
+        self.in_flight[rows] = False
+
+    def release(self, rows) -> None:
+        """In-flight rows come back with no new tokens (their request was dropped or aborted empty)."""
+        rows = check_in_flight(check_rows(rows, self.capacity_rows, "release"), self.in_flight, "release")
+        self.in_flight[rows] = False
+
+    # ---- stopping and the batch ----------------------------------------------------------------
+    def ready_group_count(self) -> int:
+        return int(np.count_nonzero(self._ready_groups()))
+
+    def set_drain(self, drain: bool) -> None:
+        """Drain mode: generation is ready only once every loaded row is complete."""
+        self.drain = bool(drain)
+
+    def _all_loaded_complete(self) -> bool:
+        occupied = self._occupied_rows()
+        return bool(occupied.any()) and bool(self.complete[occupied].all())
+
+    def update_ready(self) -> bool:
+        """May generation stop? >= gbs ready groups (+ the staleness bound, by group: see spillover.rollout.dock.staleness);
+        in drain mode: every loaded row complete."""
+        if self.drain:
+            return self._all_loaded_complete()
+        ready = np.flatnonzero(self._ready_groups())
+        if len(ready) < self.gbs:
+            return False
+        if not self.require_max_age_all_finished:
+            return True
+        return dock_staleness.batch_may_form(self, ready[self._oldest_first(ready)][:self.gbs])
+
+    def select_batch(self) -> np.ndarray:
+        """Choose the training batch once: gbs ready groups, oldest first; -> group slots (same until clear())."""
+        if self.batch is None:
+            ready = np.flatnonzero(self._ready_groups())
+            ready = ready[self._oldest_first(ready)]
+            if len(ready) < self.gbs and not (self.drain and self._all_loaded_complete()):
+                raise DockError(f"select_batch: {len(ready)} ready groups, need gbs={self.gbs} "
+                                "(generate until update_ready(), or set_drain(True) at the end of the data)")
+            self.batch = ready[:self.gbs]
+        return self.batch.copy()
+
+    def _require_batch(self, what: str) -> np.ndarray:
+        if self.batch is None:
+            raise DockError(f"{what}: no batch selected; call select_batch() first")
+        return self.batch
+
+    def batch_group_ids(self) -> np.ndarray:
+        return self.group_ids[self._require_batch("batch_group_ids")].copy()
+
+    def rollout_batch(self) -> RolloutBatch:
+        """The batch as the learner's columns (rollout/batch.py), group by group in batch order."""
+        slots = self._require_batch("rollout_batch")
+        return RolloutBatch.from_dock_arrays(self.batch_arrays(), self.n, [self.labels[s] for s in slots.tolist()],
+                                             [self.metadata[s] for s in slots.tolist()])
+
+    def batch_arrays(self) -> dict[str, np.ndarray]:
+        """The batch as flat read-only columns (see spillover.rollout.dock.export.batch_arrays); built once per batch."""
+        if self._batch_arrays is None:
+            self._batch_arrays = dock_export.batch_arrays(self, self._require_batch("batch_arrays"))
+            for array in self._batch_arrays.values():
+                array.flags.writeable = False
+        return dict(self._batch_arrays)
+
+    def clear(self) -> dict:
+        """Batch groups leave; every other generated row ages by one. -> small stats."""
+        batch = self._require_batch("clear")
+        if self.in_flight.any():
+            raise DockError(f"clear: {int(self.in_flight.sum())} rows are in flight; put_generation() or "
+                            "release() them first")
+        rows = (batch[:, None] * self.n + np.arange(self.n)).reshape(-1)
+        self.group_ids[batch] = -1
+        for slot in batch.tolist():
+            self.labels[slot] = self.metadata[slot] = None
+        for flag in ROW_FLAGS:
+            getattr(self, flag)[rows] = False
+        self.age[rows] = 0
+        self.rounds[rows] = 0
+        self.turns[rows] = 0
+        self.env_reward[rows] = np.nan
+        self.prompts.free(batch)
+        self.responses.free(rows)
+        self.age += np.repeat(self._started_groups(), self.n)  # a group ages as one, from its first token
+        self.batch, self._batch_arrays = None, None
+        carried = self._occupied_rows() & self.generated
+        return {"trained_groups": int(len(batch)), "carried_rows": int(carried.sum()),
+                "partial_rows": int((carried & ~self.complete).sum()), "age_histogram": dock_export.age_histogram(self)}
+
+    # ---- state ---------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Small JSON-able counts (see spillover.rollout.dock.export.stats)."""
+        return dock_export.stats(self)
+
+    def snapshot(self) -> tuple[dict[str, np.ndarray], dict]:
+        """Complete state as (arrays, JSON-able metadata); in-flight rows are recorded as not in flight."""
+        return dock_export.snapshot(self)
+
+    @classmethod
+    def restore(cls, arrays: dict[str, np.ndarray], meta: dict) -> "TransferDock":
+        return dock_export.restore(cls, arrays, meta)

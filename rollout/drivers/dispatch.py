@@ -1,0 +1,82 @@
+"""The drivers' side of rollout.scheduling: order the rows of a round, pick their engines, hold tail rows back.
+
+    planner = DispatchPlanner.from_config(rollout_cfg, engine, weight_version, drain)
+    rows, engines = planner.plan(dock, dock.take_rows(...))   # engines: int64[k] or None (the router chooses)
+    requests = planner.route(build_requests(...), engines)     # adds "engine_index" where chosen
+    planner.release_held(dock)                                 # in a `finally`: held rows go back untouched
+
+Tail rows (tail batching) stay marked in flight while they are held, so take_rows does not hand them out again
+in the same generate call; when a round finds nothing else to generate they are dispatched after all, so holding
+can never stall a driver. Outside length_aware scheduling the planner passes rows through unchanged.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from spillover.rollout.drivers.scheduling import plan_dispatch
+
+
+def engine_count(engine) -> int:
+    """Engines to pin rows to: a generator's `num_engines`, else 1 (no pinning). A generator with a `shared_queue`
+    (SimulatedEngine) hands each request to the first engine with a free slot, which balances better than any
+    assignment made before the lengths are known: its rows are ordered, not pinned."""
+    if getattr(engine, "shared_queue", False):
+        return 1
+    return int(getattr(engine, "num_engines", 1) or 1)
+
+
+class DispatchPlanner:
+    def __init__(self, scheduling: str = "fifo", num_engines: int = 1, tail_factor: float = 0.0,
+                 long_round: bool = True, tail_engines: int = 0):
+        self.scheduling, self.num_engines, self.tail_engines = scheduling, num_engines, tail_engines
+        self.tail_factor, self.long_round = tail_factor, long_round
+        self.held = np.zeros(0, dtype=np.int64)
+
+    @classmethod
+    def from_config(cls, rollout_cfg, engine, weight_version: int, drain: bool) -> "DispatchPlanner":
+        scheduling = getattr(rollout_cfg, "scheduling", "fifo")
+        every = int(getattr(rollout_cfg, "tail_round_every", 1))
+        long_round = drain or (int(weight_version) + 1) % every == 0
+        return cls(scheduling, engine_count(engine), float(getattr(rollout_cfg, "tail_factor", 0.0)), long_round,
+                   int(getattr(rollout_cfg, "tail_engines", 0)))
+
+    def plan(self, dock, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """In-flight rows from take_rows -> (rows to send now, in order; engine per row or None)."""
+        rows, engines, aside = plan_dispatch(dock, rows, self.scheduling, self.num_engines, self.tail_factor,
+                                             self.long_round or len(self.held) > 0 or self.tail_engines > 0,
+                                             self.tail_engines)
+        if len(aside) and len(rows) == 0:  # nothing else to do: the tail goes now
+            return self.plan_all(dock, aside)
+        self.held = np.concatenate([self.held, aside])
+        return rows, engines
+
+    def plan_all(self, dock, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        rows, engines, _ = plan_dispatch(dock, rows, self.scheduling, self.num_engines, self.tail_factor, True,
+                                         self.tail_engines)
+        return rows, engines
+
+    def take_held(self) -> np.ndarray:
+        """The held rows (still in flight), for a round that found nothing else to send."""
+        held, self.held = self.held, np.zeros(0, dtype=np.int64)
+        return held
+
+    @staticmethod
+    def route(requests: list[dict], engines: np.ndarray | None) -> list[dict]:
+        if engines is not None:
+            for request, engine in zip(requests, engines.tolist()):
+                request["engine_index"] = engine
+        return requests
+
+    def release_held(self, dock) -> None:
+        if len(self.held):
+            dock.release(self.take_held())
+
+    def next_rows(self, dock, limit: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """A round's rows and engines: up to `limit` rows the dock hands out, planned; when it has none left,
+        the rows held for the long round. Raises when neither is left (the dock can never become ready)."""
+        rows = dock.take_rows(limit=limit)
+        rows, engines = self.plan(dock, rows) if len(rows) else self.plan_all(dock, self.take_held())
+        if len(rows) == 0:
+            raise RuntimeError(f"generation cannot finish: no row left to generate but only "
+                               f"{dock.ready_group_count()} groups are ready (need {dock.gbs})")
+        return rows, engines

@@ -1,0 +1,127 @@
+"""The request codec between the dock and the engines: dock rows -> SGLang /generate payloads, answers ->
+tokens, logprobs, stop flags and weight versions; and the engine interface the drivers call.
+
+The engine side is anything with `generate(requests, on_result=None) -> list[answer]` speaking SGLang's
+/generate shapes: RolloutManager through the router, or bench.simulator.engine.SimulatedEngine.
+"""
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+OnResult = Callable[[int, dict], "bool | None"]
+"""on_result(index, answer) as each answer arrives; returning True (the bool itself: a callback's incidental
+truthy result does not count) stops the round (see Generator)."""
+
+
+class Generator(Protocol):
+    def generate(self, requests: list[dict], on_result: OnResult | None = None) -> list[dict]:
+        """Answers in input order. An on_result that returns True stops the round: nothing more is sent,
+        running requests come back with their tokens so far (finish_reason abort), unsent ones with none,
+        and generate returns once the engines are idle."""
+        ...
+
+
+@dataclass
+class SamplingSettings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: Sequence[int] = ()
+    seed: int | None = None  # set: every request carries a sampling_seed (see request_seeds)
+    stop: Sequence[str] = ()  # rollout.stop: stop strings (SGLang's sampling_params.stop)
+
+    @classmethod
+    def from_rollout(cls, rollout_cfg, stop_token_ids: Sequence[int], seed: int | None = None) -> "SamplingSettings":
+        """seed (model.seed) is used only with rollout.deterministic_sampling."""
+        seed = seed if getattr(rollout_cfg, "deterministic_sampling", False) else None
+        return cls(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k, tuple(stop_token_ids), seed,
+                   tuple(getattr(rollout_cfg, "stop", ())))
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0
+    requests: int = 0
+    tokens_generated: int = 0
+    time_s: float = 0.0
+    engine_s: float = 0.0  # inside the engine call (HTTP generation); the rest is dock bookkeeping
+    ready_groups: int = 0
+    weight_versions: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"rounds": self.rounds, "requests": self.requests, "tokens_generated": self.tokens_generated,
+                "generate_time_s": self.time_s, "engine_s": self.engine_s, "ready_groups": self.ready_groups}
+
+
+def make_rids(count: int) -> list[str]:
+    """count unique request ids: one random prefix and a fixed-width counter. SGLang matches request ids by
+    prefix; ids of one fixed length never prefix one another."""
+    prefix = secrets.token_hex(12)
+    return [f"{prefix}{i:08x}" for i in range(count)]
+
+
+def build_requests(inputs: Sequence[Sequence[int]], max_new_tokens: np.ndarray, sampling: SamplingSettings,
+                   seeds: np.ndarray | None = None) -> list[dict]:
+    """Dock inputs -> SGLang /generate payloads (one per row); seeds[k] (optional) -> sampling_seed."""
+    params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+              "stop_token_ids": list(sampling.stop_token_ids)}
+    if sampling.stop:
+        params["stop"] = list(sampling.stop)
+    requests = [{
+        "input_ids": ids if isinstance(ids, list) else list(map(int, ids)),
+        "sampling_params": {"max_new_tokens": m, **params},
+        "return_logprob": True,
+        "rid": rid,
+    } for ids, m, rid in zip(inputs, np.asarray(max_new_tokens).tolist(), make_rids(len(max_new_tokens)))]
+    if seeds is not None:
+        for request, seed in zip(requests, seeds.tolist()):
+            request["sampling_params"]["sampling_seed"] = seed
+    return requests
+
+
+def request_seeds(dock, rows: np.ndarray, sampling: SamplingSettings) -> np.ndarray | None:
+    """Per-row sampling seeds from (sampling.seed, group id, sample index) -> int64[k] in [0, 2^31), or None
+    when sampling is not seeded. The engine hashes the seed with each token's absolute position, so a row
+    continued from its partial response draws exactly what one uninterrupted request would have drawn."""
+    if sampling.seed is None:
+        return None
+    rows = np.asarray(rows, dtype=np.int64)
+    parts = (np.full(len(rows), sampling.seed), dock.group_ids[rows // dock.n], rows % dock.n)
+    h = np.zeros(len(rows), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for part in parts:  # splitmix64 over the three parts (wrapping uint64 arithmetic)
+            h = h ^ np.asarray(part).astype(np.int64).astype(np.uint64)
+            h = h + np.uint64(0x9E3779B97F4A7C15)
+            h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            h = h ^ (h >> np.uint64(31))
+    return (h & np.uint64(0x7FFFFFFF)).astype(np.int64)
+
+
+def parse_responses(responses: list[dict], default_version: int) -> tuple[list[list[int]], list[list[float]],
+                                                                          np.ndarray, np.ndarray]:
+    """SGLang responses -> (tokens per row, logprobs per row, finished_by_stop[bool], weight_version[int] per row)."""
+    tokens, logprobs, stopped, versions = [], [], [], []
+    for resp in responses:
+        meta = resp["meta_info"]
+        ids = list(resp.get("output_ids") or [])
+        lps = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+        if len(lps) != len(ids):
+            raise ValueError(f"engine response {meta.get('id')}: {len(ids)} output_ids but {len(lps)} logprobs")
+        tokens.append(ids)
+        logprobs.append(lps)
+        stopped.append((meta.get("finish_reason") or {}).get("type") == "stop")
+        versions.append(_as_version(meta.get("weight_version"), default_version))
+    return tokens, logprobs, np.asarray(stopped, dtype=bool), np.asarray(versions, dtype=np.int64)
+
+
+def _as_version(value, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default

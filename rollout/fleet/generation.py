@@ -1,0 +1,144 @@
+"""Batches through the router, and abort_all across the engines (the router has no abort).
+
+A batch is one *round*. abort_all marks every round stopped on the client side first (nothing new is
+sent; unsent requests come back as aborted with no tokens), then aborts each engine directly and keeps
+doing so until every engine's /v1/loads is idle and no request of a stopped round is still on the wire.
+Running requests come back with their tokens so far and finish_reason abort. A caller stops a round from
+inside it by returning True from on_result: the round then runs abort_all itself and returns once the
+engines are idle, so no abort outlives the call that asked for it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from spillover.rollout.fleet.engine_client import EngineClient, EngineError
+from spillover.rollout.sglang.protocol import new_rid
+from spillover.rollout.drivers.requests import OnResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Round:
+    """One generate call: `stopped` by abort_all; `in_flight` counts its requests still on the wire."""
+
+    stopped: bool = False
+    in_flight: int = 0
+
+
+def request_body(item: dict) -> dict:
+    """The /generate body of one batch item {input_ids, sampling_params?, rid?, return_logprob? (default True)}."""
+    if "input_ids" not in item:
+        raise ValueError("each generate() item needs 'input_ids' (prompt + partial response token ids)")
+    return {"input_ids": list(item["input_ids"]), "sampling_params": dict(item.get("sampling_params") or {}),
+            "return_logprob": bool(item.get("return_logprob", True)), "rid": item.get("rid") or new_rid()}
+
+
+def aborted_response(body: dict, message: str) -> dict:
+    """The SGLang-shaped answer of a request that was never sent (its round was stopped first)."""
+    return {"output_ids": [], "meta_info": {
+        "id": body["rid"], "finish_reason": {"type": "abort", "message": message},
+        "prompt_tokens": len(body["input_ids"]), "completion_tokens": 0, "weight_version": None,
+        "output_token_logprobs": [] if body.get("return_logprob") else None}}
+
+
+class BatchGenerator:
+    """Runs on the manager's loop. `recover()` is awaited after a failed attempt (a shared health check)."""
+
+    def __init__(self, router: EngineClient, engine_urls: Callable[[], list[str]],
+                 client_for: Callable[[str], EngineClient], recover: Callable[[], Awaitable[None]],
+                 max_attempts: int = 5, max_in_flight: int = 256):
+        self.router, self.engine_urls, self.client_for, self.recover = router, engine_urls, client_for, recover
+        self.max_attempts, self.max_in_flight = max_attempts, max_in_flight
+        self.rounds: set[Round] = set()
+
+    async def generate_batch(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
+        """Answers in input order; on_result(index, answer) as each finishes. An on_result that returns True
+        stops every running round and aborts every engine (abort_all); the call returns once they are idle.
+        A bad item raises after the others have finished (so no request is left running on an engine)."""
+        round_ = Round()
+        self.rounds.add(round_)
+        limit = asyncio.Semaphore(self.max_in_flight)
+        results: list[Any] = [None] * len(batch)
+        abort: asyncio.Future | None = None
+
+        async def run(index: int, item: dict) -> None:
+            nonlocal abort
+            async with limit:
+                results[index] = await self.generate_one(item, round_)
+            if on_result is not None and on_result(index, results[index]) is True and abort is None:
+                self.stop_rounds()  # at once: nothing more is sent while the abort starts
+                abort = asyncio.ensure_future(self.abort_all())
+
+        try:
+            outcomes = await asyncio.gather(*(run(i, item) for i, item in enumerate(batch)), return_exceptions=True)
+            if abort is not None:
+                outcomes += await asyncio.gather(abort, return_exceptions=True)
+        finally:
+            self.rounds.discard(round_)
+            if abort is not None and not abort.done():  # cancelled: do not leave the abort running
+                abort.cancel()
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:
+            raise errors[0]
+        return results
+
+    async def generate_one(self, item: dict, round_: Round) -> dict:
+        body = request_body(item)
+        failure: Exception | None = None
+        for attempt in range(self.max_attempts):
+            if round_.stopped:
+                return aborted_response(body, "aborted before it was sent (abort_all)")
+            round_.in_flight += 1
+            try:
+                return (await self.router.post("/generate", json=body)).json()
+            except EngineError as err:
+                if err.status < 500:
+                    raise ValueError(f"request {body['rid']} was refused: {err.message}") from None
+                failure = err
+            except httpx.HTTPError as err:
+                failure = err
+            finally:
+                round_.in_flight -= 1
+            log.warning("request %s failed (attempt %d/%d): %r", body["rid"], attempt + 1, self.max_attempts, failure)
+            if not round_.stopped:
+                await self.recover()
+        raise RuntimeError(f"request {body['rid']} failed {self.max_attempts} times; last error: {failure!r}")
+
+    def stop_rounds(self) -> None:
+        """Client side of abort_all: no running round sends anything more. Safe from any thread."""
+        for round_ in list(self.rounds):
+            round_.stopped = True
+
+    async def abort_all(self, timeout_s: float = 60.0) -> None:
+        self.stop_rounds()
+        deadline = time.monotonic() + timeout_s
+        busy = self.engine_urls()
+        while busy:
+            await asyncio.gather(*(self._abort(url) for url in busy))
+            await asyncio.sleep(0.05)
+            idle = await asyncio.gather(*(self._idle(url) for url in busy))
+            on_wire = sum(r.in_flight for r in self.rounds if r.stopped)
+            busy = [url for url, ok in zip(busy, idle) if not ok] or (self.engine_urls() if on_wire else [])
+            if busy and time.monotonic() > deadline:
+                raise TimeoutError(f"engines {busy} still busy {timeout_s} s after abort_all "
+                                   f"({on_wire} requests on the wire)")
+
+    async def _abort(self, url: str) -> None:
+        try:
+            await self.client_for(url).abort(abort_all=True)
+        except (httpx.HTTPError, EngineError) as err:  # a dead engine has nothing to abort
+            log.warning("abort on %s failed: %r", url, err)
+
+    async def _idle(self, url: str) -> bool:
+        try:
+            return (await self.client_for(url).loads()).idle
+        except (httpx.HTTPError, EngineError):
+            return True

@@ -1,0 +1,280 @@
+"""RolloutManager: the engines on Ray behind the real sglang-router, as one object the flow holds.
+
+The API is synchronous. Every HTTP and Ray call runs on one event loop that the manager owns (an anyio
+blocking portal: a thread), because its HTTP sessions and the background health monitor are bound to a
+loop that outlives each call. `on_result(index, answer)` callbacks run on that loop's thread, so they must
+be short and must not call the manager; one that returns True stops the round (every engine aborts, and
+`generate` returns once they are idle).
+
+Failures: a request that fails in transport or with a 5xx (the router has already retried the other
+workers) triggers one shared health check; an engine that does not answer /health_generate within
+engines.health_timeout_s is taken off the router and killed (so its requests fail over), restarted in its
+own bundles with the latest weights, and registered again; the request is then sent again. Engines whose memory
+is released (offload) are never probed: they cannot generate, so they would fail SGLang's /health.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+import ray
+from anyio.from_thread import start_blocking_portal
+
+from spillover.infra.config.run_config import EnginesConfig
+from spillover.rollout.fleet.colocated_pool import ColocatedEnginePool
+from spillover.rollout.fleet.engine_pool import EngineHandle, EnginePool, default_torch_threads
+from spillover.rollout.sglang import backend as sgl
+from spillover.rollout.fleet.engine_client import EngineClient
+from spillover.rollout.fleet.router import Router
+from spillover.rollout.fleet.generation import BatchGenerator
+from spillover.rollout.fleet.pinned_router import PinnedRouter
+from spillover.rollout.drivers.requests import OnResult
+from spillover.rollout.fleet.weights import EngineWeights
+from spillover.rollout.fleet.distributed_weights import DistributedWeightSync, weight_sync_settings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RolloutManager(EngineWeights):
+    def __init__(self, engines_cfg: EnginesConfig, model_path: str | Path, *, max_attempts: int = 5,
+                 max_in_flight: int | None = None, hosts: list[Any] | None = None, **pool_options: Any):
+        """Start the engines (pool_options: see `EnginePool`), the router (or join engines_cfg.router_address),
+        register every engine's node 0 with it; engines_cfg.health_interval_s > 0 starts the health monitor.
+        hosts: the policy learner's rank actors, one engine in each (placement.colocate; rollout/fleet/colocated_pool.py)."""
+        from spillover.infra.cluster import init_ray
+
+        if not ray.is_initialized():
+            init_ray(engines_cfg.ray_address)
+        self.cfg, self.model_path = engines_cfg, str(model_path)
+        if engines_cfg.backend == "torch" and not pool_options.get("use_gpu"):
+            pool_options.setdefault("torch_threads", default_torch_threads(engines_cfg.num_engines))
+        self.pool_options, self.hosts = pool_options, hosts
+        self.pool: EnginePool | None = None
+        self.router: Router | None = None
+        self.weight_versions: dict[int, int | str | None] = {}
+        self.restarts = 0
+        self._latest_weights: tuple[str, Any, int | str] | None = None  # ("disk" | "tensor", path | ref, version)
+        self._offloaded = False
+        self._clients: dict[str, EngineClient] = {}
+        self._engine_lock = asyncio.Lock()  # weight updates, offload/onload, health checks and restarts
+        self._health_task: asyncio.Future | None = None  # the health check shared by every failed request
+        self._monitor: Future | None = None  # the background health monitor, while it runs
+        self._gen: BatchGenerator | None = None
+        self._portal_cm = start_blocking_portal("asyncio", name="rollout-manager")
+        self._portal = self._portal_cm.__enter__()
+        self._loop_thread = self._portal.call(threading.get_ident)
+        try:
+            self._call(self._start, max_attempts, max_in_flight)
+        except BaseException:
+            self.shutdown()
+            raise
+        if engines_cfg.health_interval_s:
+            self.start_health_monitor(engines_cfg.health_interval_s)
+
+    def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """fn(*args) on the manager's loop; blocks until it returns."""
+        if self._portal is None:
+            raise RuntimeError("this RolloutManager was shut down")
+        if threading.get_ident() == self._loop_thread:
+            raise RuntimeError("the RolloutManager was called from its own loop (an on_result callback?): a callback "
+                               "must not call the manager; return True from on_result to stop the round instead")
+        return self._portal.call(fn, *args)
+
+    async def _start(self, max_attempts: int, max_in_flight: int | None) -> None:
+        hosted = {"hosts": self.hosts} if self.colocated else {}
+        self.pool = await asyncio.to_thread(ColocatedEnginePool if self.colocated else EnginePool, self.cfg,
+                                            self.model_path, **hosted, **self.pool_options)
+        await self.pool.start_all()
+        self.weight_versions = {h.index: h.weight_version for h in self.pool.engines}
+        if self.cfg.router_address:
+            self.router = await asyncio.to_thread(Router.connect, self.cfg.router_address)
+        else:
+            self.router = await asyncio.to_thread(Router.launch, "127.0.0.1", None,
+                                                  self.cfg.resolved_router_policy(self.cfg.backend))
+        for handle in self.pool.engines:
+            await asyncio.to_thread(self.router.add_worker, handle.url)
+        self._weight_sync = DistributedWeightSync(**weight_sync_settings(self.cfg, self.pool.use_gpu))
+        router = PinnedRouter(EngineClient(self.router.url), lambda i: self.engines[i % len(self.engines)].url,
+                              self._client)
+        self._gen = BatchGenerator(router, lambda: self.urls, self._client, self._recover,
+                                   max_attempts, max_in_flight or self.cfg.num_engines * self.cfg.max_running_requests)
+
+    # ---- views --------------------------------------------------------------------------------------
+    @property
+    def engines(self) -> list[EngineHandle]:
+        return list(self.pool.engines) if self.pool else []
+
+    @property
+    def colocated(self) -> bool:
+        """The engines live in the policy learner's ranks (placement.colocate)."""
+        return self.hosts is not None
+
+    @property
+    def urls(self) -> list[str]:
+        """Node-0 URL of every engine (the only URLs the router knows)."""
+        return [h.url for h in self.engines if h.url]
+
+    @property
+    def router_url(self) -> str:
+        return self.router.url
+
+    def _client(self, url: str) -> EngineClient:
+        if url not in self._clients:
+            self._clients[url] = EngineClient(url)
+        return self._clients[url]
+
+    # ---- generation (see rollout/fleet/generation.py) ------------------------------------------------------
+    def generate(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
+        """SGLang /generate answers for `batch` (dicts of input_ids, sampling_params, rid?, return_logprob?),
+        in input order, through the router. on_result(index, answer) runs on the manager's loop as each one
+        finishes; returning True stops the round: every engine aborts (running requests come back with their
+        tokens so far, unsent ones with none) and generate returns once the engines are idle. An item with an
+        "engine_index" goes to that engine, not through the router (rollout/fleet/pinned_router.py)."""
+        return self._call(self._gen.router.run, self._gen.generate_batch, batch, on_result)
+
+    @property
+    def num_engines(self) -> int:  # what length-aware dispatch pins rows to (spillover.rollout.drivers.dispatch)
+        return len(self.engines)
+
+    def eval(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
+        """Evaluation generation: the same path as rollouts (abort_all stops it too)."""
+        return self.generate(batch, on_result)
+
+    def abort_all(self, timeout_s: float = 60.0) -> None:
+        """From another thread than generate's: stop every running round and abort every engine; blocks until
+        they are idle. (Inside a round, return True from on_result instead.)"""
+        self._call(self._gen.abort_all, timeout_s)
+
+    # ---- memory and weights ---------------------------------------------------------------------------
+    def offload(self, tags: list[str] | None = None) -> None:
+        """Release every engine's memory (SGLang tags: weights, kv_cache, cuda_graph); engines must be idle."""
+        self._call(self._memory, True, tags)
+
+    def onload(self, tags: list[str] | None = None) -> None:
+        """Resume what offload released; released weights come back empty, so the engines load the weights they
+        served again (rollout/fleet/weights.py)."""
+        self._call(self._memory, False, tags)
+
+    async def _memory(self, release: bool, tags: list[str] | None, restore: bool = True) -> None:
+        path = sgl.ENDPOINTS["release_memory" if release else "resume_memory"]
+        payload = (sgl.release_memory_payload if release else sgl.resume_memory_payload)(tags)
+        async with self._engine_lock:
+            await asyncio.gather(*(self._client(url).post(path, json=payload) for url in self.urls))
+            self._offloaded = release
+            if not release and restore and (tags is None or "weights" in tags):
+                await self._restore_served_weights()
+
+    # ---- health -------------------------------------------------------------------------------------
+    def health_check(self) -> dict[int, str]:
+        """Probe every engine's /health_generate; restart dead or hung ones. Engines whose memory is released
+        (offload) are not probed: they cannot generate, so SGLang fails them (its /health generates a token too), and
+        a restart would cut into the colocated update. Returns index -> ok | restarted | released."""
+        return self._call(self._health_check)
+
+    def start_health_monitor(self, interval_s: float) -> None:
+        """Check every engine's health every interval_s in the background (restarting dead or hung ones);
+        the constructor starts it when engines.health_interval_s > 0."""
+        if interval_s <= 0:
+            raise ValueError(f"start_health_monitor: interval_s must be > 0; got {interval_s}")
+        self.stop_health_monitor()
+        self._monitor = self._portal.start_task_soon(self._monitor_loop, interval_s)
+
+    def stop_health_monitor(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()  # a check under way goes on (shielded): it may be restarting an engine
+            self._monitor = None
+
+    @property
+    def health_monitor_running(self) -> bool:
+        return self._monitor is not None and not self._monitor.done()
+
+    async def _monitor_loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self._shared_health_check()
+
+    async def _health_check(self) -> dict[int, str]:
+        async with self._engine_lock:
+            if self._offloaded:
+                return {h.index: "released" for h in self.engines}
+            timeout = self.cfg.health_timeout_s
+            healthy = await asyncio.gather(*(self._client(h.url).health(generate=True, timeout_s=timeout)
+                                             if h.url else _false() for h in self.engines))
+            for handle, ok in zip(self.engines, healthy):
+                if not ok:
+                    await self._restart(handle.index)
+            return {h.index: "ok" if ok else "restarted" for h, ok in zip(self.engines, healthy)}
+
+    async def _shared_health_check(self) -> None:
+        """One health check shared by every request that failed meanwhile and the monitor."""
+        if self._health_task is None or self._health_task.done():
+            self._health_task = asyncio.ensure_future(self._health_check())
+        try:
+            await asyncio.shield(self._health_task)
+        except Exception as err:  # a failed request's retry fails again and says why
+            log.warning("health check failed: %r", err)
+
+    async def _recover(self) -> None:
+        await self._shared_health_check()
+        await asyncio.sleep(0.1)
+
+    async def _restart(self, index: int) -> None:
+        """With the engine lock held: replace engine `index` and put it back behind the router."""
+        old = self.pool.engines[index]
+        log.warning("restarting engine %d (%s)", index, old.url)
+        if old.url:
+            await asyncio.to_thread(self.router.remove_worker, old.url)
+            client = self._clients.pop(old.url, None)
+            if client is not None:
+                await client.aclose()
+        handle = await self.pool.restart_engine(index)
+        self.weight_versions[index] = handle.weight_version
+        await self._apply_latest(handle)
+        if self._offloaded:
+            await self._client(handle.url).post(sgl.ENDPOINTS["release_memory"], json=sgl.release_memory_payload())
+        await asyncio.to_thread(self.router.add_worker, handle.url)
+        self.restarts += 1
+
+    # ---- shutdown -----------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Kill the engines' actors (their servers first), free the placement group, stop our router."""
+        if self._portal is None:
+            return
+        self.stop_health_monitor()
+        try:
+            self._call(self._shutdown)
+        finally:
+            self._portal, portal_cm = None, self._portal_cm
+            portal_cm.__exit__(None, None, None)
+
+    async def _shutdown(self) -> None:
+        if self._gen is not None:
+            self._gen.stop_rounds()
+        if self._health_task is not None and not self._health_task.done():  # it may be restarting an engine
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        if self.router is not None and self.router.proc is None and self.pool is not None:
+            for url in self.urls:  # an external router outlives us: take our workers off it
+                await asyncio.to_thread(self.router.remove_worker, url)
+        if self.pool is not None:
+            await asyncio.to_thread(self.pool.shutdown)
+        if self.router is not None:
+            await asyncio.to_thread(self.router.stop)
+        clients = [*self._clients.values(), *([self._gen.router] if self._gen else [])]
+        await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
+        self._clients.clear()
+
+    def __enter__(self) -> "RolloutManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+async def _false() -> bool:
+    return False

@@ -1,0 +1,82 @@
+"""`WeightPoster`: the HTTP client side of SGLang's tensor weight update for one engine's node 0, used by the engine
+actor, the colocated learner ranks and the GPU smoke checks (which have no Ray).
+
+SGLang 0.5.23 refuses /update_weights_from_tensor outside /begin_weight_update ... /end_weight_update, so an update
+is one session around all its buckets (`update`), ended also when a bucket fails, so that the next update can begin.
+The torch engine enforces the same rule and takes the same request with its CPU encoding of the tensors
+(sglang_backend.serialize_named_tensors).
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from spillover.rollout.sglang import backend as sgl
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WeightPoster:
+    url: str
+    backend: str  # "torch" | "sglang"
+    tp_size: int = 1
+    base_gpu_id: int = 0
+    label: str = "engine"  # for error messages, e.g. "engine 3"
+
+    def update(self, state_dict: dict[str, Any], weight_version: int | str,
+               bucket_bytes: int | None = None) -> int | str | None:
+        """HF-named tensors in buckets of about bucket_bytes (None: one) inside one session; the last bucket sets
+        weight_version and flushes the cache. Returns the version the engine reports."""
+        from spillover.rollout.sglang.update_group import dtype_name, plan_buckets
+
+        specs = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in state_dict.items()]
+        buckets = plan_buckets(specs, bucket_bytes) if bucket_bytes else [specs]
+        with self.session():
+            for i, bucket in enumerate(buckets):
+                last = i == len(buckets) - 1
+                self.post_bucket({name: state_dict[name] for name, _, _ in bucket},
+                                 weight_version if last else None, flush_cache=last)
+        return self.reported_version()
+
+    @contextmanager
+    def session(self):
+        """/begin_weight_update ... /end_weight_update; the session is ended also when the body fails."""
+        self.post(sgl.ENDPOINTS["begin_weight_update"], sgl.begin_weight_update_payload())
+        try:
+            yield
+        except BaseException:
+            try:
+                self.post(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload(), timeout_s=60.0)
+            except Exception as err:  # the update's own error is the one to report
+                log.warning("%s: /end_weight_update after a failed update failed too: %r", self.label, err)
+            raise
+        self.post(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload())
+
+    def post_bucket(self, tensors: dict[str, Any], weight_version: int | str | None, flush_cache: bool = True) -> None:
+        """One /update_weights_from_tensor call (inside a session); weight_version None keeps the engine's version.
+        SGLang: CUDA IPC handles, so the tensors go to this engine's GPU first (one bucket there at a time) and stay
+        alive until the call returns. Torch engine: the tensors' data, safetensors-encoded."""
+        if self.backend == "sglang":
+            device = f"cuda:{self.base_gpu_id}"
+            tensors = {name: tensor.to(device) for name, tensor in tensors.items()}
+        serialized = sgl.serialize_named_tensors(list(tensors.items()), self.tp_size, backend=self.backend)
+        self.post(sgl.ENDPOINTS["update_from_tensor"],
+                  sgl.update_from_tensor_payload(serialized, weight_version, flush_cache=flush_cache))
+
+    def reported_version(self) -> int | str | None:
+        version = httpx.get(self.url + sgl.ENDPOINTS["model_info"], timeout=30.0).json().get("weight_version")
+        return int(version) if isinstance(version, str) and version.isdigit() else version
+
+    def post(self, path: str, payload: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+        """POST a JSON body; a non-200 answer or success:false raises RuntimeError naming the route and engine."""
+        response = httpx.post(self.url + path, json=payload, timeout=timeout_s)
+        body = response.json() if response.content else {}
+        if response.status_code != 200 or (isinstance(body, dict) and body.get("success") is False):
+            message = body.get("message", response.text) if isinstance(body, dict) else response.text
+            raise RuntimeError(f"{path} on {self.label} ({self.url}) failed: {response.status_code} {message[:500]}")
+        return body

@@ -1,0 +1,1 @@
+"""Scoring: rule rewards, reward models, eval."""

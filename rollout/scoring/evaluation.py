@@ -1,0 +1,108 @@
+"""Eval: generate responses for each eval data set, score them, and log slime's eval metrics.
+
+Engine-agnostic: `generate_fn(requests) -> responses` takes SGLang /generate request dicts (input_ids,
+sampling_params, return_logprob, rid) and returns SGLang answers in order (RolloutManager.eval or
+.generate, or any client of the same shapes). Metrics per data set key, as in slime's log_eval_data:
+`eval/<key>` (mean reward), `eval/<key>-truncated_ratio`, plus `eval/step`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from spillover.rollout.drivers.requests import SamplingSettings, build_requests, parse_responses
+from spillover.rollout.sample import Sample, Status
+from spillover.rollout.scoring.rule_reward import decode_responses, score_samples
+
+GenerateFn = Callable[[list[dict]], list[dict]]
+
+
+class PromptSetLike(Protocol):
+    texts: list[str]
+    labels: list[Any]
+    tokens: list[list[int]]
+
+
+class EvalAborted(RuntimeError):
+    """An eval response came back aborted (abort_all during eval): its metrics would be wrong."""
+
+
+def eval_step(rollout_id: int, train_step: int, use_train_step: bool) -> int:
+    """The x-axis of eval metrics (eval/step): the rollout id, or the train step when configured."""
+    return train_step if use_train_step else rollout_id
+
+
+def eval_metrics(key: str, groups: list[list[Sample]]) -> dict[str, float]:
+    """Scored samples of one eval set -> {eval/<key>: mean reward, eval/<key>-truncated_ratio}."""
+    flat = [s for g in groups for s in g]
+    if not flat:
+        raise ValueError(f"eval data set {key!r} produced no samples")
+    rewards = [s.get_reward_value() for s in flat]
+    return {f"eval/{key}": float(np.mean(rewards)),
+            f"eval/{key}-truncated_ratio": float(np.mean([s.status == Status.TRUNCATED for s in flat]))}
+
+
+def eval_log_dict(results: Mapping[str, list[list[Sample]]], step: int) -> dict[str, float]:
+    """Every data set's metrics and eval/step, ready for the tracker."""
+    out: dict[str, float] = {}
+    for key, groups in results.items():
+        out.update(eval_metrics(key, groups))
+    out["eval/step"] = step
+    return out
+
+
+def run_eval(datasets: Mapping[str, PromptSetLike], generate_fn: GenerateFn, reward_fn: Callable, *,
+             tokenizer, stop_token_ids: Sequence[int], max_new_tokens: int, max_model_len: int | None = None,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1, n_samples_per_prompt: int = 1,
+             reward_fn_path: str = "grpo.reward_function_path", stop: Sequence[str] = ()
+             ) -> dict[str, list[list[Sample]]]:
+    """Generate n responses per prompt of every data set (one generate_fn call for all), decode and score them.
+
+    -> {key: groups}, group g = prompt g of that set, with n scored samples. temperature 0 is greedy.
+    A response is TRUNCATED when it ended by length without a stop token, COMPLETED otherwise.
+    """
+    if n_samples_per_prompt < 1 or max_new_tokens < 1:
+        raise ValueError(f"eval needs n_samples_per_prompt >= 1 and max_new_tokens >= 1; got "
+                         f"{n_samples_per_prompt} and {max_new_tokens}")
+    samples: list[Sample] = []
+    budgets: list[int] = []
+    results: dict[str, list[list[Sample]]] = {}
+    for key, data in datasets.items():
+        results[key] = []
+        for g, (text, label, ids) in enumerate(zip(data.texts, data.labels, data.tokens)):
+            budget = max_new_tokens if max_model_len is None else min(max_new_tokens, max_model_len - len(ids))
+            if budget < 1:
+                raise ValueError(f"eval data set {key!r}: prompt #{g + 1} has {len(ids)} tokens, leaving no room "
+                                 f"under rollout.max_model_len ({max_model_len})")
+            data_keys = {"data": data.metadata[g]} if getattr(data, "metadata", None) else {}  # data.additional_keys
+            group = [Sample(g, i, list(ids), label=label, prompt=text, metadata=dict(data_keys))
+                     for i in range(n_samples_per_prompt)]
+            results[key].append(group)
+            samples += group
+            budgets += [budget] * n_samples_per_prompt
+    if not samples:
+        return results
+    sampling = SamplingSettings(temperature, top_p, top_k, tuple(stop_token_ids), stop=tuple(stop))
+    responses = generate_fn(build_requests([s.prompt_tokens for s in samples], np.array(budgets), sampling))
+    if len(responses) != len(samples):
+        raise RuntimeError(f"generate_fn returned {len(responses)} answers for {len(samples)} eval requests")
+    tokens, logprobs, _, versions = parse_responses(responses, default_version=-1)
+    stops = set(stop_token_ids)
+    for s, resp, ids, lps, version in zip(samples, responses, tokens, logprobs, versions):
+        s.append_segment(ids, lps, int(version))
+        s.status = _status(resp, ids, stops)
+    decode_responses(samples, tokenizer, stop_token_ids)
+    for s, reward in zip(samples, score_samples(samples, reward_fn, reward_fn_path)):
+        s.reward = float(reward)
+    return results
+
+
+def _status(response: dict, ids: list[int], stops: set[int]) -> Status:
+    kind = (response["meta_info"].get("finish_reason") or {}).get("type")
+    if kind == "abort":
+        raise EvalAborted(f"eval request {response['meta_info'].get('id')} was aborted after {len(ids)} tokens "
+                          "(engines aborted during eval); run eval again when no abort is pending")
+    if kind == "length" and not (ids and ids[-1] in stops):  # an EOS on the last allowed position reports length
+        return Status.TRUNCATED
+    return Status.COMPLETED

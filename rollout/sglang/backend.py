@@ -1,0 +1,230 @@
+"""The SGLang backend, kept thin: the `sglang.launch_server` command line, the JSON bodies of SGLang's
+weight/memory endpoints, and the server process's start/health/stop.
+
+Checked against sgl-project/sglang `python/sglang/srt/entrypoints/http_server.py` (routes) and
+`managers/io_struct.py` / `server_args.py` (request dataclasses and flags), 0.5.x. GPU only: nothing here
+imports sglang except `serialize_named_tensors`, so the command and payloads are unit-tested on CPU.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+# Route names of SGLang's native HTTP server (http_server.py).
+ENDPOINTS = {
+    "health_generate": "/health_generate",
+    "release_memory": "/release_memory_occupation",
+    "resume_memory": "/resume_memory_occupation",
+    "update_from_tensor": "/update_weights_from_tensor",
+    "update_from_distributed": "/update_weights_from_distributed",
+    "init_update_group": "/init_weights_update_group",
+    "destroy_update_group": "/destroy_weights_update_group",
+    "update_from_disk": "/update_weights_from_disk",
+    "begin_weight_update": "/begin_weight_update",
+    "end_weight_update": "/end_weight_update",
+    "model_info": "/model_info",  # /get_model_info answers too, with a deprecation warning (0.5.23)
+    "abort": "/abort_request",
+    "flush_cache": "/flush_cache",
+}
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # torch_memory_saver regions SGLang can release
+WEIGHT_SELECTORS = ("all", "target", "draft")  # which model a weight-update session covers (draft: speculative)
+
+
+@dataclass(frozen=True)
+class SGLangLaunch:
+    """What one node of one SGLang engine needs to start (flags of `sglang.srt.server_args.ServerArgs`)."""
+
+    model_path: str
+    host: str
+    port: int
+    nccl_port: int
+    tp_size: int = 1
+    base_gpu_id: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # "ip:port" of node 0; required when nnodes > 1
+    max_running_requests: int | None = None
+    random_seed: int = 0
+    weight_version: int | str = 0
+    mem_fraction_static: float | None = None
+    enable_memory_saver: bool = True  # without it /release_memory_occupation frees nothing
+    skip_server_warmup: bool = False
+    log_level: str = "warning"
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("SGLangLaunch.dist_init_addr ('ip:port' of node 0) is required when nnodes > 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"SGLangLaunch.node_rank must be in [0, nnodes={self.nnodes}); got {self.node_rank}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"SGLangLaunch.tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes})")
+
+
+def launch_command(spec: SGLangLaunch, python: str = sys.executable) -> list[str]:
+    """argv of `python -m sglang.launch_server` for one node of one engine."""
+    cmd = [python, "-m", "sglang.launch_server",
+           "--model-path", spec.model_path, "--host", spec.host, "--port", str(spec.port),
+           "--tp-size", str(spec.tp_size), "--nccl-port", str(spec.nccl_port),
+           "--base-gpu-id", str(spec.base_gpu_id), "--random-seed", str(spec.random_seed),
+           "--weight-version", str(spec.weight_version), "--log-level", spec.log_level]
+    if spec.nnodes > 1:
+        cmd += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
+                "--dist-init-addr", str(spec.dist_init_addr)]
+    if spec.max_running_requests is not None:
+        cmd += ["--max-running-requests", str(spec.max_running_requests)]
+    if spec.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(spec.mem_fraction_static)]
+    if spec.enable_memory_saver:
+        cmd.append("--enable-memory-saver")
+    if spec.skip_server_warmup:
+        cmd.append("--skip-server-warmup")
+    return cmd + list(spec.extra_args)
+
+
+# ---- request bodies (field names of the io_struct dataclasses) ------------------------------------------
+def _tags(tags: Sequence[str] | None) -> list[str] | None:
+    if tags is None:
+        return None
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise ValueError(f"memory tags {unknown} are not SGLang's; use some of {list(MEMORY_TAGS)}")
+    return list(tags)
+
+
+def release_memory_payload(tags: Sequence[str] | None = None) -> dict[str, Any]:
+    """ReleaseMemoryOccupationReqInput; tags None releases everything."""
+    return {"tags": _tags(tags)}
+
+
+def resume_memory_payload(tags: Sequence[str] | None = None) -> dict[str, Any]:
+    """ResumeMemoryOccupationReqInput; tags None resumes everything."""
+    return {"tags": _tags(tags)}
+
+
+def begin_weight_update_payload(selector: str = "all") -> dict[str, Any]:
+    """BeginWeightUpdateReqInput: open the session that update_weights_from_tensor / _from_distributed need (SGLang
+    0.5.23 answers success:false to them outside one); one session covers every bucket of one update."""
+    if selector not in WEIGHT_SELECTORS:
+        raise ValueError(f"selector must be one of {list(WEIGHT_SELECTORS)}; got {selector!r}")
+    return {"selector": selector}
+
+
+def end_weight_update_payload() -> dict[str, Any]:
+    """EndWeightUpdateReqInput (no fields of its own): close the session, also after a failed update."""
+    return {}
+
+
+def update_from_tensor_payload(serialized_named_tensors: list[str], weight_version: int | str | None,
+                               load_format: str | None = None, flush_cache: bool = True,
+                               abort_all_requests: bool = False) -> dict[str, Any]:
+    """UpdateWeightsFromTensorReqInput: one serialized [(name, tensor)] list per tensor-parallel rank (see
+    serialize_named_tensors). weight_version None leaves the engine's version as it is (a bucket before the last)."""
+    if not serialized_named_tensors:
+        raise ValueError("serialized_named_tensors is empty: pass one serialized list per TP rank")
+    payload = {"serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format,
+               "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+    if weight_version is not None:
+        payload["weight_version"] = str(weight_version)
+    return payload
+
+
+def update_from_distributed_payload(names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                    weight_version: int | str, group_name: str = "weight_update_group",
+                                    flush_cache: bool = True) -> dict[str, Any]:
+    """UpdateWeightsFromDistributedReqInput: metadata of tensors the trainer then broadcasts over NCCL."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) must align")
+    return {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+            "group_name": group_name, "flush_cache": flush_cache, "weight_version": str(weight_version)}
+
+
+def init_update_group_payload(master_address: str, master_port: int, rank_offset: int, world_size: int,
+                              group_name: str = "weight_update_group", backend: str = "nccl") -> dict[str, Any]:
+    """InitWeightsUpdateGroupReqInput: join the trainer's broadcast group as ranks rank_offset.. of world_size."""
+    if not 0 < rank_offset < world_size:
+        raise ValueError(f"rank_offset must be in (0, world_size={world_size}): rank 0 is the trainer; "
+                         f"got {rank_offset}")
+    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}
+
+
+def update_from_disk_payload(model_path: str, weight_version: int | str, load_format: str | None = None,
+                             abort_all_requests: bool = False) -> dict[str, Any]:
+    """UpdateWeightFromDiskReqInput."""
+    return {"model_path": str(model_path), "load_format": load_format, "abort_all_requests": abort_all_requests,
+            "weight_version": str(weight_version)}
+
+
+def serialize_named_tensors(named_tensors: list[tuple[str, Any]], tp_size: int, backend: str = "sglang") -> list[str]:
+    """The serialized_named_tensors entries (base64 text), one per TP rank. backend "sglang": SGLang's own
+    serializer (CUDA IPC handles: needs sglang, a GPU and a receiver on the same node; the caller keeps the tensors
+    alive until the call returns). backend "torch": the torch engine's CPU stand-in, a safetensors blob of the
+    tensors' data (rollout/sglang/tensor_wire.py), which it decodes without unpickling anything."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1; got {tp_size}")
+    if backend == "torch":
+        from spillover.rollout.sglang.tensor_wire import encode_named_tensors
+
+        entry = encode_named_tensors(named_tensors)
+        return [entry] * tp_size
+    if backend != "sglang":
+        raise ValueError(f"serialize_named_tensors: backend must be 'sglang' or 'torch'; got {backend!r}")
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()  # GPU UUIDs, not indices: the engine may see other CUDA_VISIBLE_DEVICES
+    return [MultiprocessingSerializer.serialize(named_tensors, output_str=True) for _ in range(tp_size)]
+
+
+# ---- the server process ----------------------------------------------------------------------------------
+class SGLangProcess:
+    """One `sglang.launch_server` process (its own session, so stop() takes its scheduler children too). It runs
+    under spillover.infra.fate_share: if the process that started it (the engine actor) dies, even by SIGKILL, the server
+    and its scheduler children go too."""
+
+    def __init__(self, spec: SGLangLaunch, env: dict[str, str] | None = None):
+        from spillover.infra.fate_share import fate_shared
+
+        self.spec = spec
+        self.url = f"http://{spec.host}:{spec.port}"
+        self.proc = subprocess.Popen(fate_shared(launch_command(spec), whole_group=True),
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float = 600.0) -> None:
+        """Block until /health_generate answers 200 (node 0 only: other nodes serve no HTTP)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sglang server for {self.url} exited with code {self.proc.returncode} "
+                                   "during startup (see its log above)")
+            try:
+                if httpx.get(self.url + ENDPOINTS["health_generate"], timeout=5.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"sglang server {self.url} did not pass /health_generate within {timeout_s} s")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the process group; after the leader exits (or grace_s), SIGKILL whatever is left in it."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                continue

@@ -1,0 +1,1 @@
+"""Multi-turn tool use: the environment interface and the pool its calls run on."""

@@ -1,0 +1,1 @@
+"""The CPU torch engine: an HF causal LM behind SGLang's native HTTP API."""

@@ -1,0 +1,143 @@
+"""The torch engine's routes of SGLang's distributed weight protocol (field names: SGLang 0.5.23's io_struct):
+
+- `/init_weights_update_group` joins the trainer's broadcast group (returns after the rendezvous),
+  `/destroy_weights_update_group` leaves it;
+- `/begin_weight_update` and `/end_weight_update` open and close the session that SGLang 0.5.23 requires around
+  `/update_weights_from_tensor` and `/update_weights_from_distributed` (outside one both answer success:false with
+  HTTP 400; `/update_weights_from_disk` needs none);
+- `/update_weights_from_distributed` receives one bucket by broadcast from rank 0 and loads it once running
+  requests have finished (at once while paused), then sets weight_version;
+- `/update_weights_from_tensor` takes SGLang's request shape with this engine's CPU encoding of the entries (see
+  the route);
+- `/get_weights_by_name` returns a parameter's first truncate_size rows (tests compare them with the learner's).
+
+Group and weight routes answer {success, message} with 200 or 400, as SGLang's do.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from spillover.rollout.sglang.protocol import (DestroyWeightsUpdateGroupRequest, GetWeightsByNameRequest,
+                                      InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest,
+                                      UpdateWeightsFromTensorRequest)
+from spillover.rollout.sglang.tensor_wire import decode_named_tensors
+
+if TYPE_CHECKING:
+    from spillover.rollout.torch_engine.server import TorchEngineServer
+
+SELECTORS = ("all", "target", "draft")
+
+
+def result(success: bool, message: str) -> JSONResponse:
+    return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+
+def add_weight_routes(app: FastAPI, server: "TorchEngineServer", parse, read_json) -> None:
+    """parse(request, model) -> (body, error response | None); read_json(request) -> dict (http_app's helpers)."""
+    batcher = server.batcher
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        body, err = await parse(request, InitWeightsUpdateGroupRequest)
+        if err is not None:
+            return err
+        try:
+            await asyncio.to_thread(server.join_update_group, body)
+        except Exception as failure:  # a bad backend, an unreachable master, a rendezvous timeout
+            return result(False, f"Failed to initialize custom process group: {failure}")
+        return result(True, "Succeeded to initialize custom process group.")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        body, err = await parse(request, DestroyWeightsUpdateGroupRequest)
+        if err is not None:
+            return err
+        try:
+            await asyncio.to_thread(server.leave_update_group, body.group_name)
+        except Exception as failure:
+            return result(False, f"Failed to destroy custom process group: {failure}")
+        return result(True, "Succeeded to destroy custom process group.")
+
+    def no_session(route: str) -> JSONResponse:
+        server.weight_update_events.append(f"{route} refused")
+        return result(False, f"{route} needs an open weight update session: POST /begin_weight_update first")
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request):
+        selector = (await read_json(request)).get("selector", "all")
+        if selector not in SELECTORS:
+            return result(False, f"selector must be one of {SELECTORS}; got {selector!r}")
+        if server.weight_session_open:
+            return result(False, "a weight update session is already open: POST /end_weight_update first")
+        server.weight_session_open = True
+        server.weight_update_events.append("begin_weight_update")
+        return result(True, "Weight update session opened.")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update():
+        if not server.weight_session_open:
+            return result(False, "no weight update session is open: POST /begin_weight_update first")
+        server.weight_session_open = False
+        server.weight_update_events.append("end_weight_update")
+        return result(True, "Weight update session closed.")
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        """SGLang's request shape: serialized_named_tensors has one entry per TP rank (this engine is TP rank 0
+        and reads entry 0). SGLang's entries are pickled CUDA IPC handles; this CPU engine's stand-in is base64
+        text of a safetensors blob of the named tensors (rollout/sglang/tensor_wire.py; the client's
+        sglang_backend.serialize_named_tensors(..., backend="torch") writes it): data, never unpickled."""
+        body, err = await parse(request, UpdateWeightsFromTensorRequest)
+        if err is not None:
+            return err
+        if not server.weight_session_open:
+            return no_session("update_weights_from_tensor")
+        if body.selector == "draft":
+            return result(False, "selector 'draft': this engine has no draft model; send 'all' or 'target'")
+        if body.abort_all_requests:
+            batcher.abort(abort_all=True)
+        try:
+            tensors = await asyncio.to_thread(decode_named_tensors, body.serialized_named_tensors[0])
+            await asyncio.wrap_future(server.apply_weights_future(tensors, body.weight_version))
+        except Exception as failure:  # not our encoding, unknown names, wrong shapes, released weights
+            server.weight_update_events.append("update_weights_from_tensor failed")
+            return result(False, f"Failed to update weights from tensor: {failure}")
+        del tensors
+        server.weight_update_events.append("update_weights_from_tensor")
+        return result(True, "Succeeded to update model weights.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        body, err = await parse(request, UpdateWeightsFromDistributedRequest)
+        if err is not None:
+            return err
+        if not server.weight_session_open:
+            return no_session("update_weights_from_distributed")
+        if body.abort_all_requests:
+            batcher.abort(abort_all=True)
+        try:
+            tensors = await asyncio.to_thread(server.receive_weights, body)
+            await asyncio.wrap_future(server.apply_weights_future(tensors, body.weight_version))
+        except Exception as failure:
+            server.weight_update_events.append("update_weights_from_distributed failed")
+            return result(False, f"Failed to update parameter online: {failure}")
+        del tensors  # the bucket's buffers: only the loaded copies stay
+        server.weight_update_events.append("update_weights_from_distributed")
+        return result(True, "Succeeded to update parameter online.")
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request):
+        body, err = await parse(request, GetWeightsByNameRequest)
+        if err is not None:
+            return err
+        try:
+            values = await asyncio.wrap_future(batcher.call(lambda: server.weights_by_name(body.name,
+                                                                                        body.truncate_size)))
+        except ValueError as failure:
+            return JSONResponse({"error": {"message": f"Get parameter by name failed: {failure}"}}, status_code=400)
+        return Response(orjson.dumps(values), media_type="application/json")

@@ -1,0 +1,313 @@
+"""The learner: policy and reference models in Ray actors (one class; the reference is `trainable=False`).
+
+Both compute per-token logprobs of response tokens (log_softmax(logits / T), T = the sampler's
+temperature), projecting only response positions to the vocabulary, in chunks (tasks/learner/token_logprobs.py). The policy
+also runs the GRPO update: PPO-clipped loss against old logprobs, an off-policy correction against the engine's
+rollout logprobs (grpo.off_policy), optional KL to the reference, gradient accumulation over micro-batches,
+gradient clipping, AdamW; each update bumps `weight_version` and reports off-policy metrics
+(tasks/learner/offpolicy_metrics.py).
+
+One actor is one rank of a learner group (tasks/learner/group.py). With learner.world_size > 1 (or on CUDA) the
+model is sharded with FSDP2 and each rank trains on a token-balanced share of every mini-batch with global loss
+denominators (tasks/learner/distributed.py); results and metrics are the same on every rank.
+
+Precision: float32 parameters and AdamW state, compute in learner.param_dtype, weights to engines in model.dtype
+(`dtype`), on every path (tasks/learner/distributed.py).
+
+The model stays in eval mode for the update too: dropout would make the loss's logprobs differ from
+the ones computed for old/ref logprobs (and break bitwise reproducibility on resume).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from spillover.infra.config.run_config import OFF_POLICY_NEEDS_OLD_LOGPROBS, GRPOConfig, OptimizerConfig
+from spillover.infra.config.learner import LearnerConfig
+from spillover.tasks.learner.micro_batches import MicroBatch, RolloutBatch, check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
+from spillover.tasks.grpo_loss import aggregate, clipped_policy_loss, kl_penalty, off_policy_correction
+from spillover.tasks.learner.kl_control import next_kl_coef
+from spillover.tasks.learner.distributed import (all_reduce, balanced_shards, checkpoint_layers, compute_precision, init_distributed,
+                                load_learner_lm, shard_model)
+from spillover.tasks.learner.state import (STATE_FORMAT, full_model_state, load_state, save_hf_folder, save_state,
+                                 unique_state_keys)
+from spillover.tasks.learner.engine_host import EngineHostMixin
+from spillover.tasks.learner.token_logprobs import ResponseLogprobModel
+from spillover.tasks.learner.offpolicy_metrics import OffPolicyStats
+from spillover.tasks.learner.weight_sender import WeightSenderMixin, for_engines
+
+__all__ = ["LearnerActor"]
+
+
+class LearnerActor(WeightSenderMixin, EngineHostMixin):
+    """Policy (trainable=True) or frozen reference (trainable=False) over an HF causal LM folder; one rank (the
+    host of a colocated engine too: tasks/learner/engine_host.py). dtype: model.dtype, the dtype of the weights engines
+    get; the learner's own parameters are float32."""
+
+    def __init__(self, model_path: str, grpo_cfg: GRPOConfig, optim_cfg: OptimizerConfig, temperature: float,
+                 seed: int, trainable: bool, dtype: str = "float32", num_threads: int | None = 1,
+                 device: str | None = None, total_steps: int = 1, learner_cfg: LearnerConfig | None = None,
+                 rank: int = 0, master: tuple[str, int] | None = None):
+        lcfg = learner_cfg or LearnerConfig(device=device or "cpu", cpu_threads=num_threads or 1)
+        torch.set_num_threads(lcfg.cpu_threads if learner_cfg is not None else (num_threads or torch.get_num_threads()))
+        torch.manual_seed(seed)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if temperature <= 0:
+            raise ValueError(f"rollout.temperature must be > 0 for logprobs; got {temperature}")
+        self.model_path, self.grpo, self.optim_cfg, self.lcfg = str(model_path), grpo_cfg, optim_cfg, lcfg
+        self.temperature, self.trainable = float(temperature), bool(trainable)
+        self.rank, self.world_size, self.total_steps = int(rank), lcfg.world_size, int(total_steps)
+        self.sharded = lcfg.world_size > 1 or lcfg.device == "cuda"
+        self.device = "cuda" if lcfg.device == "cuda" else "cpu"
+        if self.sharded:
+            if master is None:
+                raise ValueError("a sharded learner rank needs master=(address, port) of rank 0")
+            init_distributed(self.rank, lcfg.world_size, master[0], master[1], lcfg.backend)
+        self.weight_dtype = getattr(torch, dtype)
+        lm = load_learner_lm(self.model_path, lcfg)
+        self.state_keys = unique_state_keys(lm)
+        self.param_names = [name for name, _ in lm.named_parameters()]
+        if not trainable:
+            lm.requires_grad_(False)
+        if self.device == "cuda":
+            lm.to("cuda")
+        self.model, self.net = lm, ResponseLogprobModel(lm, temperature, lcfg.logprob_chunk_tokens)  # net: FSDP root
+        layers = lm.get_decoder().layers
+        if self.sharded:
+            shard_model(self.net, layers, lcfg, trainable)
+        elif trainable and lcfg.gradient_checkpointing:
+            checkpoint_layers(layers)
+        cfg = lm.config
+        pad = getattr(cfg, "pad_token_id", None)
+        self.pad_id = int(pad if pad is not None else (getattr(cfg, "eos_token_id", None) or 0))
+        self._version, self.kl_coef = 0, float(grpo_cfg.kl_coef)  # grpo.kl_ctrl=adaptive moves kl_coef
+        self.optimizer = None
+        if trainable:
+            self.optimizer = torch.optim.AdamW(
+                list(self.net.parameters()), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
+                weight_decay=optim_cfg.weight_decay, foreach=False)
+
+    # ----- logprobs -----
+    def _forward(self, mb: MicroBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs[B, R], entropy[B, R]) of the micro-batch's response tokens, float32."""
+        d = self.device
+        with compute_precision(self.lcfg, self.sharded, d):
+            return self.net(mb.input_ids.to(d), mb.attention_mask.to(d), mb.logit_positions.to(d), mb.targets.to(d),
+                            mb.response_mask.to(d), with_entropy=with_entropy)
+
+    def _micro_batches(self, batch: RolloutBatch, subset: list[int] | None = None, all_rows: bool = False):
+        """This rank's micro-batches of `subset` (all rows when None). Sharded: a token-balanced share, and the
+        same number of micro-batches on every rank (FSDP's collectives); a rank short of one gets a padding
+        micro-batch with no loss tokens and no indices. all_rows: every row, on every rank (no model calls)."""
+        subset = list(range(len(batch))) if subset is None else list(subset)
+        size = self.grpo.micro_batch_size
+        if all_rows or self.world_size == 1:
+            shares, mine = [subset], subset
+        else:
+            shares = [[subset[i] for i in share]
+                      for share in balanced_shards(batch.seq_lengths[subset], self.world_size)]
+            mine = shares[self.rank]
+        groups = micro_batch_indices(batch.seq_lengths[mine], size) if mine else []
+        for indices in groups:
+            yield make_micro_batch(batch, [mine[i] for i in indices], self.pad_id)
+        for _ in range(max(math.ceil(len(s) / size) for s in shares) - len(groups)):
+            mb = make_micro_batch(batch, [subset[0]], self.pad_id)
+            yield replace(mb, indices=[], loss_mask=torch.zeros_like(mb.loss_mask))
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch) -> np.ndarray:
+        """Logprob of every response token of the batch -> float32[Tr] (the batch's token order)."""
+        self._note("compute_logprobs")
+        out = np.zeros(len(batch.response_tokens), dtype=np.float32)
+        starts = batch.response_offsets
+        for mb in self._micro_batches(batch):
+            logp = self._forward(mb)[0].cpu()
+            for row, i in enumerate(mb.indices):
+                out[starts[i]:starts[i + 1]] = logp[row, :batch.response_lengths[i]].numpy()
+        if self.world_size > 1:  # disjoint shares, zeros elsewhere: the sum is exact
+            out = all_reduce(out).astype(np.float32)
+        return out
+
+    # ----- update -----
+    def _old_logprobs(self, batch: RolloutBatch, old_logprobs: np.ndarray | None) -> tuple[np.ndarray, str]:
+        if old_logprobs is not None:
+            check_per_token("old_logprobs", old_logprobs, batch)
+            return old_logprobs, "given"
+        if self.grpo.off_policy in OFF_POLICY_NEEDS_OLD_LOGPROBS:  # no silent fallback (every weight would be 1)
+            raise ValueError(f"grpo.off_policy={self.grpo.off_policy} needs old logprobs (compute_logprobs), not None")
+        # None: the caller decided the rollout logprobs stand in (spillover.tasks.logprob.needs_old_logprob_pass)
+        return batch.rollout_logprobs, "rollout"
+
+    def update(self, batch: RolloutBatch, old_logprobs: np.ndarray | None = None,
+               ref_logprobs: np.ndarray | None = None) -> dict:
+        """One iteration's update: grpo.num_steps_per_rollout optimizer steps, each over one mini-batch (a
+        contiguous, group-aligned share of the batch; micro-batches accumulate gradients) -> metrics."""
+        if not self.trainable:
+            raise RuntimeError("update() called on a frozen reference learner (trainable=False)")
+        started = time.perf_counter()
+        self._note("update")
+        g = self.grpo
+        if g.kl_coef > 0:
+            if ref_logprobs is None:
+                raise ValueError(f"grpo.kl_coef={g.kl_coef} needs ref_logprobs from the reference learner "
+                                 "(or set grpo.kl_coef=0)")
+            check_per_token("ref_logprobs", ref_logprobs, batch)
+        old, old_source = self._old_logprobs(batch, old_logprobs)
+        num_tokens = int(batch.loss_tokens.sum())
+        stats = OffPolicyStats(g.off_policy, self._version)  # mismatch: from old, else step 0's forward pass
+        kept = self._off_policy_pass(batch, old, stats, measure_mismatch=old_source != "rollout")
+        sums = dict.fromkeys(("pg_loss", "kl_loss", "loss", "clipped", "tis", "kl", "entropy", "stale", "ppo_kl",
+                              "tis_max"), 0.0)
+        steps = g.num_steps_per_rollout
+        norms, stepped = [], []
+        for k, chunk in enumerate(np.array_split(np.arange(len(batch)), steps)):
+            norm, did_step = self._step(batch, chunk.tolist(), old, ref_logprobs, sums, self._version * steps + k,
+                                        kept, stats if old_source == "rollout" and k == 0 else None)
+            norms.append(norm)
+            stepped.append(did_step)
+        if self.world_size > 1:  # each rank trained on its share: metric sums over ranks
+            names = [k for k in sums if k != "tis_max"]
+            total = all_reduce([sums[k] for k in names] + [stats.mismatch_sum, stats.mismatch_n])
+            sums.update(zip(names, total[:len(names)].tolist()))
+            stats.mismatch_sum, stats.mismatch_n = float(total[-2]), int(total[-1])
+            sums["tis_max"] = float(all_reduce([sums["tis_max"]], op="max")[0])
+        trained_on = self._version
+        self._version += 1
+        tokens, trained = float(max(num_tokens, 1)), float(max(kept.sum(), 1))  # trained: what off_policy kept
+        return {
+            "loss": sums["loss"] / steps, "pg_loss": sums["pg_loss"] / steps, "kl_loss": sums["kl_loss"] / steps,
+            "kl": sums["kl"] / trained, "clip_fraction": sums["clipped"] / trained, "grad_norm": float(np.mean(norms)),
+            "tis_weight_mean": sums["tis"] / trained, "tis_weight_max": sums["tis_max"],
+            "stale_token_share": sums["stale"] / tokens, "ppo_kl": sums["ppo_kl"] / trained,
+            "entropy": sums["entropy"] / trained, "old_logprob_source": old_source, **stats.metrics(),
+            "num_samples": len(batch), "num_tokens": num_tokens, "num_trained_tokens": int(kept.sum()),
+            "stepped": all(stepped), "optimizer_steps": int(sum(stepped)),
+            "trained_weight_version": trained_on, "weight_version": self._version,
+            "update_s": time.perf_counter() - started, "lr": self.optimizer.param_groups[0]["lr"],
+            **self._advance_kl_coef(sums["kl"] / trained, len(batch)),
+            **({"nll": -float(np.dot(old, batch.loss_mask)) / tokens} if batch.sft else {}),  # before the step
+        }
+
+    def _off_policy_pass(self, batch: RolloutBatch, old: np.ndarray, stats: OffPolicyStats,
+                         measure_mismatch: bool) -> np.ndarray:
+        """Per row, the loss tokens grpo.off_policy keeps (the denominators) -> float[R]; fills `stats`."""
+        g, kept = self.grpo, np.zeros(len(batch))
+        for mb in self._micro_batches(batch, all_rows=True):  # no model calls: every rank sees every row
+            old_mb = pad_per_token(old, batch, mb.indices, mb.loss_mask.size(1))
+            _, keep = off_policy_correction(g.off_policy, old_mb, mb.rollout_logprobs, mb.loss_mask, g.tis_cap,
+                                            g.seq_reject_low, g.seq_reject_high)
+            kept[mb.indices] = keep.sum(dim=1).numpy()
+            stats.add(mb.weight_versions, mb.loss_mask, old_mb, mb.rollout_logprobs, keep)
+            if measure_mismatch:
+                stats.add_mismatch(mb.weight_versions, mb.loss_mask, mb.rollout_logprobs, old_mb)
+        return kept
+
+    def _step(self, batch: RolloutBatch, subset: list[int], old: np.ndarray, ref_logprobs: np.ndarray | None, sums: dict,
+              step: int, kept: np.ndarray, mismatch: OffPolicyStats | None = None) -> tuple[float, bool]:
+        """One AdamW step over the samples `subset`; adds its metric sums to `sums` -> (grad norm, stepped).
+        kept: _off_policy_pass's; mismatch: where to add the training-inference mismatch of this forward pass."""
+        g = self.grpo
+        total_tokens, total_seqs = float(kept[subset].sum()), float((kept[subset] > 0).sum())
+        self.optimizer.zero_grad(set_to_none=True)
+        for mb in self._micro_batches(batch, subset):
+            logp, entropy = self._forward(mb, with_entropy=True)
+            mask = mb.loss_mask.to(self.device)
+            old_mb = pad_per_token(old, batch, mb.indices, mask.size(1)).to(self.device)
+            pg, clipped = clipped_policy_loss(logp, old_mb, mb.advantages.to(self.device), g.clip_eps, g.clip_eps_high)
+            weights, mask = off_policy_correction(g.off_policy, old_mb, mb.rollout_logprobs.to(self.device), mask,
+                                                  g.tis_cap, g.seq_reject_low, g.seq_reject_high)
+            if mismatch is not None:
+                mismatch.add_mismatch(mb.weight_versions, mb.loss_mask, mb.rollout_logprobs, logp.detach())
+            pg_loss = aggregate(pg * weights, mask, g.loss_agg, total_tokens, total_seqs)
+            loss = pg_loss
+            if g.kl_coef > 0:
+                ref_mb = pad_per_token(ref_logprobs, batch, mb.indices, mask.size(1)).to(self.device)
+                kl = kl_penalty(logp, ref_mb, g.kl_estimator)
+                kl_loss = aggregate(kl, mask, g.loss_agg, total_tokens, total_seqs)
+                loss = loss + self.kl_coef * kl_loss
+                sums["kl_loss"] += float(kl_loss.detach())
+                sums["kl"] += float((kl.detach() * mask).sum())
+            if total_tokens > 0:
+                loss.backward()
+            with torch.no_grad():
+                sums["pg_loss"] += float(pg_loss.detach())
+                sums["loss"] += float(loss.detach())
+                sums["clipped"] += float((clipped * mask).sum())
+                sums["tis"] += float((weights * mask).sum())
+                sums["ppo_kl"] += float(((old_mb - logp.detach()) * mask).sum())
+                sums["entropy"] += float((entropy * mask).sum())
+                policy_made = (mb.weight_versions >= 0) & (mb.weight_versions < self._version)  # -1: SFT, no policy
+                sums["stale"] += float((policy_made.float() * mb.loss_mask).sum())
+                if mask.sum() > 0:
+                    sums["tis_max"] = max(sums["tis_max"], float(weights[mask > 0].max()))
+        params = [p for p in self.net.parameters() if p.requires_grad]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.grad_clip)) if total_tokens else 0.0
+        stepped = total_tokens > 0 and bool(np.isfinite(grad_norm))
+        if stepped:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.optim_cfg.lr_at(step, self.total_steps * self.grpo.num_steps_per_rollout)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, stepped
+
+    # ----- weights and state -----
+    def reset(self, model_path: str, **init_kwargs) -> None:
+        """Start over as a new actor would (flows/parts.py): leave every weight-update group, construct again."""
+        for name in list(self.__dict__.get("_weight_groups", {})):
+            self.leave_weight_group(name)
+        self.__init__(model_path, **init_kwargs)
+
+    def weight_version(self) -> int:
+        return self._version
+
+    def state_dict_ref(self) -> dict[str, torch.Tensor]:
+        """The model's HF-named tensors in model.dtype, as engines load them (sharded: gathered, on rank 0 only;
+        Ray serialises them once)."""
+        return {k: for_engines(v, self.weight_dtype) for k, v in full_model_state(self.net, self.model,
+                                                                                    self.sharded).items()}
+
+    def save_weights(self, folder: str) -> str:
+        """Write an HF folder (safetensors + config + tokenizer, model.dtype) for /update_weights_from_disk (rank 0
+        writes)."""
+        state = full_model_state(self.net, self.model, self.sharded)
+        if self.rank == 0:
+            save_hf_folder(self.model, {k: for_engines(state[k], self.weight_dtype) for k in self.state_keys},
+                           self.model_path, folder, self._version)
+        return str(folder)
+
+    def write_state_shards(self, store_url: str, storage_cfg, prefix: str, group: str = "policy") -> dict:
+        """This rank's slices of the learner state, written by this rank under `prefix` of the checkpoint store
+        (tasks/learner/shards.py) -> what the manifest lists of them."""
+        from spillover.infra.storage.checkpoint import MAX_OBJECT_BYTES
+        from spillover.infra.storage.store import open_store
+        from spillover.tasks.learner.shards import local_state, write_local_state
+
+        meta = {"format": STATE_FORMAT, "weight_version": self._version, "trainable": self.trainable,
+                "model_keys": self.state_keys, "kl_coef": self.kl_coef}
+        tensors, info = local_state(self.net, self.optimizer, self.param_names, self.state_keys, self.rank,
+                                    self.world_size, meta)
+        return write_local_state(open_store(store_url, storage_cfg), prefix, group, tensors, info, MAX_OBJECT_BYTES)
+
+    def _advance_kl_coef(self, measured_kl: float, n_samples: int) -> dict:
+        """-> {"kl_coef": the coefficient this update used}; the next one follows grpo.kl_ctrl (tasks/learner/kl_control.py)."""
+        used, g = self.kl_coef, self.grpo
+        if g.kl_coef > 0:
+            self.kl_coef = next_kl_coef(used, measured_kl, n_samples, g.kl_ctrl, g.kl_target, g.kl_horizon)
+        return {"kl_coef": used}
+
+    def get_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Model + optimizer state as named tensors (safetensors-ready) and JSON-able meta (tasks/learner/state.py;
+        sharded: rank 0's, the others return empty dicts)."""
+        tensors, meta = save_state(self.net, self.model, self.optimizer, self.param_names, self.state_keys,
+                                   self.sharded, self._version, self.trainable)
+        return tensors, ({**meta, "kl_coef": self.kl_coef} if meta else meta)
+
+    def set_state(self, tensors: dict, meta: dict) -> None:
+        """Restore what get_state returned, at any world_size (tensors may be numpy arrays, e.g. safetensors.numpy)."""
+        self._version = load_state(self.net, self.model, self.optimizer, self.param_names, self.state_keys,
+                                   self.sharded, tensors, meta, self.model_path)
+        self.kl_coef = float(meta.get("kl_coef", self.grpo.kl_coef))  # checkpoints before grpo.kl_ctrl have none
