@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from spillover.infra.config.run_config import RolloutConfig  # noqa: E402
+from spillover.infra.config.rollout import RolloutConfig  # noqa: E402
 from spillover.rollout.dock.transfer_dock import TransferDock  # noqa: E402
 from bench.simulator.engine import EngineTiming, SimulatedEngine  # noqa: E402
 from bench.simulator.workload import DEFAULT_EOS, LognormalLengths, simulated_prompt  # noqa: E402

@@ -127,7 +127,7 @@ class LoadSampler:
 
 class RealRun:
     def __init__(self, args):
-        from spillover.infra.config.run_config import EnginesConfig
+        from spillover.infra.config.engines import EnginesConfig
         from spillover.infra.models import build_tiny_model, load_tokenizer
 
         if args.token_scale != 1:

@@ -75,7 +75,8 @@ def main() -> None:
     import ray
 
     from spillover.infra.cluster import init_ray, set_loopback_env
-    from spillover.infra.config.run_config import EnginesConfig, build_config
+    from spillover.infra.config.engines import EnginesConfig
+    from spillover.infra.config.run_config import build_config
     from spillover.rollout.fleet.manager import RolloutManager
     from spillover.tasks.learner.group import create_learner_group
 

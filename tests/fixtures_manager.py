@@ -12,7 +12,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def rollout_manager(ray_session, varied_model_dir):
-    from spillover.infra.config.run_config import EnginesConfig
+    from spillover.infra.config.engines import EnginesConfig
     from spillover.rollout.fleet.manager import RolloutManager
 
     cfg = EnginesConfig(rollout_num_gpus=2, gpus_per_engine=1, max_running_requests=32, health_timeout_s=3.0,

@@ -1,18 +1,28 @@
-"""The engines section's weight-sync and SGLang fields (issue 13), a base of `EnginesConfig` in infra/config/run_config.py
-(kept apart so that file stays small)."""
+"""The `engines` section: the inference engines (backend, GPUs, slots), the router, health checks, how weights reach
+the engines, and SGLang's own server flags."""
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from spillover.infra.config.base import Section
 
-__all__ = ["EngineSyncFields", "ROUTER_POLICIES"]
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sglang-router 0.3.2's regular ones
 
 
-class EngineSyncFields(Section):
+class EnginesConfig(Section):
+    backend: Literal["torch", "sglang"] = Field("torch", description="torch: CPU/GPU engine of ours; sglang: GPU.")
+    rollout_num_gpus: int = Field(2, ge=1, description="Accelerators (or CPU slots) for rollout in all.")
+    gpus_per_engine: int = Field(1, ge=1, description="Accelerators per engine (tensor parallel size).")
+    num_cpus_per_engine: float = Field(0.0, ge=0, description="Ray CPUs reserved per CPU engine actor.")
+    max_running_requests: int = Field(128, ge=1, description="Decode slots per engine.")
+    router_address: str | None = Field(None, description="External sglang-router URL; empty = start one.")
+    health_timeout_s: float = Field(30.0, gt=0, description="A /health_generate slower than this is dead.")
+    health_interval_s: float = Field(30.0, ge=0, description="Background engine health check every this many "
+                                     "seconds (dead or hung engines are restarted); 0 = off.")
+    ray_address: str | None = Field(None, description="Ray cluster address; empty = RAY_ADDRESS or local.")
+
     weight_sync: Literal["distributed", "tensor", "disk"] = Field(
         "tensor", description="How new weights reach the engines: distributed = SGLang's weight-update group (the "
         "learner's rank 0 broadcasts bucket by bucket; NCCL on GPUs, gloo on CPU); tensor = the whole state dict "
@@ -32,6 +42,17 @@ class EngineSyncFields(Section):
         "cuda_graph_max_bs_decode: 256, attention_backend: fa3}); checked against SGLang 0.5.23's fields.")
     router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] | None = Field(
         None, description="sglang-router policy; empty = cache_aware for the sglang backend, round_robin for torch.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EnginesConfig":
+        if self.rollout_num_gpus % self.gpus_per_engine:
+            raise ValueError(f"engines.rollout_num_gpus ({self.rollout_num_gpus}) must be a multiple of "
+                             f"engines.gpus_per_engine ({self.gpus_per_engine})")
+        return self
+
+    @property
+    def num_engines(self) -> int:
+        return self.rollout_num_gpus // self.gpus_per_engine
 
     @field_validator("sglang_args")
     @classmethod

@@ -13,11 +13,11 @@ import yaml
 from pydantic import Field, SecretStr, ValidationError, model_validator
 
 from spillover.infra.config.parsing import ConfigError, apply_overrides, format_validation_error
-from spillover.infra.config.engines import EngineSyncFields
+from spillover.infra.config.engines import EnginesConfig
 from spillover.infra.config.learner import LearnerConfig, check_learner_batch
 from spillover.infra.config.placement import PlacementConfig, check_placement
 from spillover.infra.config.base import Section
-from spillover.infra.config.tools import ToolFields
+from spillover.infra.config.rollout import SFT_ROLLOUT_FUNCTION, RolloutConfig
 from spillover.infra.config.scoring import EvalConfig, RewardModelConfig  # noqa: F401 (importable from here)
 from spillover.infra.config.training import OFF_POLICY_NEEDS_OLD_LOGPROBS, GRPOConfig, OptimizerConfig  # noqa: F401 (as above)
 
@@ -85,116 +85,6 @@ class DataConfig(_Section):
         "refuse", description="What to do with a prompt longer than rollout.max_model_len - rollout.max_tokens: "
         "refuse the file, or keep the prompt's last tokens (counted in metrics).")
     shuffle: bool = Field(True, description="Shuffle prompt order (seeded by model.seed).")
-
-
-SFT_ROLLOUT_FUNCTION = "spillover.rollout.builtin.sft.generate_sft_rollout"
-
-
-class RolloutConfig(ToolFields):  # multi-turn tool fields: infra/config/tools.py
-    global_batch_size: int = Field(16, ge=1, description="GBS: prompt groups trained per iteration.")
-    n_samples_per_prompt: int = Field(8, description="Responses per prompt (group size n). GRPO needs >= 2.")
-    max_tokens: int = Field(32, ge=1, description="Most response tokens per sample, over all its rounds.")
-    max_model_len: int = Field(64, ge=2, description="Most prompt + response tokens per sample.")
-    max_split: int = Field(
-        2, description="Partial rollout: a response is generated in up to max_split rounds of "
-        "max_tokens // max_split tokens. 1 = plain GRPO (no partial rollout).")
-    max_age: int | None = Field(
-        None, description="Most iterations a row may be carried over; empty = max_split (async mode or "
-        "over_sampling_groups: at least 2).")
-    require_max_age_all_finished: bool = Field(
-        True, description="The staleness bound, in sync and async mode: a batch waits until every prompt group at "
-        "max age has finished (a group's age counts the updates since its first token), so no trained token is more "
-        "than max_age - 1 weight versions old; with over-sampling, extra groups start only when they can be trained "
-        "in time. false: off (rows may be carried up to max_split iterations and longer with over-sampling).")
-    mode: Literal["sync", "async"] = Field("sync", description="sync: chunked rounds; async: stop signal + abort.")
-    over_sampling_groups: int = Field(0, ge=0, description="Extra groups dispatched beyond GBS (APRIL).")
-    scheduling: Literal["fifo", "length_aware"] = Field(
-        "fifo", description="Dispatch order: fifo = the dock's (oldest first); length_aware = longest expected remaining "
-        "work first (carried-over rows, a group's finished siblings; rollout/drivers/scheduling.py), rows spread over engines.")
-    tail_factor: float = Field(0.0, ge=0, description="Tail batching (length_aware): rows expected above this x the "
-                               "median remaining work wait for the long round; 0 = off.")
-    tail_round_every: int = Field(2, ge=1, description="Tail batching: every k-th iteration is a long round.")
-    tail_engines: int = Field(0, ge=0, description="length_aware with tail_factor: engines reserved for the tail rows, "
-                              "every round (they run few requests, so fast steps); 0 = tail rows wait for the long round.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature (the learner uses the same).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(-1, description="Top-k sampling; -1 = off.")
-    stop: list[str] = Field(
-        default_factory=list, max_length=32, description="Stop strings (SGLang's sampling_params.stop, at most "
-        "32): generation ends once the response text contains one (its tokens stay in the response).")
-    deterministic_sampling: bool = Field(
-        False, description="Seed every request (SGLang's sampling_params.sampling_seed, from model.seed, the group "
-        "and the sample index): samples then do not depend on batching, timing or restarts, so a resumed run "
-        "repeats an uninterrupted one. The sglang backend needs --enable-deterministic-inference for it.")
-    rollout_function_path: str = Field(
-        "spillover.rollout.drivers.default_rollout.generate_rollout", description="Import path of the rollout function.")
-    eval_function_path: str | None = Field(
-        None, description="Import path of the eval function (slime's signature, called with evaluation=True every "
-        "schedule.eval_interval iterations, with or without data.eval_paths); empty = the built-in eval over "
-        "data.eval_paths.")
-
-    @property
-    def partial(self) -> bool:
-        return self.max_split > 1
-
-    @property
-    def effective_max_age(self) -> int:
-        """max_age, else max_split; async mode and over-sampling carry unfinished groups at least once (APRIL)."""
-        if self.max_age is not None:
-            return self.max_age
-        return max(2, self.max_split) if self.mode == "async" or self.over_sampling_groups else self.max_split
-
-    @property
-    def staleness_bounded(self) -> bool:
-        """Is the max-age bound on (spillover.rollout.dock.staleness)? The one place that decides it, for every mode."""
-        return self.require_max_age_all_finished
-
-    @property
-    def sft(self) -> bool:
-        return self.rollout_function_path == SFT_ROLLOUT_FUNCTION
-
-    @model_validator(mode="after")
-    def _check(self) -> "RolloutConfig":
-        if self.n_samples_per_prompt < 2 and not self.sft:
-            raise ValueError("rollout.n_samples_per_prompt must be >= 2 for GRPO (group-normalised advantages "
-                             f"need a group); got {self.n_samples_per_prompt}")
-        if self.max_split < 1:
-            raise ValueError(f"rollout.max_split must be >= 1 (1 = no partial rollout); got {self.max_split}")
-        if self.max_tokens < self.max_split:
-            raise ValueError(f"rollout.max_tokens ({self.max_tokens}) must be >= rollout.max_split "
-                             f"({self.max_split}): each round generates max_tokens // max_split tokens")
-        if self.max_model_len <= self.max_tokens:
-            raise ValueError(f"rollout.max_model_len ({self.max_model_len}) must exceed rollout.max_tokens "
-                             f"({self.max_tokens}) to leave room for the prompt")
-        if self.max_age is not None and self.max_age < 1:
-            raise ValueError(f"rollout.max_age must be >= 1; got {self.max_age}")
-        if any(not s for s in self.stop):
-            raise ValueError("rollout.stop holds an empty string; give non-empty stop strings")
-        return self
-
-
-class EnginesConfig(EngineSyncFields):  # weight sync and SGLang fields: infra/config/engines.py
-    backend: Literal["torch", "sglang"] = Field("torch", description="torch: CPU/GPU engine of ours; sglang: GPU.")
-    rollout_num_gpus: int = Field(2, ge=1, description="Accelerators (or CPU slots) for rollout in all.")
-    gpus_per_engine: int = Field(1, ge=1, description="Accelerators per engine (tensor parallel size).")
-    num_cpus_per_engine: float = Field(0.0, ge=0, description="Ray CPUs reserved per CPU engine actor.")
-    max_running_requests: int = Field(128, ge=1, description="Decode slots per engine.")
-    router_address: str | None = Field(None, description="External sglang-router URL; empty = start one.")
-    health_timeout_s: float = Field(30.0, gt=0, description="A /health_generate slower than this is dead.")
-    health_interval_s: float = Field(30.0, ge=0, description="Background engine health check every this many "
-                                     "seconds (dead or hung engines are restarted); 0 = off.")
-    ray_address: str | None = Field(None, description="Ray cluster address; empty = RAY_ADDRESS or local.")
-
-    @model_validator(mode="after")
-    def _check(self) -> "EnginesConfig":
-        if self.rollout_num_gpus % self.gpus_per_engine:
-            raise ValueError(f"engines.rollout_num_gpus ({self.rollout_num_gpus}) must be a multiple of "
-                             f"engines.gpus_per_engine ({self.gpus_per_engine})")
-        return self
-
-    @property
-    def num_engines(self) -> int:
-        return self.rollout_num_gpus // self.gpus_per_engine
 
 
 class StorageConfig(_Section):

@@ -16,7 +16,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from spillover.infra.config.run_config import EnginesConfig
+from spillover.infra.config.engines import EnginesConfig
 from spillover.rollout.fleet.engine_actor import EngineActor
 from spillover.infra.config.sglang_flags import sglang_launch_options
 

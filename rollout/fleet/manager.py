@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import ray
 from anyio.from_thread import start_blocking_portal
 
-from spillover.infra.config.run_config import EnginesConfig
+from spillover.infra.config.engines import EnginesConfig
 from spillover.rollout.fleet.colocated_pool import ColocatedEnginePool
 from spillover.rollout.fleet.engine_pool import EngineHandle, EnginePool, default_torch_threads
 from spillover.rollout.sglang import backend as sgl

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from contract_checks import accepted
-from spillover.infra.config.run_config import RolloutConfig, load_config
+from spillover.infra.config.rollout import RolloutConfig
+from spillover.infra.config.run_config import load_config
 from spillover.rollout.dock.transfer_dock import TransferDock
 from bench.simulator.engine import EngineTiming, SimulatedEngine
 from bench.simulator.workload import DEFAULT_EOS, TableLengths, simulated_prompt

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from contract_checks import accepted
-from spillover.infra.config.run_config import EnginesConfig, load_config
+from spillover.infra.config.engines import EnginesConfig
+from spillover.infra.config.run_config import load_config
 from spillover.infra.config.sglang_flags import MANAGED, _is_bool, server_fields, server_flags, sglang_launch_options
 from spillover.rollout.sglang.backend import SGLangLaunch, launch_command
 

@@ -26,7 +26,7 @@ def model_path(recipe_model_dir) -> str:
 
 @pytest.fixture(scope="module")
 def sglang_manager(ray_session, model_path):
-    from spillover.infra.config.run_config import EnginesConfig
+    from spillover.infra.config.engines import EnginesConfig
     from spillover.rollout.fleet.manager import RolloutManager
 
     cfg = EnginesConfig(backend="sglang", rollout_num_gpus=1, gpus_per_engine=1, max_running_requests=64,

@@ -282,7 +282,7 @@ def test_offload_then_onload_brings_back_the_served_weights(rollout_manager, mon
 
 
 def test_shutdown_leaves_no_process_and_stops_the_monitor_started_from_config(ray_session, varied_model_dir):
-    from spillover.infra.config.run_config import EnginesConfig
+    from spillover.infra.config.engines import EnginesConfig
     from spillover.rollout.fleet.manager import RolloutManager
 
     m = RolloutManager(EnginesConfig(rollout_num_gpus=1, max_running_requests=4, health_interval_s=0.2),
@@ -351,7 +351,7 @@ def test_requests_failed_by_the_router_are_retried_after_recovery(tiny_model_dir
 
 
 def test_more_slots_than_the_cluster_has_fails_at_once_naming_the_field(ray_session, tiny_model_dir):
-    from spillover.infra.config.run_config import EnginesConfig
+    from spillover.infra.config.engines import EnginesConfig
     from spillover.rollout.fleet.engine_pool import EnginePool
 
     too_many = EnginesConfig(rollout_num_gpus=4, num_cpus_per_engine=1000)

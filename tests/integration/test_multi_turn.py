@@ -8,7 +8,9 @@ import threading
 
 import numpy as np
 
-from spillover.infra.config.run_config import RolloutConfig, build_config
+from spillover.infra.config.rollout import RolloutConfig
+
+from spillover.infra.config.run_config import build_config
 from spillover.infra.models import load_tokenizer
 from spillover.rollout.dock import turns as dock_turns
 from spillover.rollout.dock.transfer_dock import TransferDock

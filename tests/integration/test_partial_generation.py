@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from spillover.infra.config.run_config import RolloutConfig
+from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.drivers.async_stream import generate_until_ready_async
 from spillover.rollout.drivers.sync_rounds import generate_until_ready_sync

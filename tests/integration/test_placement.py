@@ -143,7 +143,7 @@ def _child(model_dir: str, staging: dict) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from spillover.infra.config.run_config import EnginesConfig
+    from spillover.infra.config.engines import EnginesConfig
     import httpx
 
     from background import lower_priority

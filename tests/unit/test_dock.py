@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from dock_helpers import EOS, finish_groups, load, make_dock, put
 
-from spillover.infra.config.run_config import RolloutConfig
+from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.batch import to_samples
 from spillover.rollout.dock.transfer_dock import DockError, TransferDock
 from spillover.rollout.dock.buffers import PagedColumns

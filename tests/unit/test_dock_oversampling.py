@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spillover.infra.config.run_config import RolloutConfig
+from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.tasks.prompts import groups_for_iteration
 

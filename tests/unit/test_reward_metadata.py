@@ -75,7 +75,7 @@ def test_async_reward_functions_run_concurrently_within_the_bound():
 
 
 def test_rollout_stop_strings_go_into_the_requests():
-    from spillover.infra.config.run_config import RolloutConfig
+    from spillover.infra.config.rollout import RolloutConfig
     from spillover.rollout.drivers.requests import SamplingSettings, build_requests
 
     cfg = RolloutConfig(stop=["</answer>", "\n\n"])

@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from spillover.infra.config.run_config import RolloutConfig
+from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.drivers import dispatch
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.dock.staleness import token_staleness_max

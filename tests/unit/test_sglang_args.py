@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from spillover.infra.config.run_config import EnginesConfig, build_config
+from spillover.infra.config.engines import EnginesConfig
+
+from spillover.infra.config.run_config import build_config
 from spillover.infra.config.parsing import ConfigError
 from spillover.rollout.sglang import backend as sgl
 from spillover.infra.config.sglang_flags import MANAGED, server_fields, server_flags

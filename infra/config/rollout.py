@@ -1,0 +1,133 @@
+"""The `rollout` section: batch sizes, partial rollout and staleness, sampling, dispatch, rollout functions and
+multi-turn tool use."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from spillover.infra.config.base import Section
+
+
+SFT_ROLLOUT_FUNCTION = "spillover.rollout.builtin.sft.generate_sft_rollout"
+
+
+class RolloutConfig(Section):
+    global_batch_size: int = Field(16, ge=1, description="GBS: prompt groups trained per iteration.")
+    n_samples_per_prompt: int = Field(8, description="Responses per prompt (group size n). GRPO needs >= 2.")
+    max_tokens: int = Field(32, ge=1, description="Most response tokens per sample, over all its rounds.")
+    max_model_len: int = Field(64, ge=2, description="Most prompt + response tokens per sample.")
+    max_split: int = Field(
+        2, description="Partial rollout: a response is generated in up to max_split rounds of "
+        "max_tokens // max_split tokens. 1 = plain GRPO (no partial rollout).")
+    max_age: int | None = Field(
+        None, description="Most iterations a row may be carried over; empty = max_split (async mode or "
+        "over_sampling_groups: at least 2).")
+    require_max_age_all_finished: bool = Field(
+        True, description="The staleness bound, in sync and async mode: a batch waits until every prompt group at "
+        "max age has finished (a group's age counts the updates since its first token), so no trained token is more "
+        "than max_age - 1 weight versions old; with over-sampling, extra groups start only when they can be trained "
+        "in time. false: off (rows may be carried up to max_split iterations and longer with over-sampling).")
+    mode: Literal["sync", "async"] = Field("sync", description="sync: chunked rounds; async: stop signal + abort.")
+    over_sampling_groups: int = Field(0, ge=0, description="Extra groups dispatched beyond GBS (APRIL).")
+    scheduling: Literal["fifo", "length_aware"] = Field(
+        "fifo", description="Dispatch order: fifo = the dock's (oldest first); length_aware = longest expected remaining "
+        "work first (carried-over rows, a group's finished siblings; rollout/drivers/scheduling.py), rows spread over engines.")
+    tail_factor: float = Field(0.0, ge=0, description="Tail batching (length_aware): rows expected above this x the "
+                               "median remaining work wait for the long round; 0 = off.")
+    tail_round_every: int = Field(2, ge=1, description="Tail batching: every k-th iteration is a long round.")
+    tail_engines: int = Field(0, ge=0, description="length_aware with tail_factor: engines reserved for the tail rows, "
+                              "every round (they run few requests, so fast steps); 0 = tail rows wait for the long round.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (the learner uses the same).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, description="Top-k sampling; -1 = off.")
+    stop: list[str] = Field(
+        default_factory=list, max_length=32, description="Stop strings (SGLang's sampling_params.stop, at most "
+        "32): generation ends once the response text contains one (its tokens stay in the response).")
+    deterministic_sampling: bool = Field(
+        False, description="Seed every request (SGLang's sampling_params.sampling_seed, from model.seed, the group "
+        "and the sample index): samples then do not depend on batching, timing or restarts, so a resumed run "
+        "repeats an uninterrupted one. The sglang backend needs --enable-deterministic-inference for it.")
+    rollout_function_path: str = Field(
+        "spillover.rollout.drivers.default_rollout.generate_rollout", description="Import path of the rollout function.")
+    eval_function_path: str | None = Field(
+        None, description="Import path of the eval function (slime's signature, called with evaluation=True every "
+        "schedule.eval_interval iterations, with or without data.eval_paths); empty = the built-in eval over "
+        "data.eval_paths.")
+
+    # multi-turn tool use (rollout/drivers/multi_turn.py, rollout/tools/env.py)
+    env_path: str | None = Field(
+        None, description="Multi-turn tool use: import path of an environment class or factory, called with no "
+        "arguments once per sample; the object has `async reset(sample) -> str` and `async step(action_text) -> "
+        "StepResult(observation, done, reward=None)` (rollout/tools/env.py; built in: "
+        "spillover.rollout.builtin.calculator.CalculatorEnv). "
+        "Empty = single-turn generation.")
+    max_turns: int = Field(
+        4, ge=1, description="Most model turns per trajectory: each tool call ends one, the final answer is the last; "
+        "a tool call in the last allowed turn ends the episode without running the tool.")
+    tool_call_stop: list[str] = Field(
+        default_factory=list, max_length=16, description="Stop strings that end a tool call (e.g. '</calc>', or '=' "
+        "for the calculator): generation stops there and the action text (the turn's text up to and including the string) "
+        "goes to env.step. Needed with env_path.")
+    tool_timeout_s: float = Field(10.0, gt=0, description="Time limit of one env.reset / env.step call.")
+    max_concurrent_tool_calls: int = Field(64, ge=1, description="Env calls running at once (the whole rollout).")
+    max_tool_output_tokens: int = Field(
+        256, ge=1, description="Observation tokens kept per tool call; a longer observation is cut and ends with "
+        "' ...truncated' (the trajectory's token budget rollout.max_tokens also bounds it).")
+    on_tool_error: Literal["observe", "end"] = Field(
+        "observe", description="An env call that raises or times out: observe = its error text becomes the "
+        "observation; end = the episode ends there. Neither fails the run.")
+
+    @property
+    def partial(self) -> bool:
+        return self.max_split > 1
+
+    @property
+    def effective_max_age(self) -> int:
+        """max_age, else max_split; async mode and over-sampling carry unfinished groups at least once (APRIL)."""
+        if self.max_age is not None:
+            return self.max_age
+        return max(2, self.max_split) if self.mode == "async" or self.over_sampling_groups else self.max_split
+
+    @property
+    def staleness_bounded(self) -> bool:
+        """Is the max-age bound on (spillover.rollout.dock.staleness)? The one place that decides it, for every mode."""
+        return self.require_max_age_all_finished
+
+    @property
+    def sft(self) -> bool:
+        return self.rollout_function_path == SFT_ROLLOUT_FUNCTION
+
+    @model_validator(mode="after")
+    def _check(self) -> "RolloutConfig":
+        if self.n_samples_per_prompt < 2 and not self.sft:
+            raise ValueError("rollout.n_samples_per_prompt must be >= 2 for GRPO (group-normalised advantages "
+                             f"need a group); got {self.n_samples_per_prompt}")
+        if self.max_split < 1:
+            raise ValueError(f"rollout.max_split must be >= 1 (1 = no partial rollout); got {self.max_split}")
+        if self.max_tokens < self.max_split:
+            raise ValueError(f"rollout.max_tokens ({self.max_tokens}) must be >= rollout.max_split "
+                             f"({self.max_split}): each round generates max_tokens // max_split tokens")
+        if self.max_model_len <= self.max_tokens:
+            raise ValueError(f"rollout.max_model_len ({self.max_model_len}) must exceed rollout.max_tokens "
+                             f"({self.max_tokens}) to leave room for the prompt")
+        if self.max_age is not None and self.max_age < 1:
+            raise ValueError(f"rollout.max_age must be >= 1; got {self.max_age}")
+        if any(not s for s in self.stop):
+            raise ValueError("rollout.stop holds an empty string; give non-empty stop strings")
+        return self
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> "RolloutConfig":
+        if not self.env_path:
+            return self
+        if not self.tool_call_stop or any(not s for s in self.tool_call_stop):
+            raise ValueError(f"rollout.env_path={self.env_path!r} needs rollout.tool_call_stop: the non-empty stop "
+                             "strings that end a tool call (e.g. ['</calc>'])")
+        if len(self.stop) + len(self.tool_call_stop) > 32:
+            raise ValueError("rollout.stop and rollout.tool_call_stop together hold more than 32 strings (SGLang's "
+                             "limit per request)")
+        if self.scheduling != "fifo":
+            raise ValueError("rollout.scheduling=length_aware does not apply to multi-turn rollouts (rollout.env_path "
+                             "is set): use rollout.scheduling=fifo")
+        return self
