@@ -354,3 +354,21 @@ class GetWeightsByNameRequest(BaseModel):
 
     name: str
     truncate_size: int = Field(100, ge=1)
+
+
+class PauseGenerationRequest(BaseModel):
+    """POST /pause_generation (SGLang's PauseGenerationReqInput). abort: every request returns with its partial
+    output; retract: running requests wait again and free their KV cache (recomputed on continue); in_place: they
+    keep it, so cache flushes (and updates with flush_cache=true) fail until they finish."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationRequest(BaseModel):
+    """POST /continue_generation (SGLang's ContinueGenerationReqInput)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    torch_empty_cache: bool = True

@@ -47,6 +47,14 @@ class EngineRequest:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     slot: int = -1
+    # (weight version, first output position) from the request's admission on; a second entry means the request
+    # lived through a weight update (reported as SGLang's meta_info.weight_versions spans)
+    version_spans: list[tuple[int | str, int]] = field(default_factory=list)
+
+    @property
+    def tokens_so_far(self) -> list[int]:
+        """What a prefill of this request feeds: the prompt, and the output of a request retracted mid-way."""
+        return self.input_ids + self.output_ids if self.output_ids else self.input_ids
 
 
 class ContinuousBatcher:
@@ -104,6 +112,31 @@ class ContinuousBatcher:
         self._inbox.put(("call", fn, fut, when_idle))
         self._wake.set()
         return fut
+
+    def set_weight_version(self, version: int | str) -> None:
+        """Engine thread only: the version of every token generated from now on; requests that started under
+        another version get a new span."""
+        self.weight_version = version
+        for req in [*self.running.values(), *self.waiting]:
+            if req.version_spans and req.version_spans[-1][0] != version:
+                req.version_spans.append((version, len(req.output_ids)))
+
+    def pause(self, mode: str) -> None:
+        """Engine thread only: SGLang's /pause_generation. abort: every request returns now with its partial
+        output (finish_reason abort); retract: running requests go back to the front of the queue and free their
+        KV cache (recomputed from prompt + output on continue); in_place: running requests keep their slots and KV.
+        In every mode no step runs until resume()."""
+        if mode == "abort":
+            self._abort("", abort_all=True)
+        elif mode == "retract":
+            retracted = [self.running[s] for s in sorted(self.running)]
+            for req in retracted:
+                self._release(req)
+            self.waiting = retracted + self.waiting
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
 
     def reseed(self, seed: int) -> Future:
         """Restart the sampling generator from seed, on the engine thread once no request runs."""
@@ -198,6 +231,11 @@ class ContinuousBatcher:
             "id": req.rid, "finish_reason": reason, "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(req.output_ids), "cached_tokens": 0, "weight_version": self.weight_version,
         }
+        spans = version_spans(req.version_spans, len(req.output_ids))
+        if len(spans) > 1:  # as SGLang: present only when the request's tokens span a weight update
+            meta["weight_versions"] = spans
+        if spans:
+            meta["weight_version"] = spans[-1]["version"] if len(spans) > 1 else req.version_spans[-1][0]
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids)]
         req.future.set_result({"output_ids": req.output_ids, "meta_info": meta})
@@ -243,20 +281,22 @@ class ContinuousBatcher:
                 self.waiting.pop(0)
                 self._finish(req, {"type": "length", "length": 0})
                 continue
-            longest_if = max(longest, len(req.input_ids))
+            longest_if = max(longest, len(req.tokens_so_far))
             if batch and longest_if * (len(batch) + 1) > self.prefill_token_budget:
                 break
             self.waiting.pop(0)
             longest = longest_if
             req.slot = heapq.heappop(self._free)
             self.running[req.slot] = req
+            if not req.version_spans:
+                req.version_spans.append((self.weight_version, 0))
             batch.append(req)
         return batch
 
     def _prefill(self) -> None:
         batch = self._admit()
         if batch:
-            out = self.runner.prefill([r.slot for r in batch], [r.input_ids for r in batch],
+            out = self.runner.prefill([r.slot for r in batch], [r.tokens_so_far for r in batch],
                                       [r.params for r in batch], any(r.return_logprob for r in batch))
             self._append(batch, *out)
 
@@ -281,6 +321,13 @@ class ContinuousBatcher:
                 self._finish(req, {"type": "stop", "matched": matched})
             elif n >= req.max_output:
                 self._finish(req, {"type": "length", "length": n})
+
+
+def version_spans(spans: list[tuple[int | str, int]], length: int) -> list[dict]:
+    """[(version, start)] -> SGLang's [{version: str, start, end}] over output positions [start, end), empty spans
+    (an update between two steps that produced no token under a version) left out."""
+    ends = [start for _, start in spans[1:]] + [length]
+    return [{"version": str(v), "start": start, "end": end} for (v, start), end in zip(spans, ends) if end > start]
 
 
 def matched_stop_string(req: EngineRequest) -> str | None:

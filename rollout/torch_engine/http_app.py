@@ -15,8 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from spillover.rollout.sglang.protocol import (AbortRequest, BadRequest, GenerateRequest, UpdateWeightsFromDiskRequest,
-                                      new_rid)
+from spillover.rollout.sglang.protocol import (AbortRequest, BadRequest, ContinueGenerationRequest, GenerateRequest,
+                                               PauseGenerationRequest, UpdateWeightsFromDiskRequest, new_rid)
 
 if TYPE_CHECKING:
     from spillover.rollout.torch_engine.server import TorchEngineServer
@@ -183,21 +183,38 @@ def build_app(server: "TorchEngineServer") -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        err = await when_idle(lambda: None, "flush_cache")
-        return err or Response("Cache flushed.\n", status_code=200)
+        """Refused while a request holds KV cache (running, or paused in place); requests retracted by a pause hold
+        none."""
+        def guarded():
+            if batcher.running or (batcher.waiting and not batcher.paused):
+                raise RuntimeError("flush_cache needs an idle engine (requests paused in_place keep their KV cache): "
+                                   "finish or abort them first, or pause with mode retract")
+        try:
+            await asyncio.wrap_future(batcher.call(guarded))
+        except RuntimeError as err:
+            return error_response(str(err))
+        return Response("Cache flushed.\n", status_code=200)
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
-        body = await read_json(request) if await request.body() else {}
-        if body.get("mode", "abort") == "abort":
-            batcher.abort(abort_all=True)
-        await asyncio.wrap_future(batcher.call(lambda: setattr(batcher, "paused", True)))
+        body, err = await parse(request, PauseGenerationRequest)
+        if err is not None:
+            return err
+        await asyncio.wrap_future(batcher.call(lambda: batcher.pause(body.mode)))
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
-    async def continue_generation():
-        await asyncio.wrap_future(batcher.call(lambda: setattr(batcher, "paused", False)))
+    async def continue_generation(request: Request):
+        _, err = await parse(request, ContinueGenerationRequest)
+        if err is not None:
+            return err
+        await asyncio.wrap_future(batcher.call(batcher.resume))
         return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        """SGLang's readiness: 200 when up and not paused, 503 when paused, released or dead."""
+        return Response(status_code=503 if batcher.paused or batcher.released or not batcher.alive else 200)
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(request: Request):
@@ -238,7 +255,7 @@ def build_app(server: "TorchEngineServer") -> FastAPI:
             return error_response("new_version: Field required")
         if body.get("abort_all_requests"):
             batcher.abort(abort_all=True)
-        await asyncio.wrap_future(batcher.call(lambda: setattr(batcher, "weight_version", body["new_version"])))
+        await asyncio.wrap_future(batcher.call(lambda: batcher.set_weight_version(body["new_version"])))
         return {"success": True, "message": f"Weight version updated to {body['new_version']}",
                 "new_version": body["new_version"]}
 

@@ -204,7 +204,7 @@ class TorchEngineServer:
                 batcher.decoder.load(state_dict)
             self.update_peak_bytes = max(self.update_peak_bytes, incoming + probe.peak_bytes)
             if weight_version is not None:
-                batcher.weight_version = weight_version
+                batcher.set_weight_version(weight_version)
 
         return batcher.call(apply, when_idle=not batcher.paused)  # SGLang: a paused engine takes updates at once
 

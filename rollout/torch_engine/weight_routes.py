@@ -67,6 +67,15 @@ def add_weight_routes(app: FastAPI, server: "TorchEngineServer", parse, read_jso
         server.weight_update_events.append(f"{route} refused")
         return result(False, f"{route} needs an open weight update session: POST /begin_weight_update first")
 
+    async def holds_kv_cache() -> bool:
+        return bool(await asyncio.wrap_future(batcher.call(lambda: batcher.paused and len(batcher.running))))
+
+    def kv_cache_kept(route: str) -> JSONResponse:
+        """SGLang loads the weights, then the cache flush fails while paused in_place requests hold KV cache: the
+        call reports success:false although the weights changed."""
+        return result(False, f"{route}: weights loaded, but flush_cache failed: requests paused in_place hold KV "
+                             "cache; send flush_cache=false with pause mode in_place")
+
     @app.post("/begin_weight_update")
     async def begin_weight_update(request: Request):
         selector = (await read_json(request)).get("selector", "all")
@@ -109,6 +118,8 @@ def add_weight_routes(app: FastAPI, server: "TorchEngineServer", parse, read_jso
             return result(False, f"Failed to update weights from tensor: {failure}")
         del tensors
         server.weight_update_events.append("update_weights_from_tensor")
+        if body.flush_cache and await holds_kv_cache():
+            return kv_cache_kept("update_weights_from_tensor")
         return result(True, "Succeeded to update model weights.")
 
     @app.post("/update_weights_from_distributed")
@@ -128,6 +139,8 @@ def add_weight_routes(app: FastAPI, server: "TorchEngineServer", parse, read_jso
             return result(False, f"Failed to update parameter online: {failure}")
         del tensors  # the bucket's buffers: only the loaded copies stay
         server.weight_update_events.append("update_weights_from_distributed")
+        if body.flush_cache and await holds_kv_cache():
+            return kv_cache_kept("update_weights_from_distributed")
         return result(True, "Succeeded to update parameter online.")
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
