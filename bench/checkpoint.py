@@ -35,7 +35,7 @@ from spillover.infra.storage.checkpoint import (MAX_OBJECT_BYTES, CheckpointStat
                               load_checkpoint, save_checkpoint)
 from spillover.infra.storage.checkpoint_objects import object_bytes  # noqa: E402
 from spillover.infra.storage.store import open_store  # noqa: E402
-from spillover.infra.storage.train_state import flatten_optimizer_state  # noqa: E402
+from spillover.tasks.learner.state import save_state, unique_state_keys  # noqa: E402
 from seaweed_server import SeaweedS3  # noqa: E402
 
 log = logging.getLogger("bench.checkpoint")
@@ -49,8 +49,8 @@ def tiny_state(work: Path) -> CheckpointState:
     ids = torch.randint(0, model.config.vocab_size, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
-    opt_tensors, index = flatten_optimizer_state(opt.state_dict())
-    return CheckpointState(0, {"policy": model.state_dict(), "optimizer": opt_tensors}, {}, {"optimizer": index})
+    tensors, meta = save_state(model, model, opt, [], unique_state_keys(model), sharded=False, version=0, trainable=True)
+    return CheckpointState(0, {"policy": tensors}, {}, {"learner": meta})  # the layout tasks/checkpoint.py writes
 
 
 def synthetic_state(n_params: int, hidden: int = 1024, vocab: int = 32000) -> CheckpointState:

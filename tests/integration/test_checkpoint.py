@@ -16,8 +16,7 @@ from spillover.infra.storage.checkpoint import (CheckpointError, CheckpointState
 from spillover.infra.config.run_config import RunConfig
 from spillover.infra.models import load_causal_lm
 from spillover.infra.storage.store import open_store
-from spillover.infra.storage.train_state import (capture_rng_states, flatten_optimizer_state, restore_rng_states,
-                               unflatten_optimizer_state)
+from spillover.tasks.learner.state import load_state, save_state, unique_state_keys
 
 
 def _train_step(model, opt, seed):
@@ -29,13 +28,16 @@ def _train_step(model, opt, seed):
 
 
 def _state(iteration, model, opt, extra=0) -> CheckpointState:
-    opt_tensors, opt_index = flatten_optimizer_state(opt.state_dict())
+    """A run's checkpoint in small: the learner's optimizer tensors as tasks/learner/state.py writes them."""
+    learner_tensors, learner_meta = save_state(model, model, opt, [], unique_state_keys(model), sharded=False,
+                                               version=iteration + 1, trainable=True)
+    opt_tensors = {k: v for k, v in learner_tensors.items() if k.startswith("optim/")}
     dock = {"tokens": np.arange(40, dtype=np.int32).reshape(4, 10) + extra,
             "logprobs": np.linspace(-3, 0, 40, dtype=np.float32).reshape(4, 10),
             "age": np.array([0, 1, 2, 0], dtype=np.int8), "done": np.array([True, False, True, True])}
-    meta = {"weight_version": iteration + 1, "wandb_run_id": "abc123", "optimizer_index": opt_index,
+    meta = {"weight_version": iteration + 1, "wandb_run_id": "abc123", "learner": learner_meta,
             "data_cursor": {"epoch": 0, "position": 17 + extra, "buffer": [[3, 4], [5]]},
-            "rng": capture_rng_states(), "config": RunConfig().model_dump(mode="json")}
+            "config": RunConfig().model_dump(mode="json")}
     return CheckpointState(iteration, {"policy": model.state_dict(), "optimizer": opt_tensors}, {"dock": dock}, meta)
 
 
@@ -71,7 +73,9 @@ def test_round_trip_restores_model_optimizer_dock_meta(storage_target, model_and
     model2 = load_causal_lm(tiny_model_dir)
     model2.load_state_dict(got.tensors["policy"])
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
-    opt2.load_state_dict(unflatten_optimizer_state(got.tensors["optimizer"], got.meta["optimizer_index"]))
+    keys = unique_state_keys(model2)
+    learner_tensors = {**{f"model/{k}": got.tensors["policy"][k] for k in keys}, **got.tensors["optimizer"]}
+    load_state(model2, model2, opt2, [], keys, False, learner_tensors, got.meta["learner"], str(tiny_model_dir))
     _train_step(model, opt, seed=2)
     _train_step(model2, opt2, seed=2)
     for (name, p), p2 in zip(model.named_parameters(), model2.parameters()):
@@ -156,14 +160,6 @@ def test_bad_meta_refused_clearly(s3_server):
     save_checkpoint(store, CheckpointState(1, meta={"config": cfg}))  # SecretStr dumps masked
     assert s3_server.secret_key not in store.get_bytes("ckpt-00000001/meta.json").decode()
     assert list_checkpoints(store)[0].complete
-
-
-def test_rng_states_round_trip_through_json():
-    states = json.loads(json.dumps(capture_rng_states()))
-    a = (torch.rand(3), np.random.rand(2), __import__("random").random())
-    restore_rng_states(states)
-    b = (torch.rand(3), np.random.rand(2), __import__("random").random())
-    assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
 
 
 def test_large_local_objects_corrupt_is_detected_and_loaded_tensors_are_private(tmp_path, caplog):
