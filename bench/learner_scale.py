@@ -85,7 +85,6 @@ def logprob_peaks(vocab: int, rows: int, seq: int, chunk: int) -> tuple[float, f
 
     from spillover.infra.tensor_memory import TensorMemoryProbe
     from spillover.tasks.learner.micro_batches import make_micro_batch
-    from spillover.tasks.grpo_loss import token_logprobs
     from spillover.tasks.learner.token_logprobs import ResponseLogprobModel
 
     torch.manual_seed(0)
@@ -95,7 +94,8 @@ def logprob_peaks(vocab: int, rows: int, seq: int, chunk: int) -> tuple[float, f
     mb = make_micro_batch(random_batch(rows, seq, 0, vocab), list(range(rows)), 0)
     with torch.no_grad(), TensorMemoryProbe() as full:
         logits = lm(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        token_logprobs(torch.gather(logits, 1, mb.logit_positions.unsqueeze(-1).expand(-1, -1, vocab)), mb.targets)
+        picked = torch.gather(logits, 1, mb.logit_positions.unsqueeze(-1).expand(-1, -1, vocab))
+        torch.gather(torch.log_softmax(picked.float(), dim=-1), -1, mb.targets.unsqueeze(-1))
         del logits
     with torch.no_grad(), TensorMemoryProbe() as chunked:
         ResponseLogprobModel(lm, 1.0, chunk)(mb.input_ids, mb.attention_mask, mb.logit_positions, mb.targets,

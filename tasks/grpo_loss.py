@@ -119,24 +119,13 @@ def behaviour_weights(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
     return torch.where(weight <= cap, weight, torch.zeros_like(weight))
 
 
-def decoupled_ppo_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
-                       advantages: torch.Tensor, clip_eps: float, clip_eps_high: float | None,
-                       cap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoupled PPO objective per token (Hilton et al. 2021; AReaL) -> (loss[B, T], clipped[B, T]).
-
-    prox = the learner's recomputed old logprobs (trust region), behav = the engine's rollout logprobs
-    (who sampled): loss = behaviour_weights(prox, behav, cap) * clipped surrogate of pi / pi_prox.
-    """
-    loss, clipped = clipped_policy_loss(logprobs, prox_logprobs, advantages, clip_eps, clip_eps_high)
-    return loss * behaviour_weights(prox_logprobs, behav_logprobs, cap), clipped
-
-
 def off_policy_correction(mode: OffPolicy, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                           mask: torch.Tensor, cap: float, low: float = 0.8,
                           high: float = 1.25) -> tuple[torch.Tensor, torch.Tensor]:
     """grpo.off_policy as (weights[B, T], keep[B, T]) from ([B, T] x 3): the per-token loss of
     clipped_policy_loss(logp, old, A) is multiplied by `weights` and aggregated over `keep` (mask minus what
-    the correction drops). With old = prox this is decoupled_ppo_loss for mode "decoupled"."""
+    the correction drops). Mode "decoupled" with old = the learner's recomputed (proximal) logprobs is decoupled
+    PPO (Hilton et al. 2021; AReaL): the clipped surrogate of pi / pi_prox times behaviour_weights(prox, rollout)."""
     mask = mask.to(old_logprobs.dtype)
     if mode == "none":
         return torch.ones_like(mask), mask
@@ -197,24 +186,3 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: LossAgg,
             total_seqs = float((mask.sum(dim=1) > 0).sum())
         return per_seq.sum() / max(float(total_seqs), 1.0)
     raise ValueError(f"grpo.loss_agg must be token_mean or seq_mean; got {mode!r}")
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `values` over tokens where mask is 1 (0 when none): ([B, T], [B, T]) -> scalar."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / torch.clamp(mask.sum(), min=1.0)
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log_softmax(logits / T) at the target ids: (logits[B, T, V], targets[B, T]) -> [B, T].
-
-    Matches SGLang's returned logprobs (taken after temperature scaling).
-    """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return torch.gather(logp, -1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of softmax(logits / T) per position: [B, T, V] -> [B, T]."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)

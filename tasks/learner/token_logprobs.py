@@ -36,7 +36,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets:
                            chunk_tokens: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """log_softmax(head(hidden) / T) at targets, chunk by chunk: (hidden[N, H], targets[N]) -> (logp[N], entropy[N]).
 
-    Equal to token_logprobs(head(hidden), targets, T) (tasks/grpo_loss.py) up to float rounding; the largest
+    Equal to log_softmax over the full head(hidden) (tests/reference_logprobs.py) up to float rounding; the largest
     tensor it makes is [chunk_tokens, V]."""
     if chunk_tokens < 1:
         raise ValueError(f"learner.logprob_chunk_tokens must be >= 1; got {chunk_tokens}")

@@ -10,11 +10,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from spillover.infra.config.run_config import build_config
 from learner_batches import random_batch
+from reference_logprobs import full_entropy, full_token_logprobs
 from spillover.infra.config.learner import LearnerConfig, check_learner_start
 from spillover.infra.tensor_memory import TensorMemoryProbe
 from spillover.rollout.batch import from_sequences
 from spillover.tasks.learner.micro_batches import make_micro_batch
-from spillover.tasks.grpo_loss import entropy_from_logits, token_logprobs
 from spillover.tasks.learner.distributed import balanced_shards
 from spillover.tasks.learner.token_logprobs import ResponseLogprobModel
 
@@ -58,14 +58,14 @@ def test_chunked_logprobs_equal_full_logits_values_entropy_and_gradients():
     logits = lm(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
     logits = torch.gather(logits, 1, mb.logit_positions.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
     mask = mb.response_mask
-    full = token_logprobs(logits, mb.targets, 0.7) * mask
+    full = full_token_logprobs(logits, mb.targets, 0.7) * mask
     (full.sum()).backward()
     want_grad = {n: p.grad.clone() for n, p in lm.named_parameters()}
     lm.zero_grad()
     for chunk in (1, 3, 1000):  # one token per chunk, uneven chunks, one chunk
         logp, entropy = ResponseLogprobModel(lm, 0.7, chunk)(*_args(mb), with_entropy=True)
         torch.testing.assert_close(logp, full.detach(), atol=1e-5, rtol=0)
-        torch.testing.assert_close(entropy, (entropy_from_logits(logits, 0.7) * mask).detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, (full_entropy(logits, 0.7) * mask).detach(), atol=1e-5, rtol=0)
         logp.sum().backward()
         for n, p in lm.named_parameters():
             torch.testing.assert_close(p.grad, want_grad[n], atol=1e-5, rtol=1e-5)
@@ -77,7 +77,7 @@ def _logprob_memory(lm, mb, chunk: int | None) -> TensorMemoryProbe:
         if chunk is None:  # the old way: full [B, L, V] logits, then gather
             logits = lm(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
             index = mb.logit_positions.unsqueeze(-1).expand(-1, -1, logits.size(-1))
-            token_logprobs(torch.gather(logits, 1, index), mb.targets)
+            full_token_logprobs(torch.gather(logits, 1, index), mb.targets)
         else:
             ResponseLogprobModel(lm, 1.0, chunk)(*_args(mb))
     return probe

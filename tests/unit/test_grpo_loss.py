@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from spillover.infra.config.run_config import ConfigError, GRPOConfig, build_config
-from spillover.tasks.grpo_loss import (aggregate, behaviour_weights, clipped_policy_loss, decoupled_ppo_loss,
-                             entropy_from_logits, geometric_mean_ratio, group_advantages, kl_penalty, masked_is_weights,
-                             masked_mean, off_policy_correction, sequence_rejection_mask, tis_weights, token_logprobs)
+from spillover.tasks.grpo_loss import (aggregate, behaviour_weights, clipped_policy_loss, geometric_mean_ratio,
+                                       group_advantages, kl_penalty, masked_is_weights, off_policy_correction,
+                                       sequence_rejection_mask, tis_weights)
+from spillover.tasks.learner.token_logprobs import chunked_token_logprobs
 
 T = torch.tensor
 
@@ -98,17 +99,16 @@ def test_decoupled_ppo_weights_behaviour_and_clips_against_the_proximal_policy()
     np.testing.assert_allclose(behaviour_weights(prox, behav, cap=2.0).numpy(),
                                [[math.exp(0.5), 0.0, math.exp(-0.2)]], rtol=1e-6)
     logp = (prox + torch.log(T([[1.5, 1.5, 0.9]]))).requires_grad_(True)  # pi / pi_prox = 1.5, 1.5, 0.9
-    loss, clipped = decoupled_ppo_loss(logp, prox, behav, T([[1.0]]), clip_eps=0.2, clip_eps_high=None, cap=2.0)
+    # the learner's composition: clipped_policy_loss x the "decoupled" correction's weights
+    weights, keep = off_policy_correction("decoupled", prox, behav, T([[1.0, 1.0, 1.0]]), cap=2.0)
+    plain, clipped = clipped_policy_loss(logp, prox, T([[1.0]]), clip_eps=0.2)
+    loss = plain * weights
     # A = 1: ratio 1.5 clipped to 1.2 -> -1.2 * e^0.5; the second token's weight is 0; 0.9 unclipped -> -0.9 e^-0.2
     np.testing.assert_allclose(loss.detach().numpy(), [[-1.2 * math.exp(0.5), 0.0, -0.9 * math.exp(-0.2)]],
                                rtol=1e-6)
     assert clipped.tolist() == [[1.0, 1.0, 0.0]]
     loss.sum().backward()
     np.testing.assert_allclose(logp.grad.numpy(), [[0.0, 0.0, -0.9 * math.exp(-0.2)]], rtol=1e-6)
-    # the learner's composition: clipped_policy_loss x the "decoupled" correction's weights
-    weights, keep = off_policy_correction("decoupled", prox, behav, T([[1.0, 1.0, 1.0]]), cap=2.0)
-    plain, _ = clipped_policy_loss(logp.detach(), prox, T([[1.0]]), clip_eps=0.2)
-    torch.testing.assert_close(plain * weights, loss.detach())
     assert keep.tolist() == [[1.0, 1.0, 1.0]]  # AReaL: zero-weight tokens stay in the denominator
 
 
@@ -182,7 +182,6 @@ def test_token_and_seq_mean():
     assert aggregate(VALUES, MASK, "token_mean").item() == pytest.approx(10 / 4)
     assert aggregate(VALUES, MASK, "seq_mean").item() == pytest.approx((2 + 4) / 2)
     assert aggregate(VALUES, MASK, "token_mean", total_tokens=8).item() == pytest.approx(10 / 8)
-    assert masked_mean(VALUES, MASK).item() == pytest.approx(2.5)
     with pytest.raises(ValueError, match="loss_agg"):
         aggregate(VALUES, MASK, "sum")
 
@@ -201,10 +200,14 @@ def test_empty_mask_gives_zero_not_nan():
 
 
 # ----- logprobs and entropy -----
-def test_token_logprobs_with_temperature():
-    logits = T([[[math.log(1.0), math.log(3.0)]]])  # softmax = [0.25, 0.75]
-    assert token_logprobs(logits, T([[1]]), 1.0).item() == pytest.approx(math.log(0.75), abs=1e-6)
+def test_token_logprobs_and_entropy_with_temperature():
+    head = torch.nn.Linear(4, 4, bias=False)
+    head.weight.data = torch.eye(4)  # logits = hidden
+    hidden = T([[math.log(1.0), math.log(3.0), -1e4, -1e4], [0.0, 0.0, 0.0, 0.0]])  # softmax [.25, .75, 0, 0]; uniform
+    logp, entropy = chunked_token_logprobs(hidden, head, torch.tensor([1, 2]), 1.0, chunk_tokens=1, with_entropy=True)
+    np.testing.assert_allclose(logp.detach().numpy(), [math.log(0.75), math.log(0.25)], atol=1e-6)
+    np.testing.assert_allclose(entropy.numpy(), [-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), math.log(4)],
+                               atol=1e-6)
     # T = 2: softmax of log([1, 3]) / 2 = [1, sqrt 3] / (1 + sqrt 3)
-    expect = math.log(math.sqrt(3) / (1 + math.sqrt(3)))
-    assert token_logprobs(logits, T([[1]]), 2.0).item() == pytest.approx(expect, abs=1e-6)
-    assert entropy_from_logits(torch.zeros(1, 1, 4)).item() == pytest.approx(math.log(4), abs=1e-6)
+    logp, _ = chunked_token_logprobs(hidden[:1], head, torch.tensor([1]), 2.0, chunk_tokens=1)
+    assert logp.item() == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))), abs=1e-6)

@@ -13,7 +13,8 @@ from spillover.infra.models import build_char_tokenizer, load_causal_lm
 from spillover.rollout.functions import flatten_rollout
 from spillover.rollout.sample import Sample, Status, convert_samples_to_train_data
 from spillover.rollout.builtin.sft import SFT_WEIGHT_VERSION, SFTDataError, generate_sft_rollout, is_sft_batch
-from spillover.tasks.grpo_loss import aggregate, clipped_policy_loss, token_logprobs
+from spillover.tasks.grpo_loss import aggregate, clipped_policy_loss
+from reference_logprobs import full_token_logprobs
 
 
 def write_jsonl(path, rows):
@@ -130,7 +131,7 @@ def test_ppo_loss_with_advantage_one_at_ratio_one_has_the_nll_gradient(tmp_path,
         out = torch.zeros(len(seqs), width)
         for i, (tokens, n) in enumerate(zip(data["tokens"], data["response_lengths"])):
             start = len(tokens) - n
-            out[i, :n] = token_logprobs(logits[i:i + 1, start - 1:start - 1 + n], torch.tensor([tokens[start:]]))[0]
+            out[i, :n] = full_token_logprobs(logits[i:i + 1, start - 1:start - 1 + n], torch.tensor([tokens[start:]]))[0]
         return out
 
     def grads(loss):
