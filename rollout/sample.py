@@ -5,7 +5,6 @@ Per-token arrays (response tokens, rollout logprobs, weight versions, loss mask)
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -102,13 +101,6 @@ class Sample:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Sample":
         return cls(**d)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str) -> "Sample":
-        return cls.from_dict(json.loads(text))
 
 
 def flatten_samples(samples: list) -> list[Sample]:
