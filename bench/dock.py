@@ -94,7 +94,7 @@ def run(gbs: int, n: int, max_split: int, max_tokens: int, iterations: int, medi
         n_rounds = n_tokens = 0
         while not timed("update_ready", dock.update_ready):
             rows = timed("take_rows", dock.take_rows)
-            inputs, max_new = timed("generation_inputs", dock.generation_inputs, rows, dock.sync_round_tokens)
+            inputs, max_new = timed("generation_inputs", dock.generation_inputs, rows, dock.max_tokens // dock.max_split)
             group = slot_group[rows // n]
             flat, lens, logprobs, stop = engine.generate(group * n + rows % n, inputs.response_lengths, max_new)
             timed("put_generation", dock.put_generation, rows, (flat, lens), (logprobs, lens), version, stop)

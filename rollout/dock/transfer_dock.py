@@ -93,11 +93,6 @@ class TransferDock:
                    multi_turn=bool(getattr(rollout_cfg, "env_path", None)))
 
     # ---- derived views -------------------------------------------------------------------------
-    @property
-    def sync_round_tokens(self) -> int:
-        """Tokens per sync round: max_tokens // max_split."""
-        return self.max_tokens // self.max_split
-
     def _occupied_rows(self) -> np.ndarray:
         return np.repeat(self.group_ids >= 0, self.n)
 

@@ -33,7 +33,7 @@ def test_from_config():
     cfg = RolloutConfig(global_batch_size=4, n_samples_per_prompt=3, max_split=2, max_tokens=16, max_model_len=40,
                         require_max_age_all_finished=True)
     dock = TransferDock.from_config(cfg, [7, 8])
-    assert (dock.gbs, dock.n, dock.capacity_groups, dock.max_age, dock.sync_round_tokens) == (4, 3, 8, 2, 8)
+    assert (dock.gbs, dock.n, dock.capacity_groups, dock.max_age, dock.max_tokens // dock.max_split) == (4, 3, 8, 2, 8)
     assert dock.require_max_age_all_finished and dock.eos_token_ids.tolist() == [7, 8]
 
 
@@ -83,7 +83,7 @@ def test_generation_inputs_and_max_new_tokens():
     dock = make_dock(gbs=1, n=2, max_split=2, max_tokens=8, max_model_len=12)
     dock.load_groups([0, 1], [[5, 6, 7], [8] * 6], ["a", "b"])
     rows = dock.take_rows()
-    ids, max_new = dock.generation_inputs(rows, dock.sync_round_tokens)
+    ids, max_new = dock.generation_inputs(rows, dock.max_tokens // dock.max_split)
     assert ids == [[5, 6, 7], [5, 6, 7], [8] * 6, [8] * 6]
     assert list(ids) == ids.to_lists() and ids[-1] == [8] * 6 and len(ids) == 4
     assert max_new.tolist() == [4, 4, 4, 4]

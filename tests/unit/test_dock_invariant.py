@@ -53,7 +53,7 @@ def generation_round(dock: TransferDock, ref: Reference, rng: np.random.Generato
         limit = None if rng.random() < 0.5 else int(rng.integers(1, dock.capacity_rows + 1))
         rows = dock.take_rows(limit)
         assert not set(rows.tolist()) & set(pending), "a row was handed out twice"
-        round_tokens = dock.sync_round_tokens if rng.random() < 0.7 else None
+        round_tokens = dock.max_tokens // dock.max_split if rng.random() < 0.7 else None
         inputs, max_new = dock.generation_inputs(rows, round_tokens)
         for i, row in enumerate(rows.tolist()):
             s = sample_index(dock, row)

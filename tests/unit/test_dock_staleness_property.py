@@ -57,7 +57,7 @@ def sync_generate(dock: TransferDock, work: Workload, rows_per_round: int, versi
             return
         rows = dock.take_rows(limit=rows_per_round)
         assert len(rows), f"sync generation stalled: {dock.stats()}"
-        _, max_new = dock.generation_inputs(rows, dock.sync_round_tokens)
+        _, max_new = dock.generation_inputs(rows, dock.max_tokens // dock.max_split)
         remaining = work.natural(dock, rows) - dock.responses.length[rows]
         answer(dock, work, rows, np.minimum(remaining, max_new), version)
     raise AssertionError("sync generation never became ready")
