@@ -59,7 +59,7 @@ ENDLESS = 10**9  # iterations of the run as groups_for_iteration sees it: never 
 
 
 def build_dock(cfg: RolloutConfig, eos_ids: list[int]) -> TransferDock:
-    return TransferDock.from_config(cfg, eos_ids)  # the staleness bound as a run has it (rollout.staleness_bounded)
+    return TransferDock.from_config(cfg, eos_ids)  # the staleness bound as a run has it (rollout.require_max_age_all_finished)
 
 
 def generate_and_select(dock: TransferDock, engine, cfg: RolloutConfig, eos_ids: list[int], version: int) -> dict:

@@ -133,7 +133,7 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
         from spillover.tasks.checkpoint import restore_dock_and_cursor
 
         dock, cursor = restore_dock_and_cursor(saved)
-        dock.require_max_age_all_finished = cfg.rollout.staleness_bounded  # the config's rule, not the snapshot's
+        dock.require_max_age_all_finished = cfg.rollout.require_max_age_all_finished  # the config's rule, not the snapshot's
         if cfg.rollout.env_path:
             from spillover.rollout.dock.turns import enable
 

@@ -90,11 +90,6 @@ class RolloutConfig(Section):
         return max(2, self.max_split) if self.mode == "async" or self.over_sampling_groups else self.max_split
 
     @property
-    def staleness_bounded(self) -> bool:
-        """Is the max-age bound on (spillover.rollout.dock.staleness)? The one place that decides it, for every mode."""
-        return self.require_max_age_all_finished
-
-    @property
     def sft(self) -> bool:
         return self.rollout_function_path == SFT_ROLLOUT_FUNCTION
 

@@ -83,9 +83,9 @@ def test_over_sampling_starts_no_more_groups_than_max_age_batches_can_take():
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_bound_is_on_by_default_in_both_modes_and_can_be_turned_off(mode):
     cfg = RolloutConfig(mode=mode)
-    assert cfg.staleness_bounded and TransferDock.from_config(cfg, [0]).require_max_age_all_finished
+    assert cfg.require_max_age_all_finished and TransferDock.from_config(cfg, [0]).require_max_age_all_finished
     off = RolloutConfig(mode=mode, require_max_age_all_finished=False)
-    assert not off.staleness_bounded and not TransferDock.from_config(off, [0]).require_max_age_all_finished
+    assert not off.require_max_age_all_finished and not TransferDock.from_config(off, [0]).require_max_age_all_finished
     assert RolloutConfig(mode=mode, max_split=1, over_sampling_groups=2).effective_max_age == 2
 
 

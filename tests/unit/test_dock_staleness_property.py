@@ -97,7 +97,7 @@ def test_trained_tokens_are_at_most_max_age_minus_one_versions_old(gbs, n, max_s
                         max_model_len=max_tokens + 4, max_age=max_age, mode=mode, over_sampling_groups=extra,
                         require_max_age_all_finished=bounded)
     dock = TransferDock.from_config(cfg, [EOS])
-    assert dock.require_max_age_all_finished == cfg.staleness_bounded == bounded
+    assert dock.require_max_age_all_finished == cfg.require_max_age_all_finished == bounded
     rng = np.random.default_rng(seed)
     work = Workload(rng, n, max_tokens, sigma)
     next_id, loaded, trained = 0, [], []
