@@ -157,13 +157,6 @@ def init_update_group_payload(master_address: str, master_port: int, rank_offset
             "world_size": world_size, "group_name": group_name, "backend": backend}
 
 
-def update_from_disk_payload(model_path: str, weight_version: int | str, load_format: str | None = None,
-                             abort_all_requests: bool = False) -> dict[str, Any]:
-    """UpdateWeightFromDiskReqInput."""
-    return {"model_path": str(model_path), "load_format": load_format, "abort_all_requests": abort_all_requests,
-            "weight_version": str(weight_version)}
-
-
 def serialize_named_tensors(named_tensors: list[tuple[str, Any]], tp_size: int, backend: str = "sglang") -> list[str]:
     """The serialized_named_tensors entries (base64 text), one per TP rank. backend "sglang": SGLang's own
     serializer (CUDA IPC handles: needs sglang, a GPU and a receiver on the same node; the caller keeps the tensors

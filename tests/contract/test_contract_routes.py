@@ -75,7 +75,6 @@ def test_update_from_tensor_bodies(sglang, version, backend):
 
 
 def test_update_from_disk_bodies(sglang):
-    check(sglang, "/update_weights_from_disk", sgl.update_from_disk_payload("/models/step-3", 3))
     bodies = recorded_client_bodies(lambda c: c.update_weights_from_disk("/models/step-3", weight_version=3))
     check(sglang, "/update_weights_from_disk", bodies["/update_weights_from_disk"][0])
 
@@ -161,7 +160,7 @@ def test_a_wrong_weight_body_is_refused(sglang_classes):
     good = sgl.update_from_distributed_payload(["w"], ["bfloat16"], [[2]], 3)
     accepted(sglang_classes.route(ROUTE_CLASS["/update_weights_from_distributed"], good), "the good body")
     for path, body in (("/update_weights_from_distributed", {**good, "weight_version": 3}),
-                       ("/update_weights_from_disk", {**sgl.update_from_disk_payload("/m", 1), "weight_version": 1}),
+                       ("/update_weights_from_disk", {"model_path": "/m", "weight_version": 1}),
                        ("/release_memory_occupation", {"tags": "kv_cache,weights"}),
                        ("/update_weights_from_distributed", {k: v for k, v in good.items() if k != "names"})):
         refused = sglang_classes.route(ROUTE_CLASS[path], body)

@@ -147,7 +147,7 @@ def test_tensor_update_is_refused_outside_a_session_like_sglang(engine, varied_m
     assert r.status_code == 400 and r.json()["success"] is False and "begin_weight_update" in r.json()["message"]
     assert torch.equal(weights_by_name(engine, "model.norm.weight", 10**6), before)
     assert httpx.get(engine.url + "/model_info").json()["weight_version"] != 11
-    r = post(engine, "/update_weights_from_disk", sgl.update_from_disk_payload(str(engine.model_path), 0))
+    r = post(engine, "/update_weights_from_disk", {"model_path": str(engine.model_path), "weight_version": "0"})
     assert r.status_code == 200 and r.json()["success"], r.text
 
 
@@ -176,5 +176,5 @@ def test_tensor_update_in_a_session_in_buckets_sets_weights_and_version(engine, 
     assert httpx.get(engine.url + "/model_info").json()["weight_version"] in (12, "12")
     for name in names:
         assert torch.equal(weights_by_name(engine, name, 10**6), target[name].float()), name
-    reset = post(engine, "/update_weights_from_disk", sgl.update_from_disk_payload(str(tiny_model_dir), 0))
+    reset = post(engine, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "0"})
     assert reset.json()["success"], reset.text
