@@ -19,8 +19,8 @@ from spillover.flows.report import build_report
 from spillover.flows.run_lock import acquire_run_lock
 from spillover.flows.setup import Run, build_run, shutdown_run
 from spillover.infra.config.run_config import RunConfig
-from spillover.infra.faults import maybe_kill
 from spillover.infra.gc_pauses import long_lived_heap_frozen
+from spillover.infra.hooks import hook_point
 from spillover.infra.tracking.prefect_artifacts import current_run_ids
 from spillover.infra.tracking.run_tracker import RunTracker
 from spillover.tasks.checkpoint import open_and_check, restore_weights, rewind_metrics, save_run_checkpoint
@@ -53,7 +53,7 @@ class StageClock:
         self.iteration, self.task_s = iteration, {}
 
     def run(self, name: str, step, *args):
-        maybe_kill(name, self.iteration)
+        hook_point(name, self.iteration)
         start = time.perf_counter()
         if isinstance(step, Task):
             args = tuple(a if isinstance(a, (int, float, str, bool, type(None))) else quote(a) for a in args)

@@ -23,7 +23,7 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_kill_hook_kills_at_its_point_only_and_only_when_loaded():
-    code = "from spillover.infra.faults import maybe_kill\nfor i in range(3):\n    maybe_kill('update', i)\n    print(i)"
+    code = "from spillover.infra.hooks import hook_point\nfor i in range(3):\n    hook_point('update', i)\n    print(i)"
     killed = _run(code, SPILLOVER_TEST_HOOKS="kill_hook", SPILLOVER_KILL_AT="update:1")
     assert killed.returncode == -signal.SIGKILL and killed.stdout.split() == ["0"]
     assert _run(code, SPILLOVER_TEST_HOOKS="kill_hook", SPILLOVER_KILL_AT="generate:1").stdout.split() == ["0", "1", "2"]
