@@ -167,8 +167,8 @@ def evaluate(target: EvalTarget, data_path: str | Path, name: str | None = None)
     init_ray(cfg.engines.ray_address)
     engines, scored = start_engines(cfg.engines, target.model_dir), False
     try:
-        greedy = run_eval({name: prompts}, engines.eval, reward_fn, temperature=0.0, **common)[name]
-        sampled = run_eval({name: prompts}, engines.eval, reward_fn, temperature=cfg.eval.temperature,
+        greedy = run_eval({name: prompts}, engines.generate, reward_fn, temperature=0.0, **common)[name]
+        sampled = run_eval({name: prompts}, engines.generate, reward_fn, temperature=cfg.eval.temperature,
                            top_p=cfg.eval.top_p, n_samples_per_prompt=cfg.eval.k, **common)[name]
         scored = True
     finally:

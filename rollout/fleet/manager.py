@@ -142,10 +142,6 @@ class RolloutManager(EngineWeights):
     def num_engines(self) -> int:  # what length-aware dispatch pins rows to (spillover.rollout.drivers.dispatch)
         return len(self.engines)
 
-    def eval(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
-        """Evaluation generation: the same path as rollouts (abort_all stops it too)."""
-        return self.generate(batch, on_result)
-
     def abort_all(self, timeout_s: float = 60.0) -> None:
         """From another thread than generate's: stop every running round and abort every engine; blocks until
         they are idle. (Inside a round, return True from on_result instead.)"""

@@ -1,8 +1,8 @@
 """Eval: generate responses for each eval data set, score them, and log slime's eval metrics.
 
 Engine-agnostic: `generate_fn(requests) -> responses` takes SGLang /generate request dicts (input_ids,
-sampling_params, return_logprob, rid) and returns SGLang answers in order (RolloutManager.eval or
-.generate, or any client of the same shapes). Metrics per data set key, as in slime's log_eval_data:
+sampling_params, return_logprob, rid) and returns SGLang answers in order (RolloutManager.generate, or any
+client of the same shapes). Metrics per data set key, as in slime's log_eval_data:
 `eval/<key>` (mean reward), `eval/<key>-truncated_ratio`, plus `eval/step`.
 """
 from __future__ import annotations

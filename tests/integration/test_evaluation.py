@@ -39,7 +39,7 @@ def eval_sets(varied_model_dir, tmp_path_factory):
 
 def evaluate(manager, tok, sets, **kw):
     kw = {"max_new_tokens": MAX_NEW, **kw}
-    return run_eval(sets, manager.eval, reward, tokenizer=tok, stop_token_ids=stops(tok), reward_fn_path="length share",
+    return run_eval(sets, manager.generate, reward, tokenizer=tok, stop_token_ids=stops(tok), reward_fn_path="length share",
                     **kw)
 
 
@@ -104,7 +104,7 @@ def test_an_abort_during_eval_is_an_error_not_a_metric(rollout_manager, eval_set
         aborter = threading.Thread(target=abort_when_busy, daemon=True)
         aborter.start()
         try:
-            return m.eval(requests)
+            return m.generate(requests)
         finally:
             aborter.join(30)  # never let this abort reach a later test's requests
 
