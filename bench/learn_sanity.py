@@ -20,7 +20,8 @@ import time
 import numpy as np
 import torch
 
-from spillover.infra.config.run_config import GRPOConfig, OptimizerConfig, TinyModelConfig
+from spillover.infra.config.run_config import TinyModelConfig
+from spillover.infra.config.training import GRPOConfig, OptimizerConfig
 from spillover.infra.models import build_tiny_model, load_tokenizer
 from spillover.rollout.builtin import toy_task
 from spillover.rollout.batch import from_sequences

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from spillover.infra.config.run_config import GRPOConfig, OptimizerConfig, TinyModelConfig
+from spillover.infra.config.run_config import TinyModelConfig
+from spillover.infra.config.training import GRPOConfig, OptimizerConfig
 from spillover.infra.config.learner import LearnerConfig
 from spillover.infra.models import build_tiny_model
 from spillover.rollout.batch import RolloutBatch, from_sequences

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from spillover.infra.config.run_config import GRPOConfig, OptimizerConfig
+from spillover.infra.config.training import GRPOConfig, OptimizerConfig
 from spillover.infra.models import build_tiny_model
 from spillover.rollout.batch import RolloutBatch, from_sequences
 from spillover.tasks.learner.actor import LearnerActor

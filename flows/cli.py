@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from spillover.flows.run_lock import RunLockedError
-from spillover.infra.config.run_config import ConfigError, load_config
+from spillover.infra.config.parsing import ConfigError
+from spillover.infra.config.run_config import load_config
 from spillover.infra.prefect.env import apply_process_defaults, quiet_console
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from spillover.infra.config.run_config import ConfigError, RunConfig
+from spillover.infra.config.parsing import ConfigError
+from spillover.infra.config.run_config import RunConfig
 
 EXPORT_MARKER = "spillover_weights.json"
 

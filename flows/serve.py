@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 from prefect import flow
 
-from spillover.infra.config.run_config import ConfigError, RunConfig, build_config, load_config
+from spillover.infra.config.parsing import ConfigError
+from spillover.infra.config.run_config import RunConfig, build_config, load_config
 
 log = logging.getLogger("spillover")
 REPO_ROOT = Path(__file__).resolve().parents[1]

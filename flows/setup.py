@@ -13,7 +13,8 @@ from typing import Any
 
 from spillover.flows.parts import active_warm_parts
 from spillover.infra.cluster import init_ray
-from spillover.infra.config.run_config import ConfigError, RunConfig
+from spillover.infra.config.parsing import ConfigError
+from spillover.infra.config.run_config import RunConfig
 from spillover.infra.config.placement_plan import needs_engines as plan_needs_engines, placement_plan, plan_problems
 from spillover.infra.imports import load_function
 from spillover.infra.storage.model_staging import is_remote_model, stage_on_other_nodes
@@ -77,7 +78,8 @@ def save_run_config(cfg: RunConfig, run_dir: Path) -> None:
 
 
 def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    from spillover.infra.config.run_config import ConfigError, build_config
+    from spillover.infra.config.parsing import ConfigError
+    from spillover.infra.config.run_config import build_config
 
     path = Path(run_dir) / RUN_CONFIG_FILE
     if not path.is_file():

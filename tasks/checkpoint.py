@@ -12,7 +12,8 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from spillover.infra.storage.checkpoint import CheckpointState, load_latest_checkpoint, save_checkpoint
-from spillover.infra.config.run_config import ConfigError, RunConfig
+from spillover.infra.config.parsing import ConfigError
+from spillover.infra.config.run_config import RunConfig
 from spillover.infra.storage.store import Store, open_store
 from spillover.rollout.prompt_data import PromptCursor
 from spillover.rollout.dock.transfer_dock import TransferDock

@@ -10,15 +10,14 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from spillover.rollout.batch import RolloutBatch, label_of_rows, metadata_of_rows
-from spillover.rollout.scoring.rule_reward import RewardError, batch_decode, decode_responses, score_responses, score_samples, wants_samples
+from spillover.rollout.scoring.rule_reward import batch_decode, score_responses, wants_samples
 from spillover.tasks.grpo_loss import group_advantages
 from spillover.tasks.results import Rollout, Scored
 
 REWARD_KEYWORDS = ("sample", "samples", "metadata")  # passed only to reward functions that name them
 
-__all__ = ["REWARD_KEYWORDS", "RewardError", "RewardSetup", "batch_decode", "build_advantages", "compute_reward",
-           "decode_responses", "response_texts", "reward_metrics", "rule_rewards", "sample_rewards", "score_batch",
-           "score_samples"]
+__all__ = ["REWARD_KEYWORDS", "RewardSetup", "build_advantages", "compute_reward", "response_texts", "reward_metrics",
+           "rule_rewards", "sample_rewards", "score_batch"]
 
 
 @dataclass(frozen=True)

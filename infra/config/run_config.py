@@ -18,14 +18,11 @@ from spillover.infra.config.learner import LearnerConfig, check_learner_batch
 from spillover.infra.config.placement import PlacementConfig, check_placement
 from spillover.infra.config.base import Section
 from spillover.infra.config.rollout import SFT_ROLLOUT_FUNCTION, RolloutConfig
-from spillover.infra.config.scoring import EvalConfig, RewardModelConfig  # noqa: F401 (importable from here)
-from spillover.infra.config.training import OFF_POLICY_NEEDS_OLD_LOGPROBS, GRPOConfig, OptimizerConfig  # noqa: F401 (as above)
+from spillover.infra.config.scoring import EvalConfig
+from spillover.infra.config.training import GRPOConfig, OptimizerConfig
 
 
-_Section = Section  # the sections below
-
-
-class TinyModelConfig(_Section):
+class TinyModelConfig(Section):
     num_layers: int = Field(2, ge=1, description="Transformer layers of the tiny Qwen2 model.")
     hidden_size: int = Field(64, ge=8, description="Hidden size of the tiny model.")
     num_heads: int = Field(4, ge=1, description="Attention heads (hidden_size must divide by it).")
@@ -44,7 +41,7 @@ class TinyModelConfig(_Section):
         return self
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str | None = Field(
         None, description="HF checkpoint folder of the policy (and reference), or an s3:// URL of one (staged "
         "into model.cache_dir on every node, sha256-checked; endpoint and credentials from the storage section). "
@@ -56,7 +53,7 @@ class ModelConfig(_Section):
     seed: int = Field(0, description="Seed for model init, sampling and data order.")
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     prompts_path: str | None = Field(
         None, description="Prompt file: JSON Lines (one object per line) or Parquet (one row per prompt). Empty: "
         "generate the built-in repeat task into <run_dir>/data/train.jsonl.")
@@ -87,7 +84,7 @@ class DataConfig(_Section):
     shuffle: bool = Field(True, description="Shuffle prompt order (seeded by model.seed).")
 
 
-class StorageConfig(_Section):
+class StorageConfig(Section):
     url: str | None = Field(None, description="Checkpoint/debug-data location (file:// or s3://); empty = "
                             "<run_dir>/checkpoints.")
     endpoint_url: str | None = Field(None, description="S3 endpoint (e.g. http://127.0.0.1:8333).")
@@ -103,7 +100,7 @@ class StorageConfig(_Section):
     load_debug_rollout_data: str | None = Field(None, description="Path template with {rollout_id}.")
 
 
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
     wandb_mode: Literal["offline", "online", "disabled"] = Field("offline", description="wandb mode.")
     project: str = Field("spillover", description="wandb project.")
     run_name: str | None = Field(None, description="wandb run name; empty = generated.")
@@ -113,7 +110,7 @@ class TrackingConfig(_Section):
                                            "RUN_DIR` plots it later.")
 
 
-class ScheduleConfig(_Section):
+class ScheduleConfig(Section):
     num_iterations: int = Field(60, ge=1, description="Training iterations (rollouts) of the run.")
     eval_interval: int | None = Field(None, ge=1, description="Run eval every k iterations; empty = never.")
     cron: str | None = Field(None, description="Cron schedule of the deployment (e.g. '0 3 * * *').")
@@ -121,7 +118,7 @@ class ScheduleConfig(_Section):
     debug_rollout_only: bool = Field(False, description="Generate without updates.")
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     run_dir: str = Field("runs/tiny", description="Run directory: metrics, summary, tiny model, checkpoints.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)

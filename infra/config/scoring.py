@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from spillover.infra.config.base import Section as _Section
+from spillover.infra.config.base import Section
 
 __all__ = ["EvalConfig", "RewardModelConfig"]
 
 
-class RewardModelConfig(_Section):
+class RewardModelConfig(Section):
     path: str = Field(..., description="HF sequence-classification folder (num_labels=1, a pad token): scores "
                       "prompt text + response text with its own tokenizer.")
     weight: float = Field(1.0, description="Weight of its score in the total reward.")
@@ -19,7 +19,7 @@ class RewardModelConfig(_Section):
     max_length: int = Field(4096, ge=8, description="Most tokens scored per text (longer ones keep their end).")
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     k: int = Field(4, ge=1, description="`spillover eval`: sampled responses per prompt for pass@k (pass@1 is greedy).")
     temperature: float = Field(1.0, gt=0, description="`spillover eval`: sampling temperature of the pass@k samples.")
     top_p: float = Field(1.0, gt=0, le=1, description="`spillover eval`: nucleus mass of the pass@k samples.")

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from spillover.infra.config.base import Section as _Section
+from spillover.infra.config.base import Section
 from spillover.infra.config.scoring import RewardModelConfig
 
 __all__ = ["GRPOConfig", "OFF_POLICY_NEEDS_OLD_LOGPROBS", "OptimizerConfig"]
@@ -15,7 +15,7 @@ __all__ = ["GRPOConfig", "OFF_POLICY_NEEDS_OLD_LOGPROBS", "OptimizerConfig"]
 OFF_POLICY_NEEDS_OLD_LOGPROBS = ("masked_is", "decoupled")
 
 
-class GRPOConfig(_Section):
+class GRPOConfig(Section):
     micro_batch_size: int = Field(32, ge=1, description="Samples per forward/backward pass.")
     num_steps_per_rollout: int = Field(
         1, ge=1, description="Optimizer steps per iteration: the batch is cut into this many mini-batches in "
@@ -84,7 +84,7 @@ def _truthy(value) -> bool:
     return value if isinstance(value, bool) else str(value).strip().lower() not in ("false", "0", "no", "off")
 
 
-class OptimizerConfig(_Section):
+class OptimizerConfig(Section):
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")

@@ -26,9 +26,10 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from spillover.infra.config.run_config import OFF_POLICY_NEEDS_OLD_LOGPROBS, GRPOConfig, OptimizerConfig
+from spillover.infra.config.training import OFF_POLICY_NEEDS_OLD_LOGPROBS, GRPOConfig, OptimizerConfig
 from spillover.infra.config.learner import LearnerConfig
-from spillover.tasks.learner.micro_batches import MicroBatch, RolloutBatch, check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
+from spillover.rollout.batch import RolloutBatch
+from spillover.tasks.learner.micro_batches import MicroBatch, check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
 from spillover.tasks.grpo_loss import aggregate, clipped_policy_loss, kl_penalty, off_policy_correction
 from spillover.tasks.learner.kl_control import next_kl_coef
 from spillover.tasks.learner.distributed import (all_reduce, balanced_shards, checkpoint_layers, compute_precision, init_distributed,

@@ -13,8 +13,7 @@ import torch
 
 from spillover.rollout.batch import RolloutBatch, offsets
 
-__all__ = ["MicroBatch", "RolloutBatch", "check_per_token", "make_micro_batch", "micro_batch_indices",
-           "pad_per_token"]
+__all__ = ["MicroBatch", "check_per_token", "make_micro_batch", "micro_batch_indices", "pad_per_token"]
 
 
 @dataclass

@@ -147,7 +147,8 @@ def test_every_recipe_passes_check_with_the_gpus_its_header_states(recipe, tiny_
 def test_a_run_refuses_an_unplaceable_plan_before_any_placement_group_waits(ray_session):
     """build_run's own check (deployment runs start there, without the command line's preflight)."""
     from spillover.flows.setup import refuse_unplaceable
-    from spillover.infra.config.run_config import ConfigError, build_config
+    from spillover.infra.config.parsing import ConfigError
+    from spillover.infra.config.run_config import build_config
 
     gpus = ray_session.cluster_resources().get("GPU", 0)
     cfg = build_config({}, ["learner.device=cuda", "engines.backend=sglang", f"engines.rollout_num_gpus={int(gpus) + 1}"])

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from spillover.infra.config.run_config import ConfigError, load_config
+from spillover.infra.config.parsing import ConfigError
+from spillover.infra.config.run_config import load_config
 from spillover.infra.imports import ImportPathError
 
 from test_train_flow import small_config

@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from spillover.infra.config.run_config import GRPOConfig, OptimizerConfig, build_config
+from spillover.infra.config.run_config import build_config
+from spillover.infra.config.training import GRPOConfig, OptimizerConfig
 from spillover.infra.models import load_causal_lm
 from learner_batches import random_batch
 from spillover.rollout.batch import select_groups, split

@@ -194,7 +194,7 @@ def test_world_size_2_equals_1_logprobs_update_and_resume_across_sizes(groups, t
 
 
 def test_bad_learner_settings_are_refused_at_start(ray_session, tiny_model_dir):
-    from spillover.infra.config.run_config import ConfigError
+    from spillover.infra.config.parsing import ConfigError
     from spillover.tasks.learner.group import create_learners
 
     with pytest.raises(ConfigError, match=r"learner.world_size \(3\) must divide the samples of one optimizer step"):
@@ -213,7 +213,7 @@ def test_gradient_checkpointing_and_eager_attention_do_not_change_the_update(tin
     state_dict keys); learner.attn_implementation=eager gives the same logprobs as sdpa."""
     from spillover.tasks.learner.actor import LearnerActor
 
-    from spillover.infra.config.run_config import GRPOConfig, OptimizerConfig
+    from spillover.infra.config.training import GRPOConfig, OptimizerConfig
 
     batch, learners = random_batch(5, max_response=14), {}
     for name, lcfg in {"plain": LearnerConfig(), "ckpt": LearnerConfig(gradient_checkpointing=True),

@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from spillover.infra.config.run_config import GRPOConfig, OptimizerConfig, build_config
+from spillover.infra.config.run_config import build_config
+from spillover.infra.config.training import GRPOConfig, OptimizerConfig
 from spillover.infra.config.learner import LearnerConfig
 from learner_batches import random_batch
 from spillover.rollout.sglang.update_group import tensor_digest

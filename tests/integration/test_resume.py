@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from spillover.infra.config.run_config import ConfigError
+from spillover.infra.config.parsing import ConfigError
 
 from test_train_flow import small_config
 

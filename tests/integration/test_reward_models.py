@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from spillover.infra.config.run_config import RewardModelConfig
+from spillover.infra.config.scoring import RewardModelConfig
 
 
 def build_classifier(folder, num_labels: int = 1, seed: int = 0):

@@ -1,6 +1,7 @@
 import pytest
 
-from spillover.infra.config.run_config import ConfigError, RunConfig, build_config, load_config
+from spillover.infra.config.parsing import ConfigError
+from spillover.infra.config.run_config import RunConfig, build_config, load_config
 
 
 def test_tiny_config_loads_and_partial_is_on():
@@ -58,7 +59,7 @@ def test_secrets_are_hidden_in_repr():
 
 
 def test_lr_schedules_are_pure_functions_of_the_step():
-    from spillover.infra.config.run_config import OptimizerConfig
+    from spillover.infra.config.training import OptimizerConfig
 
     cos = OptimizerConfig(lr=1.0, lr_decay="cosine", min_lr_ratio=0.1)
     assert cos.lr_at(0, 100) == pytest.approx(1.0) and cos.lr_at(100, 100) == pytest.approx(0.1)

@@ -99,7 +99,7 @@ def test_tool_tokens_never_get_gradient(tiny_model_dir):
     test fails if tool tokens reach the loss."""
     import torch
 
-    from spillover.infra.config.run_config import GRPOConfig, OptimizerConfig
+    from spillover.infra.config.training import GRPOConfig, OptimizerConfig
     from spillover.tasks.learner.actor import LearnerActor
 
     def batch(tail, tail_mask):

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from spillover.infra.config.run_config import ConfigError, GRPOConfig, build_config
+from spillover.infra.config.parsing import ConfigError
+from spillover.infra.config.run_config import build_config
+from spillover.infra.config.training import GRPOConfig
 from spillover.tasks.grpo_loss import (aggregate, behaviour_weights, clipped_policy_loss, geometric_mean_ratio,
                                        group_advantages, kl_penalty, masked_is_weights, off_policy_correction,
                                        sequence_rejection_mask, tis_weights)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spillover.infra.config.run_config import ConfigError, GRPOConfig, OptimizerConfig, build_config
+from spillover.infra.config.parsing import ConfigError
+from spillover.infra.config.run_config import build_config
+from spillover.infra.config.training import GRPOConfig, OptimizerConfig
 from spillover.tasks.learner.kl_control import next_kl_coef
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from spillover.flows.serve import build_deployments, config_parameter, read_deployment_specs
-from spillover.infra.config.run_config import ConfigError, load_config
+from spillover.infra.config.parsing import ConfigError
+from spillover.infra.config.run_config import load_config
 
 
 def test_prefect_yaml_declares_train_and_nightly_smoke():

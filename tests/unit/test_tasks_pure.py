@@ -11,7 +11,8 @@ from spillover.rollout.sample import Sample
 from spillover.tasks.logprob import needs_old_logprob_pass
 from spillover.tasks.prompts import groups_for_iteration, load_prompt_groups
 from spillover.rollout.batch import RolloutBatch
-from spillover.tasks.reward import RewardError, RewardSetup, build_advantages, response_texts, score_batch, score_samples
+from spillover.rollout.scoring.rule_reward import RewardError, score_samples
+from spillover.tasks.reward import RewardSetup, build_advantages, response_texts, score_batch
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from spillover.infra.config.run_config import ConfigError, build_config
+from spillover.infra.config.parsing import ConfigError
+from spillover.infra.config.run_config import build_config
 from spillover.infra.imports import ImportPathError
 from spillover.infra.models import build_char_tokenizer
 from spillover.rollout.builtin.calculator import CalculatorEnv, CalculatorError, evaluate, expression_of, make_rows, reward

@@ -110,7 +110,7 @@ def test_cursor_is_a_seeded_permutation_per_epoch_and_round_trips():
 
 def test_batch_decode_fast_path_matches_the_tokenizers_own(tiny_model_dir):
     from spillover.infra.models import load_tokenizer
-    from spillover.tasks.reward import batch_decode
+    from spillover.rollout.scoring.rule_reward import batch_decode
 
     tok = load_tokenizer(tiny_model_dir)
     texts = ["aaa", " a b ", "a*7=aaaa", "", "a\n a"]
