@@ -147,8 +147,8 @@ class RunConfig(Section):
                 f"grpo.micro_batch_size ({self.grpo.micro_batch_size}) must divide the samples of one step "
                 f"(rollout.global_batch_size x rollout.n_samples_per_prompt / grpo.num_steps_per_rollout = {rows})")
         check_learner_batch(self.learner, rows)
-        if self.rollout.sft and self.grpo.tis:
-            raise ValueError("grpo.tis must be false in SFT mode, i.e. grpo.off_policy=none "
+        if self.rollout.sft and self.grpo.off_policy != "none":
+            raise ValueError("grpo.off_policy must be none in SFT mode "
                              "(rollout.rollout_function_path="
                              f"{SFT_ROLLOUT_FUNCTION}): pre-generated samples have no rollout logprobs")
         if self.grpo.kl_ctrl == "adaptive" and (self.grpo.kl_coef <= 0 or rows * steps >= 5 * self.grpo.kl_horizon):

@@ -38,7 +38,6 @@ class GRPOConfig(Section):
         "w > tis_cap leave the loss and its denominator, the rest weigh w; seq_reject = samples whose geometric "
         "mean w lies outside [seq_reject_low, seq_reject_high] leave the loss; decoupled = PPO clipped against "
         "the recomputed old (proximal) policy, times w (0 where w > tis_cap; AReaL); none.")
-    tis: bool = Field(True, description="The older switch, kept as an alias: false = off_policy none.")
     tis_cap: float = Field(2.0, gt=0, description="Bound C on w: truncate (tis), drop (masked_is), zero (decoupled).")
     seq_reject_low: float = Field(0.8, gt=0, le=1, description="seq_reject: lowest accepted geometric-mean w.")
     seq_reject_high: float = Field(1.25, ge=1, description="seq_reject: highest accepted geometric-mean w.")
@@ -56,22 +55,11 @@ class GRPOConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _off_policy_aliases(cls, data):
-        """grpo.tis=false (the older switch) means off_policy=none; masked_is and decoupled turn skip_old_logprob
-        off unless it was set (then it must be false)."""
+    def _old_logprobs_for_correction(cls, data):
+        """masked_is and decoupled turn skip_old_logprob off unless it was set (then it must be false)."""
         if not isinstance(data, dict):
             return data
-        data, mode = dict(data), data.get("off_policy")
-        if data.get("tis") is not None:
-            on = _truthy(data["tis"])
-            if on != (mode != "none") and mode is not None:
-                raise ValueError(f"grpo.tis={str(on).lower()} contradicts grpo.off_policy={mode}; drop grpo.tis "
-                                 "(grpo.tis=false is the older spelling of grpo.off_policy=none)")
-            data["tis"] = on
-            if not on:
-                data["off_policy"] = "none"
-        elif mode == "none":
-            data["tis"] = False
+        data = dict(data)
         if data.get("off_policy") in OFF_POLICY_NEEDS_OLD_LOGPROBS:
             if data.get("skip_old_logprob") is not None and _truthy(data["skip_old_logprob"]):
                 raise ValueError(f"grpo.off_policy={data['off_policy']} needs old logprobs recomputed by the learner "

@@ -20,7 +20,7 @@ TASK_KILLS = ["load_prompts", "generate_until_ready", "compute_reward", "compute
 EPHEMERAL_LINK = 1  # this link's run starts its own Prefect server (none given): it must die with the run
 SMALL = ["schedule.num_iterations=3", *SMALL_RUN, "tracking.wandb_mode=disabled", "tracking.progress=false",
          "engines.rollout_num_gpus=1"]
-DETERMINISTIC = ["rollout.deterministic_sampling=true", "grpo.skip_old_logprob=false", "grpo.tis=false",
+DETERMINISTIC = ["rollout.deterministic_sampling=true", "grpo.skip_old_logprob=false", "grpo.off_policy=none",
                  "grpo.reward_function_path=small_run.distinct_chars"]
 
 

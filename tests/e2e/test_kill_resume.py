@@ -30,7 +30,7 @@ way.
 Determinism needs three settings (kill_chains.DETERMINISTIC): rollout.deterministic_sampling (every request
 carries a sampling_seed, so tokens do not depend on batching, timing or the engine; tested in
 tests/integration/test_seeded_sampling.py), and old logprobs from the learner without truncated IS
-(grpo.skip_old_logprob=false, grpo.tis=false): the CPU engine's logprobs are equal only up to ~1e-7
+(grpo.skip_old_logprob=false, grpo.off_policy=none): the CPU engine's logprobs are equal only up to ~1e-7
 across batch compositions, which would reach the weights through the loss.
 
 Partial rollout is shown to happen, not only to be harmless: the reference run carries cut rows over and reaches the

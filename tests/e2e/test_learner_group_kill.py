@@ -22,7 +22,7 @@ from spillover_runs import ROUTER, assert_joined_runs_left_nothing, metrics_rows
 ITERATIONS = 4
 SHARDED = ["learner.world_size=2", "grpo.kl_coef=0", "optimizer.lr=0.01",
            "grpo.reward_function_path=small_run.distinct_ones", "rollout.deterministic_sampling=true",
-           "grpo.skip_old_logprob=false", "grpo.tis=false"]
+           "grpo.skip_old_logprob=false", "grpo.off_policy=none"]
 
 
 def run_args(run_dir) -> list[str]:

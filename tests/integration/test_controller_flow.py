@@ -64,7 +64,7 @@ def test_sft_mode_raises_the_likelihood_of_the_given_responses(prefect_harness, 
     run_dir = tmp_path / "sft_run"
     cfg = small_config(run_dir, iterations=4, **{"rollout.rollout_function_path": "spillover.rollout.builtin.sft.generate_sft_rollout",
                                                  "rollout.n_samples_per_prompt": 1, "grpo.micro_batch_size": 4,
-                                                 "grpo.tis": "false", "data.sft_path": str(sft),
+                                                 "grpo.off_policy": "none", "data.sft_path": str(sft),
                                                  "optimizer.lr": 0.01})
     grpo_train(cfg)
     sft_rows = rows(run_dir)
@@ -96,5 +96,5 @@ def test_wrong_rollout_function_fails_at_start_naming_the_path(prefect_harness, 
     with pytest.raises(ImportPathError, match="rollout.rollout_function_path='spillover.rollout.drivers.default_rollout.nope'"):
         build_run(small_config(tmp_path / "bad", iterations=1,
                                **{"rollout.rollout_function_path": "spillover.rollout.drivers.default_rollout.nope"}))
-    with pytest.raises(ConfigError, match="grpo.tis must be false in SFT mode"):
+    with pytest.raises(ConfigError, match="grpo.off_policy must be none in SFT mode"):
         load_config("configs/tiny.yaml", ["rollout.rollout_function_path=spillover.rollout.builtin.sft.generate_sft_rollout"])

@@ -9,7 +9,7 @@ from test_train_flow import small_config
 
 # Tokens independent of the engines' history (every request carries a seed), old logprobs from the learner; a
 # reference model (KL) so that all three kinds of part are kept.
-DETERMINISTIC = {"rollout.deterministic_sampling": "true", "grpo.kl_coef": "0.05", "grpo.skip_old_logprob": "false", "grpo.tis": "false",
+DETERMINISTIC = {"rollout.deterministic_sampling": "true", "grpo.kl_coef": "0.05", "grpo.skip_old_logprob": "false", "grpo.off_policy": "none",
                  "grpo.reward_function_path": "small_run.distinct_chars"}
 
 

@@ -127,19 +127,16 @@ def test_off_policy_correction_modes():
         off_policy_correction("icepop", old, rollout, mask, cap=2.0)
 
 
-def test_off_policy_config_and_the_tis_alias():
-    assert GRPOConfig().off_policy == "tis" and GRPOConfig().skip_old_logprob  # today's default
-    assert GRPOConfig(tis=False).off_policy == "none" and GRPOConfig(tis=True).off_policy == "tis"
-    assert GRPOConfig(tis=True, off_policy="seq_reject").off_policy == "seq_reject"
-    assert build_config(overrides=["grpo.tis=false"]).grpo.off_policy == "none"
-    assert not GRPOConfig(off_policy="none").tis
+def test_off_policy_config():
+    assert GRPOConfig().off_policy == "tis" and GRPOConfig().skip_old_logprob  # the default
+    assert build_config(overrides=["grpo.off_policy=none"]).grpo.off_policy == "none"
+    with pytest.raises(ConfigError, match="grpo.tis"):  # no second spelling of off_policy
+        build_config(overrides=["grpo.tis=false"])
     for mode in ("masked_is", "decoupled"):  # they need the learner's own old logprobs
         assert not GRPOConfig(off_policy=mode).skip_old_logprob
         with pytest.raises(ConfigError, match="skip_old_logprob=false"):
             build_config(overrides=[f"grpo.off_policy={mode}", "grpo.skip_old_logprob=true"])
     assert GRPOConfig(off_policy="seq_reject").skip_old_logprob
-    with pytest.raises(ConfigError, match="contradicts grpo.off_policy=masked_is"):
-        build_config(overrides=["grpo.tis=false", "grpo.off_policy=masked_is"])
     cfg = GRPOConfig(off_policy="masked_is")
     assert GRPOConfig.model_validate(cfg.model_dump()) == cfg  # a dumped config (checkpoint, UI) loads back
 
