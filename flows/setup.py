@@ -31,8 +31,6 @@ from spillover.tasks.reward import REWARD_KEYWORDS, RewardSetup
 log = logging.getLogger(__name__)
 BUILTIN_TASK_REWARD = "spillover.rollout.builtin.toy_task.reward"
 RUN_CONFIG_FILE = "config.json"
-# Settings that did nothing and were removed; a config.json of an older run may still hold them.
-REMOVED_SETTINGS = {"rollout": ("async_check_steps",), "grpo": ("reward_model_path", "reward_model_weight")}
 
 
 @dataclass(frozen=True)
@@ -85,10 +83,6 @@ def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> 
     if not path.is_file():
         raise ConfigError(f"{path} does not exist: RUN_DIR must be the run_dir of an earlier `spillover train`")
     data = json.loads(path.read_text())
-    for section, names in REMOVED_SETTINGS.items():
-        for name in names:
-            if isinstance(data.get(section), dict) and data[section].pop(name, None) is not None:
-                log.warning("%s: %s.%s was removed (it had no effect); ignored", path, section, name)
     return build_config(data, list(overrides or []) + [f"run_dir={run_dir}"])
 
 
