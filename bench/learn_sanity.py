@@ -71,7 +71,7 @@ def main() -> None:
     started = time.perf_counter()
     model_dir = build_tiny_model(tempfile.mkdtemp(prefix="learn_sanity_"), TinyModelConfig(), seed=args.seed)
     tok = load_tokenizer(model_dir)
-    learner = LearnerActor(str(model_dir), GRPOConfig(micro_batch_size=args.micro_batch, tis=not args.no_tis,
+    learner = LearnerActor(str(model_dir), GRPOConfig(micro_batch_size=args.micro_batch, off_policy="none" if args.no_tis else "tis",
                                                       loss_agg=args.loss_agg),
                            OptimizerConfig(lr=args.lr), temperature=1.0, seed=args.seed, trainable=True,
                            num_threads=args.threads)

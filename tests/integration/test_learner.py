@@ -176,7 +176,7 @@ def test_resume_from_state_equals_uninterrupted(tiny_model_dir, tmp_path):
 def test_positive_advantage_raises_its_logprob(tiny_model_dir):
     batch = random_batch(20, n=4, advantages=[1.0, -1.0, 0.0, 0.0])
     for agg in ("token_mean", "seq_mean"):
-        learner = _learner(tiny_model_dir, loss_agg=agg, tis=False)
+        learner = _learner(tiny_model_dir, loss_agg=agg, off_policy="none")
         before = split(learner.compute_logprobs(batch), batch.response_lengths)
         for _ in range(3):
             learner.update(batch)
