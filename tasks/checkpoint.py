@@ -109,7 +109,8 @@ def load_resume_point(cfg: RunConfig, store: Store) -> CheckpointState | None:
 
 def restore_dock_and_cursor(state: CheckpointState) -> tuple[TransferDock, PromptCursor]:
     """The dock (partial responses included) and the prompt cursor as the checkpoint left them."""
-    return TransferDock.restore(state.arrays["dock"], state.meta["dock"]), PromptCursor.from_state(state.meta["cursor"])
+    dock = TransferDock.restore(state.arrays["dock"], state.meta["dock"], f"{state.url}/meta.json")
+    return dock, PromptCursor.from_state(state.meta["cursor"])
 
 
 def restore_weights(policy, engine, state: CheckpointState) -> int:

@@ -4,10 +4,11 @@ Layout of one checkpoint:
     tensors/<group>-<shard:05d>.safetensors   e.g. policy weights, flattened optimizer state
     arrays/<group>-<shard:05d>.safetensors    e.g. the dock snapshot (numpy arrays)
     meta.json                                 JSON-able dict: iteration, versions, cursor, RNG, config...
-    manifest.json                             written LAST: size and sha256 of every object above
+    manifest.json                             written LAST: format version, size and sha256 of every object above
 
 A checkpoint without a readable manifest whose objects all match it does not exist: loading skips it
-(with a warning naming the bad object) and falls back to the previous one. Nothing is pickled.
+(with a warning naming the bad object) and falls back to the previous one. A manifest of another format version
+is refused outright (FormatVersionError): falling back would roll the run back silently. Nothing is pickled.
 """
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ import torch
 
 from spillover.infra.storage import checkpoint_objects as objects_io
 from spillover.infra.storage.checkpoint_objects import ARRAYS, TENSORS, ObjectFormatError
+from spillover.infra.storage.format_version import check_format_version, format_tag
 from spillover.infra.hooks import hook_point
 from spillover.infra.storage.store import ObjectInfo, ObjectMissing, Store
 
 log = logging.getLogger("spillover.checkpoint")
 
-FORMAT = "spillover-checkpoint/1"
+CHECKPOINT_FORMAT = "spillover-checkpoint"
+CHECKPOINT_FORMAT_VERSION = 1  # the manifest layout this release writes and the only one it reads
 MANIFEST = "manifest.json"
 META = "meta.json"
 MAX_OBJECT_BYTES = 256 << 20  # shard size: bounds retry cost and memory per in-flight object
@@ -44,11 +47,13 @@ class CheckpointError(RuntimeError):
 @dataclass
 class CheckpointState:
     """Everything needed to resume. tensors: group -> name -> tensor (e.g. {"policy": ..., "optimizer": ...});
-    arrays: group -> name -> ndarray (e.g. {"dock": ...}); meta: JSON-able (RNG, cursor, config, ...)."""
+    arrays: group -> name -> ndarray (e.g. {"dock": ...}); meta: JSON-able (RNG, cursor, config, ...);
+    url: where it was loaded from (None: built in memory), for errors about what it holds."""
     iteration: int
     tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     arrays: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -205,8 +210,8 @@ def save_checkpoint(store: Store, state: CheckpointState, keep: int | None = Non
         listed.update(part["objects"])
         for kind, named in part["groups"].items():
             groups.setdefault(kind, {}).update(named)
-    manifest = {"format": FORMAT, "iteration": state.iteration, "created_unix": time.time(), "groups": groups,
-                "meta": META, "objects": listed}
+    manifest = {"format": format_tag(CHECKPOINT_FORMAT, CHECKPOINT_FORMAT_VERSION), "iteration": state.iteration,
+                "created_unix": time.time(), "groups": groups, "meta": META, "objects": listed}
     store.put_bytes(f"{name}/{MANIFEST}", _manifest_json(manifest))
     log.info("checkpoint %s written: %d objects, %.1f MB in %.2f s", store.key_url(name), len(infos), total / 1e6,
              time.perf_counter() - start)
@@ -219,9 +224,12 @@ def _read_manifest(store: Store, name: str) -> dict:
     url = store.key_url(f"{name}/{MANIFEST}")
     try:
         manifest = json.loads(store.get_bytes(f"{name}/{MANIFEST}"))
+        found = manifest.get("format")
+    except (ValueError, AttributeError) as err:
+        raise CheckpointError(f"manifest {url} is unreadable (truncated or corrupt): {err}") from None
+    check_format_version(found, CHECKPOINT_FORMAT, CHECKPOINT_FORMAT_VERSION, f"checkpoint manifest {url}")
+    try:
         objects, groups = manifest["objects"], manifest["groups"]
-        if manifest.get("format") != FORMAT:
-            raise CheckpointError(f"manifest {url} has format {manifest.get('format')!r}, expected {FORMAT!r}")
         for key, spec in objects.items():
             if key.startswith("/") or ".." in key.split("/") or not isinstance(spec.get("size"), int):
                 raise CheckpointError(f"manifest {url} lists a bad object {key!r}")
@@ -265,7 +273,8 @@ def load_checkpoint(store: Store, iteration: int, *, workers: int | None = None)
     got = _run_all({key: (_read_object, store, name, key, spec, kinds.get(key))
                          for key, spec in objects.items()}, workers or _auto_workers(store, total))
     try:
-        state = CheckpointState(iteration=iteration, meta=json.loads(bytes(got[manifest["meta"]])))
+        state = CheckpointState(iteration=iteration, meta=json.loads(bytes(got[manifest["meta"]])),
+                                url=store.key_url(name))
     except (ValueError, KeyError) as err:
         raise CheckpointError(f"checkpoint {store.key_url(name)} meta does not decode: {err}") from None
     for kind, out in (("tensors", state.tensors), ("arrays", state.arrays)):
@@ -276,7 +285,8 @@ def load_checkpoint(store: Store, iteration: int, *, workers: int | None = None)
 
 def load_latest_checkpoint(store: Store, *, workers: int | None = None) -> CheckpointState | None:
     """The newest checkpoint that verifies, or None. Corrupt or incomplete ones are reported and skipped;
-    storage that cannot be reached raises (an outage must not silently roll the run back)."""
+    storage that cannot be reached, or a manifest of another format version (FormatVersionError), raises: neither
+    may silently roll the run back."""
     for info in reversed(list_checkpoints(store)):
         if not info.complete:
             log.info("checkpoint %s has no manifest (an interrupted write); skipping", store.key_url(info.name))

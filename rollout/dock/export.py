@@ -8,17 +8,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from spillover.infra.storage.format_version import check_format_version, format_tag
 
 if TYPE_CHECKING:
     from spillover.rollout.dock.transfer_dock import TransferDock
 
-SNAPSHOT_FORMAT = "spillover.dock/1"
+DOCK_FORMAT = "spillover.dock"
+DOCK_FORMAT_VERSION = 1  # the snapshot layout this release writes and the only one it reads
 GROUP_ARRAYS = {"group_ids": np.int64, "load_seq": np.int64, "prompt_lengths": np.int64}
 ROW_ARRAYS = {"complete": bool, "stopped": bool, "generated": bool, "age": np.int32, "rounds": np.int32,
               "response_lengths": np.int64}
 FLAT_ARRAYS = ("prompt_tokens", "response_tokens", "response_logprobs", "response_versions", "batch_slots")
-# Multi-turn state (issue 15); a snapshot from before it has none: loss mask all ones, no turns, no tool pending.
-OPTIONAL_ROW_ARRAYS = {"turns": (np.int32, 0), "awaiting_tool": (bool, False), "env_reward": (np.float32, np.nan)}
+# A multi_turn dock's snapshot also holds these and the loss mask (response_mask); a single-turn dock's rows keep
+# the constructor's values (no turns, no tool pending, no env reward).
+MULTI_TURN_ROW_ARRAYS = {"turns": np.int32, "awaiting_tool": bool, "env_reward": np.float32}
+SNAPSHOT_META_KEYS = ("config", "has_batch", "drain", "next_load_seq", "labels", "metadata")
 
 
 def batch_rows(dock: "TransferDock", batch: np.ndarray) -> np.ndarray:
@@ -89,7 +93,7 @@ def snapshot(dock: "TransferDock") -> tuple[dict[str, np.ndarray], dict[str, Any
         "batch_slots": np.zeros(0, dtype=np.int64) if dock.batch is None else dock.batch.copy(),
     }
     meta = {
-        "format": SNAPSHOT_FORMAT,
+        "format": format_tag(DOCK_FORMAT, DOCK_FORMAT_VERSION),
         "config": {"gbs": dock.gbs, "n": dock.n, "max_split": dock.max_split, "max_tokens": dock.max_tokens,
                    "max_model_len": dock.max_model_len, "eos_token_ids": dock.eos_token_ids.tolist(),
                    "max_age": dock.max_age, "require_max_age_all_finished": dock.require_max_age_all_finished,
@@ -101,16 +105,21 @@ def snapshot(dock: "TransferDock") -> tuple[dict[str, np.ndarray], dict[str, Any
     return arrays, meta
 
 
-def restore(cls: type["TransferDock"], arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> "TransferDock":
-    """Inverse of snapshot(); refuses a snapshot of another format or with inconsistent shapes."""
-    if meta.get("format") != SNAPSHOT_FORMAT:
-        raise ValueError(f"dock snapshot: format {meta.get('format')!r}, expected {SNAPSHOT_FORMAT!r}")
+def restore(cls: type["TransferDock"], arrays: dict[str, np.ndarray], meta: dict[str, Any],
+            source: str) -> "TransferDock":
+    """Inverse of snapshot(); refuses a snapshot of another format version (FormatVersionError) or with
+    inconsistent shapes. source: where meta was read from (a checkpoint's meta.json), named in the version error."""
+    check_format_version(meta.get("format"), DOCK_FORMAT, DOCK_FORMAT_VERSION, f"dock snapshot in {source}")
+    missing_meta = [key for key in SNAPSHOT_META_KEYS if key not in meta]
+    if missing_meta:
+        raise ValueError(f"dock snapshot in {source}: meta {missing_meta} missing")
     dock = cls(**meta["config"])
-    needed = set(GROUP_ARRAYS) | set(ROW_ARRAYS) | set(FLAT_ARRAYS)
+    row_arrays = {**ROW_ARRAYS, **(MULTI_TURN_ROW_ARRAYS if dock.multi_turn else {})}
+    needed = set(GROUP_ARRAYS) | set(row_arrays) | set(FLAT_ARRAYS) | ({"response_mask"} if dock.multi_turn else set())
     missing = sorted(needed - set(arrays))
     if missing:
         raise ValueError(f"dock snapshot: arrays {missing} missing")
-    for names, size in ((GROUP_ARRAYS, dock.capacity_groups), (ROW_ARRAYS, dock.capacity_rows)):
+    for names, size in ((GROUP_ARRAYS, dock.capacity_groups), (row_arrays, dock.capacity_rows)):
         for name, dtype in names.items():
             value = np.asarray(arrays[name])
             if value.shape != (size,):
@@ -118,25 +127,15 @@ def restore(cls: type["TransferDock"], arrays: dict[str, np.ndarray], meta: dict
             if name in ("prompt_lengths", "response_lengths"):
                 continue
             setattr(dock, name, value.astype(dtype).copy())
-    for name, (dtype, default) in OPTIONAL_ROW_ARRAYS.items():
-        value = np.asarray(arrays[name]) if name in arrays else np.full(dock.capacity_rows, default, dtype=dtype)
-        if value.shape != (dock.capacity_rows,):
-            raise ValueError(f"dock snapshot: {name} has shape {value.shape}, expected ({dock.capacity_rows},)")
-        setattr(dock, name, value.astype(dtype).copy())
-    if len(meta["labels"]) != dock.capacity_groups:
-        raise ValueError(f"dock snapshot: {len(meta['labels'])} labels for {dock.capacity_groups} group slots")
-    dock.labels = list(meta["labels"])
-    dock.metadata = list(meta.get("metadata") or [None] * dock.capacity_groups)  # older snapshots have none
-    if len(dock.metadata) != dock.capacity_groups:
-        raise ValueError(f"dock snapshot: {len(dock.metadata)} metadata entries for {dock.capacity_groups} group slots")
-    # every row takes its group's age (snapshots before the staleness bound went by group aged rows one by one)
-    dock.age = np.repeat(dock.age.reshape(dock.capacity_groups, dock.n).max(axis=1), dock.n)
+    for key, entries in (("labels", meta["labels"]), ("metadata", meta["metadata"])):
+        if len(entries) != dock.capacity_groups:
+            raise ValueError(f"dock snapshot: {len(entries)} {key} entries for {dock.capacity_groups} group slots")
+    dock.labels, dock.metadata = list(meta["labels"]), list(meta["metadata"])
     dock.prompts.load(arrays["prompt_lengths"], {"tokens": arrays["prompt_tokens"]})
     dock.responses.load(arrays["response_lengths"], {"tokens": arrays["response_tokens"],
                                                      "logprobs": arrays["response_logprobs"],
                                                      "versions": arrays["response_versions"],
-                                                     "mask": arrays.get("response_mask", np.ones(
-                                                         len(arrays["response_tokens"]), dtype=np.uint8))})
+                                                     **({"mask": arrays["response_mask"]} if dock.multi_turn else {})})
     dock.batch = np.asarray(arrays["batch_slots"], dtype=np.int64).copy() if meta["has_batch"] else None
     dock.drain = bool(meta["drain"])
     dock.next_load_seq = int(meta["next_load_seq"])
@@ -145,6 +144,9 @@ def restore(cls: type["TransferDock"], arrays: dict[str, np.ndarray], meta: dict
 
 
 def _check_restored(dock: "TransferDock") -> None:
+    ages = dock.age.reshape(dock.capacity_groups, dock.n)
+    if (ages != ages[:, :1]).any():
+        raise ValueError("dock snapshot: rows of one group have different ages (every row carries its group's age)")
     occupied = np.repeat(dock.group_ids >= 0, dock.n)
     if (dock.responses.length[~occupied] > 0).any() or (dock.prompts.length[dock.group_ids < 0] > 0).any():
         raise ValueError("dock snapshot: tokens stored for empty group slots")

@@ -308,5 +308,6 @@ class TransferDock:
         return dock_export.snapshot(self)
 
     @classmethod
-    def restore(cls, arrays: dict[str, np.ndarray], meta: dict) -> "TransferDock":
-        return dock_export.restore(cls, arrays, meta)
+    def restore(cls, arrays: dict[str, np.ndarray], meta: dict, source: str) -> "TransferDock":
+        """source: where the snapshot was read from (named in errors)."""
+        return dock_export.restore(cls, arrays, meta, source)

@@ -105,7 +105,7 @@ def test_cut_mid_generation_and_with_a_tool_call_pending_then_continued_equals_u
     finally:
         envs.close()
     dock.clear()
-    dock = TransferDock.restore(*dock.snapshot())  # as after a restart: new dock, new envs (rebuilt by replay)
+    dock = TransferDock.restore(*dock.snapshot(), "a snapshot in memory")  # as after a restart: new dock, new envs (rebuilt by replay)
     gate.set()
     envs = EnvPool(lambda: Echo(gate), 5.0, 8)
     try:

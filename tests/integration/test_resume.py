@@ -4,6 +4,7 @@ import json
 import pytest
 
 from spillover.infra.config.parsing import ConfigError
+from spillover.infra.storage.format_version import FormatVersionError
 
 from test_train_flow import small_config
 
@@ -25,6 +26,14 @@ def test_resume_continues_and_refuses_mixed_runs(prefect_harness, ray_session, w
     with pytest.raises(ConfigError, match=r"rollout.global_batch_size: checkpoint 4, config 2"):
         grpo_train(small_config(run_dir, iterations=3, **{"rollout.global_batch_size": 2,
                                                           "grpo.micro_batch_size": 8}), resume=True)
+
+    manifest_path = run_dir / "checkpoints" / "ckpt-00000001" / "manifest.json"
+    manifest = manifest_path.read_text()
+    manifest_path.write_text(manifest.replace('"spillover-checkpoint/1"', '"spillover-checkpoint/2"'))
+    with pytest.raises(FormatVersionError, match=rf"{manifest_path} has spillover-checkpoint format version 2 .*"
+                       "this release reads version 1 only"):  # refused, not a silent roll back to ckpt-00000000
+        grpo_train(load_run_config(run_dir, ["schedule.num_iterations=3"]), resume=True)
+    manifest_path.write_text(manifest)
 
     cfg = load_run_config(run_dir, ["schedule.num_iterations=3"])
     summary = grpo_train(cfg, resume=True)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from dock_helpers import finish_groups, load, make_dock, put
 
+from spillover.infra.storage.format_version import FormatVersionError
 from spillover.rollout.batch import to_samples
 from spillover.rollout.dock.transfer_dock import DockError, TransferDock
 
@@ -119,7 +120,7 @@ def test_snapshot_restore_equal_state_and_behaviour(tmp_path):
     arrays, meta = dock.snapshot()
     save_file(arrays, str(tmp_path / "dock.safetensors"))
     meta = json.loads(json.dumps(meta))
-    restored = TransferDock.restore(load_file(str(tmp_path / "dock.safetensors")), meta)
+    restored = TransferDock.restore(load_file(str(tmp_path / "dock.safetensors")), meta, str(tmp_path))
     again, meta_again = restored.snapshot()
     assert meta_again == meta and all(np.array_equal(arrays[k], again[k]) for k in arrays)
     assert restored.in_flight.sum() == 0 and dock.in_flight[in_flight].all()  # requests die with the process
@@ -138,11 +139,16 @@ def test_snapshot_with_a_selected_batch_and_bad_snapshots():
     finish_groups(dock, [1])
     dock.select_batch()
     arrays, meta = dock.snapshot()
-    restored = TransferDock.restore(arrays, meta)
+    restored = TransferDock.restore(arrays, meta, "a snapshot in memory")
     assert restored.select_batch().tolist() == [1] and restored.batch_group_ids().tolist() == [1]
-    with pytest.raises(ValueError, match="format"):
-        TransferDock.restore(arrays, {**meta, "format": "other"})
-    with pytest.raises(ValueError, match="missing"):
-        TransferDock.restore({k: v for k, v in arrays.items() if k != "age"}, meta)
+    with pytest.raises(FormatVersionError, match=r"dock snapshot in ckpt/meta.json has format tag 'other'"):
+        TransferDock.restore(arrays, {**meta, "format": "other"}, "ckpt/meta.json")
+    with pytest.raises(FormatVersionError, match=r"dock snapshot in ckpt/meta.json has spillover.dock format version 2 "
+                       r"\(written by a newer release\); this release reads version 1 only"):
+        TransferDock.restore(arrays, {**meta, "format": "spillover.dock/2"}, "ckpt/meta.json")
+    with pytest.raises(ValueError, match=r"arrays \['age'\] missing"):
+        TransferDock.restore({k: v for k, v in arrays.items() if k != "age"}, meta, "m")
+    with pytest.raises(ValueError, match=r"meta \['metadata'\] missing"):
+        TransferDock.restore(arrays, {k: v for k, v in meta.items() if k != "metadata"}, "m")
     with pytest.raises(ValueError, match="shape"):
-        TransferDock.restore({**arrays, "age": arrays["age"][:-1]}, meta)
+        TransferDock.restore({**arrays, "age": arrays["age"][:-1]}, meta, "m")

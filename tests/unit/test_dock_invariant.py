@@ -42,7 +42,7 @@ def sample_index(dock: TransferDock, row: int) -> int:
 def restart(dock: TransferDock) -> TransferDock:
     """A crash: the state goes through a JSON/array snapshot; whatever was in flight is lost."""
     arrays, meta = dock.snapshot()
-    return TransferDock.restore({k: v.copy() for k, v in arrays.items()}, json.loads(json.dumps(meta)))
+    return TransferDock.restore({k: v.copy() for k, v in arrays.items()}, json.loads(json.dumps(meta)), "a snapshot in memory")
 
 
 def generation_round(dock: TransferDock, ref: Reference, rng: np.random.Generator, version: int,

@@ -79,7 +79,7 @@ def test_snapshot_keeps_the_over_sampling_capacity():
     dock = make_dock(gbs=2, extra=3)
     load(dock, range(5))
     arrays, meta = dock.snapshot()
-    restored = TransferDock.restore(arrays, meta)
+    restored = TransferDock.restore(arrays, meta, "a snapshot in memory")
     assert restored.over_sampling_groups == 3 and restored.capacity_groups == 5
     assert restored.group_ids.tolist() == dock.group_ids.tolist()
 

@@ -89,11 +89,13 @@ def test_the_bound_is_on_by_default_in_both_modes_and_can_be_turned_off(mode):
     assert RolloutConfig(mode=mode, max_split=1, over_sampling_groups=2).effective_max_age == 2
 
 
-def test_restore_gives_every_row_its_groups_age():
-    """Snapshots written before ages went by group can hold [1, 0] for a split group: restored as [1, 1]."""
+def test_restore_refuses_rows_of_a_group_with_different_ages():
+    """Every row carries its group's age; a snapshot saying otherwise is refused, not repaired."""
     dock = TransferDock(1, 2, 2, 8, 16, [0], require_max_age_all_finished=True)
     dock.load_groups([0, 1], [[1], [2]], ["a", "b"])
     arrays, meta = dock.snapshot()
+    arrays["age"] = np.array([0, 0, 1, 1], dtype=np.int32)
+    assert TransferDock.restore(arrays, meta, "m").group_order().tolist() == [1, 0]
     arrays["age"] = np.array([0, 0, 1, 0], dtype=np.int32)
-    restored = TransferDock.restore(arrays, meta)
-    assert restored.age.tolist() == [0, 0, 1, 1] and restored.group_order().tolist() == [1, 0]
+    with pytest.raises(ValueError, match="rows of one group have different ages"):
+        TransferDock.restore(arrays, meta, "m")

@@ -69,7 +69,7 @@ def test_observation_that_fills_the_budget_completes_the_row():
     assert appended.tolist() == [3] and dock.complete[0] and not dock.stopped[0] and not dock.awaiting_tool[0]
 
 
-def test_snapshot_carries_turn_state_and_old_snapshots_restore():
+def test_snapshot_carries_turn_state_and_a_single_turn_snapshot_resumes_with_tools():
     dock = make_dock(gbs=1, n=2, max_tokens=12, max_model_len=20, multi_turn=True)
     load(dock, [0, 1])
     _tool_turn(dock, 0, [10, 11], [40], version=2)
@@ -78,13 +78,15 @@ def test_snapshot_carries_turn_state_and_old_snapshots_restore():
     dock_turns.begin_tool_calls(dock, [1])  # cut with its tool call pending
     dock_turns.set_env_rewards(dock, [0], [1.5])
     arrays, meta = dock.snapshot()
-    back = TransferDock.restore(arrays, meta)
+    back = TransferDock.restore(arrays, meta, "a snapshot in memory")
     assert dock_turns.trajectory(back, 0)[1].tolist() == [1, 1, 0]
     assert back.turns[:2].tolist() == [1, 1] and back.awaiting_tool[:2].tolist() == [False, True]
     assert back.env_reward[0] == 1.5 and 1 not in back.take_rows().tolist()
+    with pytest.raises(ValueError, match=r"arrays \['turns'\] missing"):
+        TransferDock.restore({k: v for k, v in arrays.items() if k != "turns"}, meta, "m")
     old = {k: v for k, v in arrays.items() if k not in ("response_mask", "turns", "awaiting_tool", "env_reward")}
     old_meta = {**meta, "config": {k: v for k, v in meta["config"].items() if k != "multi_turn"}}
-    legacy = TransferDock.restore(old, old_meta)  # a checkpoint from before multi-turn rollouts
+    legacy = TransferDock.restore(old, old_meta, "m")  # what a single-turn run's checkpoint holds
     assert not legacy.multi_turn and (dock_turns.trajectory(legacy, 0)[1] == 1).all() and legacy.turns.sum() == 0
     assert not legacy.awaiting_tool.any() and np.isnan(legacy.env_reward).all()
     dock_turns.enable(legacy)  # resumed with rollout.env_path set
@@ -115,7 +117,7 @@ def test_tool_tokens_never_get_gradient(tiny_model_dir):
         dock.select_batch()
         return dock.rollout_batch().with_advantages(np.array([1.0, -1.0]))
 
-    learner = LearnerActor(str(tiny_model_dir), GRPOConfig(micro_batch_size=2, tis=False), OptimizerConfig(lr=1e-2),
+    learner = LearnerActor(str(tiny_model_dir), GRPOConfig(micro_batch_size=2, off_policy="none"), OptimizerConfig(lr=1e-2),
                            temperature=1.0, seed=0, trainable=True)
     start = learner.get_state()
 
