@@ -168,6 +168,3 @@ class EngineActor:
         from spillover.infra.process_memory import peak_rss_bytes
 
         return peak_rss_bytes()
-
-    def reported_weight_version(self) -> int | str | None:
-        return None if self.url is None else self.poster().reported_version()
