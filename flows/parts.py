@@ -132,13 +132,15 @@ class WarmParts:
 
         return create_learners(model_path, cfg, start_group=borrow)
 
-    def engine(self, engines_cfg, model_path, deterministic: bool = False) -> Any:
-        """A spillover.rollout.fleet.manager.RolloutManager serving model_path's weights as version 0."""
+    def engine(self, engines_cfg, model_path, deterministic: bool = False, seed: int = 0) -> Any:
+        """A spillover.rollout.fleet.manager.RolloutManager serving model_path's weights as version 0, engine i sampling
+        from seed + i (a kept torch engine is reseeded; SGLang's seed is a launch flag)."""
         from spillover.rollout.fleet.manager import RolloutManager
 
         return self.borrow("engine", engine_key(engines_cfg, model_path, deterministic),
-                           lambda: RolloutManager(engines_cfg, str(model_path), deterministic_inference=deterministic),
-                           lambda manager: manager.reset(model_path, engines_cfg))
+                           lambda: RolloutManager(engines_cfg, str(model_path), deterministic_inference=deterministic,
+                                                  seed=seed),
+                           lambda manager: manager.reset(model_path, engines_cfg, seed))
 
     def shutdown(self) -> None:
         for idle in self._idle.values():

@@ -175,7 +175,7 @@ def start_learners_and_engines(cfg: RunConfig, model_path: Path, resuming: bool 
     if not needs_engines(cfg):
         return learners, None
     try:
-        return learners, start_engines(cfg.engines, model_path, cfg.rollout.deterministic_sampling)
+        return learners, start_engines(cfg.engines, model_path, cfg.rollout.deterministic_sampling, cfg.model.seed)
     except BaseException:
         release_parts(learners, keep=False)
         raise
@@ -189,21 +189,22 @@ def start_colocated(cfg: RunConfig, model_path: Path) -> tuple[tuple[Any, Any], 
     if not needs_engines(cfg):
         return learners, None
     try:
-        return learners, RolloutManager(cfg.engines, str(model_path), hosts=learners[0].actors,
+        return learners, RolloutManager(cfg.engines, str(model_path), hosts=learners[0].actors, seed=cfg.model.seed,
                                         deterministic_inference=cfg.rollout.deterministic_sampling)
     except BaseException:
         release_parts(learners, keep=False)
         raise
 
 
-def start_engines(engines_cfg, model_path, deterministic: bool = False):
-    """A spillover.rollout.fleet.manager.RolloutManager on model_path: borrowed from the active WarmParts if any, else started."""
+def start_engines(engines_cfg, model_path, deterministic: bool = False, seed: int = 0):
+    """A spillover.rollout.fleet.manager.RolloutManager on model_path: borrowed from the active WarmParts if any, else started.
+    seed: model.seed; engine i samples from seed + i (SGLang's random_seed), on a borrowed engine too."""
     warm = active_warm_parts()
     if warm is not None:
-        return warm.engine(engines_cfg, model_path, deterministic)
+        return warm.engine(engines_cfg, model_path, deterministic, seed)
     from spillover.rollout.fleet.manager import RolloutManager
 
-    return RolloutManager(engines_cfg, str(model_path), deterministic_inference=deterministic)
+    return RolloutManager(engines_cfg, str(model_path), deterministic_inference=deterministic, seed=seed)
 
 
 def release_parts(parts, keep: bool) -> None:

@@ -52,18 +52,19 @@ class EngineWeights:
                 raise refused[0]
         return dict(self.weight_versions)
 
-    def reset(self, model_path: str | Path, engines_cfg=None) -> None:
+    def reset(self, model_path: str | Path, engines_cfg=None, seed: int | None = None) -> None:
         """Serve model_path's weights as version 0, as a newly started manager would (a run reusing these engines,
         flows/parts.py): leave the weight-update group, take memory back, load the folder on every engine, restart
-        each torch engine's sampling generator from its start seed (SGLang's seed is a launch flag: kept as is).
+        each torch engine's sampling generator from seed + its index (seed None: the pool's start seed; SGLang's
+        seed is a launch flag: kept as is).
         engines_cfg: the new run's engines section (its weight-sync and health settings take effect; the
         settings the engines were started with must be the same: spillover.flows.parts.engine_key)."""
         self.stop_health_monitor()
-        self._call(self._reset, str(model_path), engines_cfg or self.cfg)
+        self._call(self._reset, str(model_path), engines_cfg or self.cfg, seed)
         if self.cfg.health_interval_s:
             self.start_health_monitor(self.cfg.health_interval_s)
 
-    async def _reset(self, model_path: str, engines_cfg) -> None:
+    async def _reset(self, model_path: str, engines_cfg, seed: int | None) -> None:
         async with self._engine_lock:
             await self._weight_sync.leave(self._client)
             self.cfg = self.pool.cfg = engines_cfg
@@ -78,6 +79,8 @@ class EngineWeights:
             await asyncio.gather(*(self._apply_latest(h) for h in self.engines))
             self._latest_weights, self.restarts = None, 0
             if self.cfg.backend == "torch":  # each engine's seed at start (EnginePool.new_actors): the stream anew
+                if seed is not None:  # a restarted engine starts from it too
+                    self.pool.seed = seed
                 await asyncio.gather(*(h.actors[0].reseed.remote(self.pool.seed + h.index) for h in self.engines))
 
     def sync_weights(self, policy: Any, weight_version: int | str) -> dict[int, Any]:
