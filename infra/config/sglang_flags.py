@@ -97,7 +97,7 @@ def server_flags(args: dict[str, Any], deterministic: bool = False) -> list[str]
 def sglang_launch_options(cfg: Any, options: dict[str, Any] | None, deterministic: bool) -> dict[str, Any]:
     """SGLangLaunch keyword arguments: `options` with engines.sglang_args appended to its extra_args as flags."""
     options = dict(options or {})
-    flags = server_flags(getattr(cfg, "sglang_args", {}) or {}, deterministic=deterministic)
+    flags = server_flags(cfg.sglang_args, deterministic=deterministic)
     options["extra_args"] = (*tuple(options.get("extra_args", ())), *flags)
     return options
 

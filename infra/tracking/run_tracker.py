@@ -6,10 +6,14 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from spillover.infra.prefect import env as prefect_env
+
+if TYPE_CHECKING:
+    from spillover.infra.config.run_config import TrackingConfig
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +132,7 @@ class RunTracker:
     (store `wandb_run_id` in the checkpoint). Prefect artifacts are sent only inside a flow run.
     """
 
-    def __init__(self, run_dir: Path, tracking_cfg=None, echo=None, *, run_config=None,
+    def __init__(self, run_dir: Path, tracking_cfg: TrackingConfig, echo=None, *, run_config=None,
                  resume_wandb_id: str | None = None, progress_stream=None):
         from spillover.infra.tracking.prefect_artifacts import RunArtifacts
         from spillover.infra.tracking.terminal_progress import TerminalProgress
@@ -138,10 +142,10 @@ class RunTracker:
         self.run_dir, self.cfg, self.echo = Path(run_dir), tracking_cfg, echo
         self.run_config, self.resume_wandb_id = run_config, resume_wandb_id
         self.wandb_run = None
-        name = getattr(tracking_cfg, "run_name", None) or self.run_dir.name
+        name = tracking_cfg.run_name or self.run_dir.name
         self.artifacts = RunArtifacts(f"spillover-{name}")
         self._settle_reports = True  # start() decides from the Prefect server it reports to
-        self.terminal = TerminalProgress(getattr(tracking_cfg, "progress", False), echo, progress_stream)
+        self.terminal = TerminalProgress(tracking_cfg.progress, echo, progress_stream)
         self.next_iteration = 0
         self.partial_rows_in = 0
         self.finished = False
@@ -158,10 +162,10 @@ class RunTracker:
         self.next_iteration = first_iteration
         self.artifacts.start()
         self._settle_reports = not prefect_env.writes_never_collide()
-        mode = getattr(self.cfg, "wandb_mode", "disabled")
+        mode = self.cfg.wandb_mode
         config = self.run_config.model_dump(mode="json") if self.run_config is not None else None
         self.wandb_run = wandb_shared.start_driver_run(
-            self.run_dir, mode, getattr(self.cfg, "project", "spillover"), getattr(self.cfg, "run_name", None),
+            self.run_dir, mode, self.cfg.project, self.cfg.run_name,
             config, self.resume_wandb_id)
 
     def on_round(self, progress: dict) -> None:

@@ -90,7 +90,7 @@ class TransferDock:
         return cls(rollout_cfg.global_batch_size, rollout_cfg.n_samples_per_prompt, rollout_cfg.max_split,
                    rollout_cfg.max_tokens, rollout_cfg.max_model_len, eos_token_ids, rollout_cfg.effective_max_age,
                    rollout_cfg.require_max_age_all_finished, rollout_cfg.over_sampling_groups,
-                   multi_turn=bool(getattr(rollout_cfg, "env_path", None)))
+                   multi_turn=bool(rollout_cfg.env_path))
 
     # ---- derived views -------------------------------------------------------------------------
     def _occupied_rows(self) -> np.ndarray:

@@ -38,9 +38,9 @@ class SamplingSettings:
     @classmethod
     def from_rollout(cls, rollout_cfg, stop_token_ids: Sequence[int], seed: int | None = None) -> "SamplingSettings":
         """seed (model.seed) is used only with rollout.deterministic_sampling."""
-        seed = seed if getattr(rollout_cfg, "deterministic_sampling", False) else None
+        seed = seed if rollout_cfg.deterministic_sampling else None
         return cls(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k, tuple(stop_token_ids), seed,
-                   tuple(getattr(rollout_cfg, "stop", ())))
+                   tuple(rollout_cfg.stop))
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from spillover.infra.config.engines import EnginesConfig
 from spillover.rollout.sglang import backend as sgl
 from spillover.rollout.sglang.update_group import plan_buckets
 
@@ -126,17 +127,17 @@ async def _unless_sender_fails(posts: Any, sending: asyncio.Future) -> Any:
     return await posts
 
 
-def weight_sync_settings(cfg: Any, use_gpu: bool) -> dict[str, Any]:
+def weight_sync_settings(cfg: EnginesConfig, use_gpu: bool) -> dict[str, Any]:
     """DistributedWeightSync's arguments from the engines config (NCCL between GPUs, gloo on CPU)."""
-    return {"bucket_bytes": getattr(cfg, "weight_bucket_bytes", DEFAULT_BUCKET_BYTES),
+    return {"bucket_bytes": cfg.weight_bucket_bytes,
             "ranks_per_engine": cfg.gpus_per_engine if cfg.backend == "sglang" else 1,
-            "backend": "nccl" if use_gpu else "gloo", "timeout_s": getattr(cfg, "weight_sync_timeout_s", 600.0)}
+            "backend": "nccl" if use_gpu else "gloo", "timeout_s": cfg.weight_sync_timeout_s}
 
 
-def disk_folder(cfg: Any, model_path: str, weight_version: int | str) -> str:
+def disk_folder(cfg: EnginesConfig, model_path: str, weight_version: int | str) -> str:
     """Where engines.weight_sync=disk exports version `weight_version` (engines.weight_sync_dir, or next to the
     model folder); every engine must be able to read it (one node, or a shared file system)."""
     from pathlib import Path
 
-    root = getattr(cfg, "weight_sync_dir", None) or Path(model_path).parent / "synced_weights"
+    root = cfg.weight_sync_dir or Path(model_path).parent / "synced_weights"
     return str(Path(root) / f"version-{weight_version}")
