@@ -34,11 +34,11 @@ class DispatchPlanner:
 
     @classmethod
     def from_config(cls, rollout_cfg, engine, weight_version: int, drain: bool) -> "DispatchPlanner":
-        scheduling = getattr(rollout_cfg, "scheduling", "fifo")
-        every = int(getattr(rollout_cfg, "tail_round_every", 1))
+        scheduling = rollout_cfg.scheduling
+        every = rollout_cfg.tail_round_every
         long_round = drain or (int(weight_version) + 1) % every == 0
-        return cls(scheduling, engine_count(engine), float(getattr(rollout_cfg, "tail_factor", 0.0)), long_round,
-                   int(getattr(rollout_cfg, "tail_engines", 0)))
+        return cls(scheduling, engine_count(engine), rollout_cfg.tail_factor, long_round,
+                   rollout_cfg.tail_engines)
 
     def plan(self, dock, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """In-flight rows from take_rows -> (rows to send now, in order; engine per row or None)."""
