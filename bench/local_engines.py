@@ -51,7 +51,7 @@ class LocalEngines:
             gen = BatchGenerator(router, lambda: self.urls, by_url.__getitem__, no_recovery,
                                  max_attempts=1, max_in_flight=sum(s.max_running_requests for s in self.servers))
             try:
-                return await router.run(gen.generate_batch, batch, on_result)
+                return await router.run(gen.generate_round, batch, on_result)
             finally:
                 await asyncio.gather(*(c.aclose() for c in clients))
 

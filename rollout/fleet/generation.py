@@ -59,7 +59,7 @@ class BatchGenerator:
         self.max_attempts, self.max_in_flight = max_attempts, max_in_flight
         self.rounds: set[Round] = set()
 
-    async def generate_batch(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
+    async def generate_round(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
         """Answers in input order; on_result(index, answer) as each finishes. An on_result that returns True
         stops every running round and aborts every engine (abort_all); the call returns once they are idle.
         A bad item raises after the others have finished (so no request is left running on an engine)."""

@@ -69,6 +69,8 @@ class RolloutManager(EngineWeights):
         self._portal_cm = start_blocking_portal("asyncio", name="rollout-manager")
         self._portal = self._portal_cm.__enter__()
         self._loop_thread = self._portal.call(threading.get_ident)
+        # where on_result callbacks run; multi-turn env calls run there too (rollout/drivers/tool_turns.py)
+        self.loop: asyncio.AbstractEventLoop = self._portal.call(asyncio.get_running_loop)
         try:
             self._call(self._start, max_attempts, max_in_flight)
         except BaseException:
@@ -136,7 +138,7 @@ class RolloutManager(EngineWeights):
         finishes; returning True stops the round: every engine aborts (running requests come back with their
         tokens so far, unsent ones with none) and generate returns once the engines are idle. An item with an
         "engine_index" goes to that engine, not through the router (rollout/fleet/pinned_router.py)."""
-        return self._call(self._gen.router.run, self._gen.generate_batch, batch, on_result)
+        return self._call(self._gen.router.run, self._gen.generate_round, batch, on_result)
 
     @property
     def num_engines(self) -> int:  # what length-aware dispatch pins rows to (spillover.rollout.drivers.dispatch)

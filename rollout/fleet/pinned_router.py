@@ -41,11 +41,11 @@ class PinnedRouter:
             pinned.append(item["rid"])
         return pinned
 
-    async def run(self, generate_batch: Callable[..., Awaitable[list[dict]]], batch: list[dict], on_result=None):
-        """generate_batch(batch, on_result) with the batch's pins in force; they go when it returns."""
+    async def run(self, generate_round: Callable[..., Awaitable[list[dict]]], batch: list[dict], on_result=None):
+        """generate_round(batch, on_result) with the batch's pins in force; they go when it returns."""
         rids = self.pin(batch)
         try:
-            return await generate_batch(batch, on_result)
+            return await generate_round(batch, on_result)
         finally:
             for rid in rids:
                 self.pins.pop(rid, None)

@@ -40,14 +40,6 @@ def loads(url: str) -> tuple[int, int]:
     return entry["num_running_reqs"], entry["num_waiting_reqs"]
 
 
-def wait_until(predicate, timeout_s: float, step_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step_s)
-    return False
-
 
 def in_background(fn, *args):
     """Run fn(*args) in a thread; returns (thread, box) where box holds 'result' or 'error'."""
@@ -341,7 +333,7 @@ def test_requests_failed_by_the_router_are_retried_after_recovery(tiny_model_dir
         async def run() -> list[dict]:
             async with EngineClient(router.url) as via_router, EngineClient(torch_engines[0].url) as live:
                 gen = BatchGenerator(via_router, lambda: [live.url], lambda url: live, recover, max_attempts=3)
-                return await gen.generate_batch(batch(GREEDY))
+                return await gen.generate_round(batch(GREEDY))
 
         results = asyncio.run(run())
         assert recoveries, "no request failed: the router never sent one to the dead worker"
