@@ -1,4 +1,4 @@
-"""Find every process a test's subprocess started, by its session id (Linux /proc).
+"""Find every process a test's subprocess started, by its session id.
 
 A subprocess started with `start_new_session=True` leads a new session whose id is its pid; every process
 it starts inherits that session unless it calls setsid() itself. Nothing of a run does: Ray's raylet, GCS
@@ -11,56 +11,44 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
+import psutil
 
-def stat_of(pid: int | str) -> tuple[str, int, int, int]:
-    """(state, ppid, process group, session) of a live process, from /proc/PID/stat (the command name in
-    parentheses may hold spaces: the fields are read after its closing parenthesis)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    return fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3])
+from waiting import WaitTimedOut, wait_for
 
 
 def session_processes(session_id: int) -> list[tuple[int, str]]:
-    """(pid, command line) of every live process (zombies excluded) of this session. Plain reads of /proc: the
-    background runs' watchers call this twice a second for minutes."""
-    found, me = [], str(os.getpid())
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or name == me:
-            continue
+    """(pid, command line) of every live process (zombies excluded) of this session. One getsid call per process
+    and a look at the matching ones only: the background runs' watchers call this twice a second for minutes."""
+    found, me = [], os.getpid()
+    for pid in psutil.pids():
         try:
-            state, _, _, session = stat_of(name)
-            if session == session_id and state not in ("Z", "X"):
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    found.append((int(name), f.read().replace(b"\0", b" ").decode()[:300]))
-        except (OSError, IndexError, ValueError):  # gone meanwhile
+            if pid == me or os.getsid(pid) != session_id:
+                continue
+            proc = psutil.Process(pid)
+            if proc.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                found.append((pid, " ".join(proc.cmdline())[:300]))
+        except (ProcessLookupError, PermissionError, psutil.Error):  # gone meanwhile
             pass
     return found
 
 
 def children_of(parent_pid: int) -> list[int]:
     """Pids of the live children of a process."""
-    found = []
-    for name in os.listdir("/proc"):
-        try:
-            if name.isdigit() and stat_of(name)[1] == parent_pid:
-                found.append(int(name))
-        except (OSError, IndexError, ValueError):
-            pass
-    return found
+    return sorted(child.pid for child in psutil.Process(parent_pid).children())
 
 
 def wait_until_gone(session_ids: list[int], timeout_s: float,
                     ignore: tuple[str, ...] = ()) -> list[tuple[int, str]]:
     """Wait until no process of these sessions is alive (processes whose command line starts with one of
-    `ignore` do not count) -> what is left after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = [p for sid in session_ids for p in session_processes(sid) if not p[1].startswith(ignore)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.25)
+    `ignore` do not count) -> what is left after timeout_s ([] when all went)."""
+    def left() -> list[tuple[int, str]]:
+        return [p for sid in session_ids for p in session_processes(sid) if not p[1].startswith(ignore)]
+
+    try:
+        return wait_for(left, timeout_s, f"sessions {session_ids} gone", every=0.25, until=lambda found: not found)
+    except WaitTimedOut as timed_out:
+        return timed_out.last
 
 
 def reap(session_ids: list[int]) -> list[tuple[int, str]]:

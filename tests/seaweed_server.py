@@ -25,6 +25,7 @@ from pydantic import SecretStr
 
 from spillover.infra.config.run_config import StorageConfig
 from spillover.infra.storage.errors import is_transient
+from waiting import wait_for
 
 _PORT_NAMES = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
                "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc")
@@ -124,24 +125,28 @@ class SeaweedS3:
                                skip_instance_cache=True, use_listings_cache=False,
                                config_kwargs={"connect_timeout": 1, "read_timeout": 5,
                                               "retries": {"total_max_attempts": 1}})
-        deadline = time.monotonic() + timeout_s
-        probe = f"{self.bucket}/.ready-probe"
-        while True:
+        started, probe = time.monotonic(), f"{self.bucket}/.ready-probe"
+
+        def write_error() -> Exception | None:
+            """None once a write lands (it proves master, volume, filer and s3 are all up), else why not."""
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed mini exited with code {self.proc.returncode}; see {self.log_path}")
             try:
-                fs.pipe_file(probe, b"ok")  # a write proves master, volume, filer and s3 are all up
+                fs.pipe_file(probe, b"ok")
                 fs.rm(probe)
-                return
+                return None
             except Exception as err:  # noqa: BLE001 - not ready yet, unless the error says otherwise
-                if not is_transient(err) and time.monotonic() > deadline - timeout_s + 3:
-                    self.stop()
+                if not is_transient(err) and time.monotonic() > started + 3:
                     raise RuntimeError(f"weed mini is up but refuses writes to bucket {self.bucket!r}: "
                                        f"{type(err).__name__}: {err}; see {self.log_path}") from None
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"weed mini did not become ready in {timeout_s} s; see {self.log_path}")
-                time.sleep(0.1)
+                return err
+
+        try:
+            wait_for(write_error, timeout_s, f"weed mini accepting writes (log: {self.log_path})",
+                     until=lambda err: err is None)
+        except BaseException:
+            self.stop()
+            raise
 
     def _signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:

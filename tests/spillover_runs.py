@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import psutil
 from background import start_background
 from run_processes import reap, session_processes, wait_until_gone
+from waiting import WaitTimedOut, wait_for
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -83,15 +85,18 @@ class Spillover:
                                     cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                     env=self.env(ephemeral_prefect, **env_extra))
         run.session = proc.pid
-        deadline = time.monotonic() + timeout_s
-        while proc.poll() is None:  # record the session's processes while it is alive (it may kill itself)
+
+        def ended() -> int | None:  # record the session's processes while it is alive (it may kill itself)
             run.seen.update(session_processes(run.session))
-            if time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                run.ended = time.monotonic()
-                raise TimeoutError(f"{args} ran over {timeout_s} s:\n{self.output(run)}")
-            time.sleep(0.5)
+            return proc.poll()
+
+        try:
+            wait_for(ended, timeout_s, f"`spillover {args[0]}` exits", every=0.5, until=lambda code: code is not None)
+        except WaitTimedOut:
+            proc.kill()
+            proc.wait()
+            run.ended = time.monotonic()
+            raise TimeoutError(f"{args} ran over {timeout_s} s:\n{self.output(run)}") from None
         run.returncode, run.ended = proc.returncode, time.monotonic()
         return run
 
@@ -158,13 +163,11 @@ def assert_joined_runs_left_nothing(list_actors=other_jobs_actors, grace_s: floa
     """Every actor the joined runs created (list_actors: those of the session's cluster by default; for background
     runs, `lambda: background.actors_of(pids)`) is dead and its worker process gone within grace_s: Ray ends a
     driver's job when the driver dies (SIGKILL included) and kills the job's actors."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        seen = list_actors()
-        left = [(a["ActorClassName"], a["State"], a["Pid"]) for a in seen
-                if a["State"] != "DEAD" or (a["Pid"] > 0 and Path(f"/proc/{a['Pid']}").exists())]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    seen = list_actors()
     assert seen, "no run joined the Ray cluster"
-    assert left == [], f"actors of ended runs still alive {grace_s:.0f} s later: {left}"
+
+    def alive() -> list[tuple[str, str, int]]:
+        return [(a["ActorClassName"], a["State"], a["Pid"]) for a in list_actors()
+                if a["State"] != "DEAD" or (a["Pid"] > 0 and psutil.pid_exists(a["Pid"]))]
+
+    wait_for(alive, grace_s, "the actors of ended runs dead, their workers gone", every=0.5, until=lambda left: not left)

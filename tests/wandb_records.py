@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from waiting import wait_for
 
 
 def _flat(item: dict, prefix: str = "") -> dict:
@@ -53,9 +54,7 @@ def offline_segments(directory: Path) -> list[Path]:
 
 def read_segments(directory: Path, count: int, timeout_s: float = 20.0) -> list[dict]:
     """The records of the `count` offline segments under directory (each read to its exit record)."""
-    deadline = time.monotonic() + timeout_s
-    while len(offline_segments(directory)) < count and time.monotonic() < deadline:
-        time.sleep(0.1)  # the segment files appear at wandb.init
-    paths = offline_segments(directory)
+    paths = wait_for(lambda: offline_segments(directory), timeout_s, f"{count} offline wandb segments",
+                     until=lambda found: len(found) >= count)  # the segment files appear at wandb.init
     with ThreadPoolExecutor(max_workers=max(1, len(paths))) as pool:  # one wandb reader process per segment
         return list(pool.map(lambda p: read_run(p, idle_timeout_s=int(timeout_s)), paths))

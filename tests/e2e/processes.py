@@ -7,12 +7,12 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 from run_processes import reap
+from waiting import WaitTimedOut, wait_for
 
 
 def free_port() -> int:
@@ -52,17 +52,17 @@ def running(cmd: list[str], log_path: Path, env: dict, cwd: str | None = None):
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None, log_path: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    """Until url answers 200 (proc, if given, must stay alive meanwhile)."""
+    def status() -> int:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before {url} answered:\n{_tail(log_path)}")
-        try:
-            if httpx.get(url, timeout=3).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not ready after {timeout_s}s:\n{_tail(log_path)}")
+        return httpx.get(url, timeout=3).status_code
+
+    try:
+        wait_for(status, timeout_s, f"{url} answers 200", every=0.5, until=lambda code: code == 200,
+                 not_yet=(httpx.HTTPError,))
+    except WaitTimedOut as timed_out:
+        raise TimeoutError(f"{timed_out}\n{_tail(log_path)}") from None
 
 
 def _tail(path: Path | None, chars: int = 3000) -> str:

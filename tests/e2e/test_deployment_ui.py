@@ -28,6 +28,7 @@ from spillover.flows.report import PLOTS
 from fixtures_prefect import copy_migrated_database
 from processes import free_port, running, wait_http
 from small_run import SMALL_RUN
+from waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
 
@@ -50,16 +51,6 @@ def _env(**extra) -> dict:
                 "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "2"})
     env.update({k: str(v) for k, v in extra.items()})
     return env
-
-
-def _wait(fn, timeout_s: float, what: str, every_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise TimeoutError(f"{what}: not after {timeout_s}s")
 
 
 def _submit(env: dict, *overrides: str) -> str:
@@ -111,10 +102,10 @@ def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(ray_sessio
         page = stack.enter_context(logged_in_page(url, auth))  # while `spillover serve` starts up
         timings["browser_logged_in_s"] = time.monotonic() - t0
 
-        def deployments():
-            found = {d["name"]: d for d in api.post("/deployments/filter", json={}).json()}
-            return found if {"train", "nightly-smoke"} <= set(found) else None
-        found = _wait(deployments, 120, f"deployments served (log: {serve_log})", every_s=0.25)
+        def deployments() -> dict[str, dict]:
+            return {d["name"]: d for d in api.post("/deployments/filter", json={}).json()}
+        found = wait_for(deployments, 120, f"deployments served (log: {serve_log})", every=0.25,
+                         until=lambda named: {"train", "nightly-smoke"} <= set(named))
         timings["deployments_served_s"] = time.monotonic() - t0
         train, smoke = found["train"], found["nightly-smoke"]
         schema = json.dumps(train["parameter_openapi_schema"])
@@ -125,14 +116,14 @@ def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(ray_sessio
 
         first = _submit(client_env)
         timings["first_submitted_s"] = time.monotonic() - t0
-        _wait(lambda: (run_dir / ".spillover.lock").is_file(), 180, f"the first run locks its run_dir ({serve_log})",
-              every_s=0.1)
+        wait_for(lambda: (run_dir / ".spillover.lock").is_file(), 180, f"the first run locks its run_dir ({serve_log})",
+                 every=0.1)
         timings["first_locked_s"] = time.monotonic() - t0
         second = _submit(client_env, "schedule.num_iterations=1")
-        def both_final():
-            states = [_flow_run(api, first)["state_type"], _flow_run(api, second)["state_type"]]
-            return states if all(s in FINAL for s in states) else None
-        states = _wait(both_final, 300, f"both runs final (log: {serve_log})", every_s=0.25)
+        def states_now() -> list[str]:
+            return [_flow_run(api, first)["state_type"], _flow_run(api, second)["state_type"]]
+        states = wait_for(states_now, 300, f"both runs final (log: {serve_log})", every=0.25,
+                          until=lambda now: all(s in FINAL for s in now))
         timings["run_done_s"] = time.monotonic() - t0
         assert states == ["COMPLETED", "FAILED"], (states, serve_log.read_text()[-4000:])
         refused = _flow_run(api, second)["state"]["message"]

@@ -7,7 +7,6 @@ import errno
 import hashlib
 import logging
 import socket
-import time
 from urllib.parse import urlsplit
 
 import pytest
@@ -78,13 +77,12 @@ def test_unreachable_endpoint_fails_fast_with_the_fix(monkeypatch):
     (port,) = free_ports(1)
     cfg = StorageConfig(endpoint_url=f"http://127.0.0.1:{port}", access_key_id=SecretStr("AKID0001"),
                         secret_access_key=SecretStr("SuperSecretValue99"))
-    start = time.monotonic()
     with pytest.raises(StorageUnreachable) as err:
         check_storage("s3://bucket/run1", cfg, deadline_s=2)
-    assert time.monotonic() - start < 6  # no attempt hangs
     assert sum(clock.sleeps) == pytest.approx(2) and len(clock.sleeps) >= 3  # backed off until the deadline
     msg = str(err.value)
     assert f"({len(clock.sleeps) + 1} attempts)" in msg
+    assert "ConnectionRefusedError" in msg  # the attempts were refused at once, not ended by a connect timeout
     assert "s3://bucket/run1" in msg and f"127.0.0.1:{port}" in msg and "storage.endpoint_url" in msg
     assert "SuperSecretValue99" not in msg
 
@@ -209,13 +207,12 @@ def test_a_hung_server_cannot_block_a_call_forever(outage_s3_server):
                        read_timeout_s=0.5,
                        retry=RetryPolicy(deadline_s=1, first_backoff_s=0.1))  # one attempt: its limit is ~2 s
     outage_s3_server.pause()
-    start = time.monotonic()
     try:
-        with pytest.raises(StorageUnreachable, match="hung/big"):
+        with pytest.raises(StorageUnreachable, match="hung/big") as err:
             store.put_bytes("big", b"x" * (8 << 20))
     finally:
         outage_s3_server.resume()
-    assert time.monotonic() - start < 12
+    assert "(1 attempts): FSTimeoutError" in str(err.value)  # the per-call limit ended the one attempt
     # and it works again once the server runs, under the default limits: a just-resumed server on a busy machine can
     # miss the 0.5 s connect limit above (it did once, with background work running)
     open_store(outage_s3_server.url("hung"), outage_s3_server.storage_config()).put_bytes("big", b"ok")

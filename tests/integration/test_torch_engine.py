@@ -3,7 +3,6 @@ bad requests, control endpoints, and requests through the real sglang-router (se
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 from spillover.rollout.fleet.engine_client import EngineClient, EngineError
 from spillover.rollout.torch_engine.server import TorchEngineServer
+from waiting import wait_for
 
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 3], [40, 2, 2, 11, 30, 31, 12], [17], [33, 34, 35, 36], [9, 8, 7]]
 
@@ -245,9 +245,10 @@ def test_sampling_is_seeded_and_respects_top_k(varied_engine):
     sampled = run(generate_all(varied_engine.url, PROMPTS[:3], params))
     greedy = run(generate_all(varied_engine.url, PROMPTS[:3], {**params, "temperature": 0}))
     assert [r.output_ids for r in sampled] == [r.output_ids for r in greedy]
-    start = time.monotonic()
+    steps = varied_engine.batcher.steps
     free = run(generate_all(varied_engine.url, PROMPTS[:3] * 4, {**params, "top_k": -1, "top_p": 0.9}))
-    assert time.monotonic() - start < 10
+    # 12 requests of 16 tokens in 8 slots decode side by side (~2 x 16 steps), not one after another (12 x 16)
+    assert varied_engine.batcher.steps - steps < 4 * 16
     assert len({tuple(r.output_ids) for r in free}) > 3
 
 
@@ -271,14 +272,13 @@ def test_client_disconnect_aborts_its_request(varied_engine):
             while varied_engine.batcher.counts() == (0, 0):
                 await asyncio.sleep(0.002)
             task.cancel()  # closes the connection mid-request
-            deadline = time.monotonic() + 5
-            while varied_engine.batcher.counts() != (0, 0) and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            counts = varied_engine.batcher.counts()
-            await client.post("/continue_generation")
-            return counts
+            try:
+                await asyncio.to_thread(wait_for, varied_engine.batcher.counts, 5, "the engine holds no request",
+                                        every=0.01, until=lambda counts: counts == (0, 0))
+            finally:
+                await client.post("/continue_generation")
 
-    assert run(scenario()) == (0, 0)
+    run(scenario())
 
 
 def greedy_tokens(model, ids: list[int], count: int) -> list[int]:
