@@ -6,7 +6,6 @@ and '?' (which the model often writes) is a stop token besides EOS, so both ends
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
@@ -16,6 +15,7 @@ from spillover.rollout.prompt_data import read_prompts
 from spillover.rollout.scoring.evaluation import EvalAborted, eval_log_dict, eval_metrics, eval_step, run_eval
 from spillover.rollout.sample import Sample, Status
 from spillover.rollout.builtin.toy_task import generate_dataset
+from waiting import wait_for
 
 MAX_NEW = 10
 
@@ -95,10 +95,9 @@ def test_an_abort_during_eval_is_an_error_not_a_metric(rollout_manager, eval_set
             r["sampling_params"]["ignore_eos"] = True
 
         def abort_when_busy():
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and not all(
-                    httpx.get(u + "/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"] for u in m.urls):
-                time.sleep(0.02)
+            wait_for(lambda: [httpx.get(u + "/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"]
+                              for u in m.urls], 20, "both engines running", every=0.02,
+                     until=lambda running: all(running))
             m.abort_all()
 
         aborter = threading.Thread(target=abort_when_busy, daemon=True)

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from run_processes import reap, session_processes, wait_until_gone
+from waiting import wait_for
 
 # Started in a thread that returns before the parent is killed: PR_SET_PDEATHSIG alone would fire at that
 # thread's exit, so "still alive after the thread is gone" is checked too.
@@ -87,11 +88,7 @@ def test_whole_group_mode_takes_the_commands_own_children_too():
     def sleeps() -> list[str]:
         return [cmd for _, cmd in session_processes(wrapper) if cmd.startswith("sleep 60")]
     try:
-        for _ in range(50):  # the command and its own child
-            if len(sleeps()) == 2:
-                break
-            time.sleep(0.1)
-        assert len(sleeps()) == 2, session_processes(wrapper)
+        wait_for(sleeps, 5, "the command and its own child running", until=lambda found: len(found) == 2)
         proc.kill()
         proc.wait(10)
         assert wait_until_gone([wrapper], 15) == []

@@ -13,6 +13,7 @@ import pytest
 from spillover.rollout.fleet.engine_pool import bundle_order, engine_layout
 from spillover.rollout.sglang import backend as sgl
 from spillover.rollout.fleet.engine_actor import free_ports
+from waiting import wait_for
 
 
 def flags(cmd: list[str]) -> dict[str, str | bool]:
@@ -124,11 +125,8 @@ def test_process_stop_takes_the_whole_group(tmp_path, monkeypatch):
         "time.sleep(60)\n")
     monkeypatch.setattr(sgl, "launch_command", lambda spec, python=sys.executable: [python, str(script)])
     proc = sgl.SGLangProcess(sgl.SGLangLaunch(model_path="/m", host="127.0.0.1", port=1, nccl_port=2))
-    deadline = time.monotonic() + 10
-    while not pid_file.exists() or not pid_file.read_text():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    child = int(pid_file.read_text())
+    child = int(wait_for(lambda: pid_file.read_text() if pid_file.exists() else "", 10,
+                         "the fake server writing its child's pid", every=0.05))
     assert proc.alive()
     proc.stop(grace_s=5)
     assert not proc.alive()
