@@ -1,8 +1,8 @@
-"""Long-tail benchmark: partial rollout against plain GRPO generation, through the real dock and drivers.
+"""Long-tail benchmark: partial rollout against plain GRPO generation, through the real dock and driver loop.
 
 Every mode runs the same iteration loop (load prompts (spillover.rollout.prompt_data.groups_for_iteration) -> the real
-sync or async driver over the real TransferDock -> select and read the batch -> clear -> weight update) against an
-engine, with the same seed, for --warmup + --iterations iterations; the numbers average the last
+driver loop's sync or async rounds over the real TransferDock -> select and read the batch -> clear -> weight update)
+against an engine, with the same seed, for --warmup + --iterations iterations; the numbers average the last
 --iterations (steady state: carried-over rows, not the first fill).
 
     python bench/longtail.py            # SimulatedEngine in virtual time, the issue's GPU-scale workload
@@ -48,8 +48,7 @@ from spillover.infra.config.rollout import RolloutConfig  # noqa: E402
 from spillover.rollout.dock.transfer_dock import TransferDock  # noqa: E402
 from bench.simulator.engine import EngineTiming, SimulatedEngine  # noqa: E402
 from bench.simulator.workload import DEFAULT_EOS, LognormalLengths, simulated_prompt  # noqa: E402
-from spillover.rollout.drivers.async_stream import generate_until_ready_async  # noqa: E402
-from spillover.rollout.drivers.sync_rounds import generate_until_ready_sync  # noqa: E402
+from spillover.rollout.drivers.rounds import generate_rounds  # noqa: E402
 from spillover.rollout.drivers.requests import SamplingSettings  # noqa: E402
 from spillover.rollout.prompt_data import groups_for_iteration  # noqa: E402
 from bench.longtail_modes import MODES, Workload  # noqa: E402
@@ -63,9 +62,8 @@ def build_dock(cfg: RolloutConfig, eos_ids: list[int]) -> TransferDock:
 
 
 def generate_and_select(dock: TransferDock, engine, cfg: RolloutConfig, eos_ids: list[int], version: int) -> dict:
-    """What the flow's generate step does: the mode's real driver until the dock is ready, then the batch."""
-    driver = generate_until_ready_async if cfg.mode == "async" else generate_until_ready_sync
-    stats = driver(dock, engine, cfg, SamplingSettings.from_rollout(cfg, eos_ids), version, drain=False)
+    """What the flow's generate step does: the driver loop's rounds (cfg.mode) until the dock is ready, then the batch."""
+    stats = generate_rounds(dock, engine, cfg, SamplingSettings.from_rollout(cfg, eos_ids), version, drain=False)
     dock.select_batch()
     return stats.as_dict()
 

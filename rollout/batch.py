@@ -38,7 +38,7 @@ class RolloutBatch:
     response_lengths[R], rollout_logprobs[Tr], weight_versions[Tr] (-1: no policy made the token, e.g.
     SFT), loss_mask[Tr] (0/1), truncated[R] (complete without a stop), ages[R] (iterations carried over),
     labels[G], metadata[G] (data.additional_keys per group: a dict, or () when the run has none); advantages[R]
-    once the reward step has set them; multi-turn rollouts (rollout/drivers/multi_turn.py) add turns[R] (tool calls per
+    once the reward step has set them; multi-turn rollouts (rollout/drivers/tool_turns.py) add turns[R] (tool calls per
     trajectory) and env_rewards[R] (the env's reward, NaN: none), else both are None. `sft` marks a supervised
     batch (advantage 1, no behaviour policy).
     """

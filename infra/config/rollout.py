@@ -55,7 +55,7 @@ class RolloutConfig(Section):
         "schedule.eval_interval iterations, with or without data.eval_paths); empty = the built-in eval over "
         "data.eval_paths.")
 
-    # multi-turn tool use (rollout/drivers/multi_turn.py, rollout/tools/env.py)
+    # multi-turn tool use (rollout/drivers/tool_turns.py, rollout/tools/env.py)
     env_path: str | None = Field(
         None, description="Multi-turn tool use: import path of an environment class or factory, called with no "
         "arguments once per sample; the object has `async reset(sample) -> str` and `async step(action_text) -> "

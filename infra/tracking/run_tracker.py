@@ -67,7 +67,7 @@ def one_line(m: dict) -> str:
     scores = (f"sft nll {m.get('nll', 0):.4f}" if "sft_samples" in m else
               f"reward {m.get('reward_mean', 0):.3f}  exact {m.get('exact_match', 0):.2f}")
     loss = "" if "sft_samples" in m else f"  loss {m.get('loss', 0):+.4f}"
-    if "turns_mean" in m:  # multi-turn tools (rollout/drivers/multi_turn.py)
+    if "turns_mean" in m:  # multi-turn tools (rollout/drivers/tool_turns.py)
         scores += f"  turns {m['turns_mean']:.2f}  tools {m.get('tool_calls', 0)} ({m.get('tool_errors', 0)} err)"
     return (f"iter {m['iteration']:>4}  {scores}  "
             f"len p50/max {m.get('response_length_p50', 0):.0f}/{m.get('response_length_max', 0)}  "

@@ -1,1 +1,1 @@
-"""Generation drivers over the dock: the default rollout (sync rounds, async stream, multi-turn) and dispatch."""
+"""Generation over the dock: the driver loop (rounds), its tool hooks, dispatch, the default rollout, the request codec."""

@@ -1,4 +1,4 @@
-"""The drivers' side of rollout.scheduling: order the rows of a round, pick their engines, hold tail rows back.
+"""The driver's side of rollout.scheduling: order the rows of a round, pick their engines, hold tail rows back.
 
     planner = DispatchPlanner.from_config(rollout_cfg, engine, weight_version, drain)
     rows, engines = planner.plan(dock, dock.take_rows(...))   # engines: int64[k] or None (the router chooses)
@@ -73,10 +73,6 @@ class DispatchPlanner:
 
     def next_rows(self, dock, limit: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """A round's rows and engines: up to `limit` rows the dock hands out, planned; when it has none left,
-        the rows held for the long round. Raises when neither is left (the dock can never become ready)."""
+        the rows held for the long round (none at all: nothing can generate now)."""
         rows = dock.take_rows(limit=limit)
-        rows, engines = self.plan(dock, rows) if len(rows) else self.plan_all(dock, self.take_held())
-        if len(rows) == 0:
-            raise RuntimeError(f"generation cannot finish: no row left to generate but only "
-                               f"{dock.ready_group_count()} groups are ready (need {dock.gbs})")
-        return rows, engines
+        return self.plan(dock, rows) if len(rows) else self.plan_all(dock, self.take_held())

@@ -1,1 +1,1 @@
-"""Multi-turn tool use: the environment interface and the pool its calls run on."""
+"""Multi-turn tool use: the environment interface and the pool of envs whose calls the tool hooks run."""

@@ -1,10 +1,14 @@
-"""Every /generate body the drivers send, through SGLang 0.5.23's own parse and checks (tests/contract/sglang_oracle.py:
+"""Every /generate body the driver loop sends, through SGLang 0.5.23's own parse and checks (tests/contract/sglang_oracle.py:
 GenerateReqInput, the route's JSON gate, normalize_batch_and_arguments, SamplingParams(...).normalize/.verify).
 
-The bodies are the project's own: the real drivers (sync, async, multi-turn, evaluation) run over the real dock
-against SimulatedEngine (SGLang cannot run here), and what they hand the engine goes through
-spillover.rollout.fleet.generation.request_body, the function that makes the wire body of RolloutManager's every /generate call."""
+The bodies are the project's own: the real driver loop (sync, async, multi-turn tool hooks) and evaluation run over
+the real dock against SimulatedEngine (SGLang cannot run here), and what they hand the engine goes through
+spillover.rollout.fleet.generation.request_body, the function that makes the wire body of RolloutManager's every
+/generate call."""
 from __future__ import annotations
+
+import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -16,7 +20,7 @@ from spillover.rollout.dock.transfer_dock import TransferDock
 from bench.simulator.engine import EngineTiming, SimulatedEngine
 from bench.simulator.workload import DEFAULT_EOS, TableLengths, simulated_prompt
 from spillover.rollout.fleet.generation import request_body
-from spillover.rollout.drivers.default_rollout import generate_batch
+from spillover.rollout.drivers.default_rollout import generate_training_batch
 from spillover.rollout.drivers.requests import SamplingSettings, build_requests
 
 VOCAB = 151_936  # Qwen2.5's (the GPU recipes); the simulated engine's tokens stay below it
@@ -69,7 +73,7 @@ def test_partial_rollout_bodies_are_sglangs(sglang, mode, deterministic):
     lengths = TableLengths({g: [2, 11] if g % 2 else [3, 30] for g in range(8)})
     engine = Recorder(SimulatedEngine(EngineTiming(num_engines=2, slots_per_engine=4), lengths))
     dock = simulated_dock(cfg, dock_groups(cfg))
-    generate_batch(dock, engine, cfg, [DEFAULT_EOS], weight_version=0, drain=False, seed=11)
+    generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], weight_version=0, drain=False, seed=11)
     answers = check_all(sglang, engine.bodies, cfg.max_model_len)
     budgets = {body["sampling_params"]["max_new_tokens"] for body in engine.bodies}
     if mode == "sync":  # rounds of 10 // 3 tokens: the last one of a row asks for what is left of max_tokens
@@ -85,10 +89,11 @@ def dock_groups(cfg: RolloutConfig) -> int:
 
 
 def test_multi_turn_bodies_are_sglangs(sglang, tiny_model_dir):
-    """The multi-turn driver adds rollout.tool_call_stop to the stop strings."""
+    """The tool hooks add rollout.tool_call_stop to the stop strings."""
     from spillover.infra.models import load_tokenizer
+    from spillover.rollout.drivers.rounds import generate_rounds
+    from spillover.rollout.drivers.tool_turns import ToolTurns
     from spillover.rollout.tools.env_pool import EnvPool
-    from spillover.rollout.drivers.multi_turn import generate_until_ready_multi_turn
 
     class Quiet:
         async def reset(self, sample):
@@ -99,11 +104,18 @@ def test_multi_turn_bodies_are_sglangs(sglang, tiny_model_dir):
 
     cfg = RolloutConfig(global_batch_size=2, n_samples_per_prompt=2, max_tokens=12, max_model_len=24, max_split=2,
                         env_path="contract.Quiet", tool_call_stop=["</tool>", "</call>"], max_turns=3, stop=["\n\n"])
-    engine = Recorder()
-    with pytest.raises(Captured):
-        generate_until_ready_multi_turn(simulated_dock(cfg, dock_groups(cfg)), engine, cfg,
-                                        SamplingSettings.from_rollout(cfg, [DEFAULT_EOS], seed=3), 0, False, None,
-                                        EnvPool(Quiet, 5.0, 4), load_tokenizer(tiny_model_dir))
+    engine, dock = Recorder(), simulated_dock(cfg, dock_groups(cfg))
+    loop = asyncio.new_event_loop()  # the env resets run on the engine's loop: a Recorder has none, so one here
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        tools = ToolTurns(dock, 0, cfg, EnvPool(Quiet, 5.0, 4), load_tokenizer(tiny_model_dir), loop)
+        with pytest.raises(Captured):
+            generate_rounds(dock, engine, cfg, SamplingSettings.from_rollout(cfg, [DEFAULT_EOS], seed=3), 0,
+                            hooks=tools)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
     answers = check_all(sglang, engine.bodies, cfg.max_model_len)
     if answers[0]["sampling"] is not None:
         assert answers[0]["sampling"][0]["stop_strs"] == ["\n\n", "</tool>", "</call>"]
@@ -119,7 +131,7 @@ def test_gpu_recipe_bodies_are_sglangs(sglang, recipe):
     engine = Recorder()
     dock = simulated_dock(run.rollout, 2, prompt_len=200)
     with pytest.raises(Captured):
-        generate_batch(dock, engine, run.rollout, [151645, 151643], 0, False, seed=run.model.seed)
+        generate_training_batch(dock, engine, run.rollout, [151645, 151643], 0, False, seed=run.model.seed)
     train = check_all(sglang, engine.bodies[:4], run.rollout.max_model_len)
 
     class PromptSet:

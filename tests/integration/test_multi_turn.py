@@ -1,4 +1,4 @@
-"""Multi-turn tool trajectories (rollout/drivers/multi_turn.py) against real engines (Ray actors behind the real router,
+"""Multi-turn tool trajectories (the driver loop with its tool hooks, rollout/drivers/tool_turns.py) against real engines (Ray actors behind the real router,
 the 'varied' tiny model) and the real dock: cut anywhere and continued == uncut; tool failures; custom rollout
 functions that do their own multi-turn logic."""
 from __future__ import annotations
@@ -14,9 +14,10 @@ from spillover.infra.config.run_config import build_config
 from spillover.infra.models import load_tokenizer
 from spillover.rollout.dock import turns as dock_turns
 from spillover.rollout.dock.transfer_dock import TransferDock
-from spillover.rollout.tools.env_pool import EnvPool
-from spillover.rollout.drivers.multi_turn import generate_until_ready_multi_turn
 from spillover.rollout.drivers.requests import SamplingSettings
+from spillover.rollout.drivers.rounds import generate_rounds
+from spillover.rollout.drivers.tool_turns import ToolTurns
+from spillover.rollout.tools.env_pool import EnvPool
 from spillover.rollout.sample import Sample
 from spillover.rollout.tools.env import StepResult
 
@@ -59,8 +60,10 @@ def loaded(rollout: RolloutConfig, groups: int = 4, short_even: bool = False) ->
 
 
 def run(dock, rollout, manager, envs, tokenizer, drain):
+    """-> (generation stats, tool stats), with the env calls on the manager's loop."""
     sampling = SamplingSettings.from_rollout(rollout, [EOS], seed=7)
-    return generate_until_ready_multi_turn(dock, manager, rollout, sampling, 0, drain, None, envs, tokenizer)
+    tools = ToolTurns(dock, 0, rollout, envs, tokenizer, manager.loop)
+    return generate_rounds(dock, manager, rollout, sampling, 0, drain, hooks=tools), tools.stats
 
 
 def trajectories(dock) -> dict:

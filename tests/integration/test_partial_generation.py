@@ -1,11 +1,10 @@
-"""The partial-rollout drivers against real engines (Ray actors behind the real router) and the real dock."""
+"""The partial-rollout driver loop (sync and async rounds) against real engines (Ray actors behind the real router) and the real dock."""
 import numpy as np
 import pytest
 
 from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.dock.transfer_dock import TransferDock
-from spillover.rollout.drivers.async_stream import generate_until_ready_async
-from spillover.rollout.drivers.sync_rounds import generate_until_ready_sync
+from spillover.rollout.drivers.rounds import generate_rounds
 from spillover.rollout.drivers.requests import SamplingSettings
 
 EOS = 1
@@ -41,7 +40,7 @@ def test_sync_rounds_cut_at_max_tokens_over_max_split(rollout_manager):
     dock = loaded_dock(cfg, 8)
     engine = Recording(rollout_manager)
     sampling = SamplingSettings(temperature=1.0, stop_token_ids=[EOS])
-    stats = generate_until_ready_sync(dock, engine, cfg, sampling, weight_version=0)
+    stats = generate_rounds(dock, engine, cfg, sampling, weight_version=0)
     assert dock.ready_group_count() >= 4 and stats.rounds >= 1
     assert stats.tokens_generated == engine.tokens_returned == dock.stats()["tokens_stored"]
     # no row got more than max_tokens // max_split tokens per round
@@ -58,7 +57,7 @@ def test_async_abort_keeps_exactly_the_tokens_produced(rollout_manager):
     dock.load_groups(np.arange(8), prompts, [3] * 8)
     engine = Recording(rollout_manager)
     sampling = SamplingSettings(temperature=1.0, stop_token_ids=[EOS])
-    stats = generate_until_ready_async(dock, engine, cfg, sampling, weight_version=0)
+    stats = generate_rounds(dock, engine, cfg, sampling, weight_version=0)
     assert dock.update_ready()
     assert stats.tokens_generated == engine.tokens_returned == dock.stats()["tokens_stored"]
     partial = dock.generated & ~dock.complete

@@ -129,7 +129,7 @@ def test_sync_rounds_dispatch_the_over_sampled_groups_from_the_first_round(max_s
     """README: the K extra groups are loaded and dispatched (APRIL) -- in sync mode too, not only once earlier
     rows finish: the first round sends (GBS + K) x n requests."""
     from bench.simulator.workload import simulated_prompt
-    from spillover.rollout.drivers.sync_rounds import generate_until_ready_sync
+    from spillover.rollout.drivers.rounds import generate_rounds
     from spillover.rollout.drivers.requests import SamplingSettings
 
     gbs, n, extra = 2, 2, 2
@@ -139,6 +139,6 @@ def test_sync_rounds_dispatch_the_over_sampled_groups_from_the_first_round(max_s
     count = dock.groups_to_load(first_iteration=True)
     dock.load_groups(np.arange(count), [simulated_prompt(g, 4) for g in range(count)], list(range(count)))
     engine = CountingEngine({g: [2, 3] for g in range(count)})  # every response ends in the first round
-    generate_until_ready_sync(dock, engine, cfg, SamplingSettings(stop_token_ids=[EOS]), weight_version=0)
+    generate_rounds(dock, engine, cfg, SamplingSettings(stop_token_ids=[EOS]), weight_version=0)
     assert engine.rounds == [(gbs + extra) * n]
     assert dock.ready_group_count() == gbs + extra  # the surplus is complete and waits for the next batch

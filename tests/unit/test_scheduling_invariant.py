@@ -16,7 +16,7 @@ from spillover.rollout.dock.staleness import token_staleness_max
 from bench.simulator.engine import EngineTiming, SimulatedEngine
 from bench.simulator.workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths,
                                                  simulated_prompt)
-from spillover.rollout.drivers.default_rollout import generate_batch
+from spillover.rollout.drivers.default_rollout import generate_training_batch
 from spillover.tasks.prompts import groups_for_iteration
 
 PROMPT = 4
@@ -61,7 +61,7 @@ def test_every_group_trained_once_with_its_whole_response(name, seed, monkeypatc
         if count:
             dock.load_groups(ids, [simulated_prompt(g, PROMPT) for g in ids], [None] * count)
         loaded += ids
-        generate_batch(dock, engine, cfg, [DEFAULT_EOS], it, drain=it == ITERATIONS - 1)
+        generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], it, drain=it == ITERATIONS - 1)
         batch = dock.batch_arrays()
         assert token_staleness_max(batch["weight_versions"], it) <= cfg.effective_max_age - 1
         for g in dock.batch_group_ids().tolist():

@@ -1,5 +1,5 @@
 """The simulated engine (bench/simulator/engine.py): its timing model on hand-computed cases, abort
-semantics, SGLang answer shapes, and a small long-tail run through the real dock and drivers."""
+semantics, SGLang answer shapes, and a small long-tail run through the real dock and driver loop."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,8 +13,7 @@ from spillover.rollout.sglang.protocol import GenerateResponse
 from bench.simulator.engine import EngineTiming, SimulatedEngine
 from bench.simulator.workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths,
                                                 TableLengths, answer, parse_simulated_input, simulated_prompt)
-from spillover.rollout.drivers.async_stream import generate_until_ready_async
-from spillover.rollout.drivers.sync_rounds import generate_until_ready_sync
+from spillover.rollout.drivers.rounds import generate_rounds
 from spillover.rollout.drivers.requests import SamplingSettings, parse_responses
 from spillover.tasks.prompts import groups_for_iteration
 
@@ -104,7 +103,7 @@ def test_the_dock_counts_an_eos_on_the_last_position_as_stopped_however_it_is_re
     cfg = RolloutConfig(global_batch_size=1, n_samples_per_prompt=2, max_tokens=4, max_model_len=12, max_split=1)
     dock = TransferDock.from_config(cfg, [EOS])
     dock.load_groups([0], [simulated_prompt(0, 4)], [0])
-    generate_until_ready_sync(dock, engine({0: [4, 9]}), cfg, SamplingSettings(stop_token_ids=[EOS]), weight_version=0)
+    generate_rounds(dock, engine({0: [4, 9]}), cfg, SamplingSettings(stop_token_ids=[EOS]), weight_version=0)
     dock.select_batch()
     assert dock.batch_arrays()["truncated"].tolist() == [False, True]
     assert [s.status.value for s in to_samples(dock.rollout_batch())[0]] == ["completed", "truncated"]
@@ -174,7 +173,7 @@ def test_lognormal_lengths_are_seeded_per_group():
 
 
 def run_iterations(mode: str, max_split: int, iterations: int = 4, extra: int = 0) -> tuple[float, float, int]:
-    """A small long-tail workload through the real dock and drivers -> (trained tokens per s, stale share,
+    """A small long-tail workload through the real dock and driver loop -> (trained tokens per s, stale share,
     token_staleness_max over the run)."""
     cfg = RolloutConfig(global_batch_size=16, n_samples_per_prompt=4, max_tokens=2048, max_model_len=2048 + 16,
                         max_split=max_split, mode=mode, over_sampling_groups=extra)
@@ -186,8 +185,7 @@ def run_iterations(mode: str, max_split: int, iterations: int = 4, extra: int = 
         dock.load_groups(np.arange(next_id, next_id + count), [simulated_prompt(g, 8) for g in range(next_id, next_id + count)],
                          [0] * count)
         next_id += count
-        driver = generate_until_ready_async if mode == "async" else generate_until_ready_sync
-        driver(dock, eng, cfg, SamplingSettings(stop_token_ids=[EOS]), weight_version=it)
+        generate_rounds(dock, eng, cfg, SamplingSettings(stop_token_ids=[EOS]), weight_version=it)
         dock.select_batch()
         batch = dock.batch_arrays()
         assert not dock.in_flight.any() and len(batch["group_ids"]) == 16
@@ -208,7 +206,7 @@ def test_partial_rollout_beats_no_partial_on_a_long_tail():
 
 
 @pytest.mark.parametrize("mode,max_split,extra", [("sync", 3, 0), ("sync", 2, 8), ("async", 2, 0), ("async", 1, 8)])
-def test_the_real_drivers_keep_the_staleness_bound(mode, max_split, extra):
+def test_the_driver_loop_keeps_the_staleness_bound(mode, max_split, extra):
     cfg = RolloutConfig(max_split=max_split, mode=mode, over_sampling_groups=extra)
     _, stale_share, worst = run_iterations(mode, max_split, iterations=5, extra=extra)
     assert 0 < worst <= cfg.effective_max_age - 1 and stale_share > 0

@@ -157,14 +157,18 @@ class Counting:
 
 def test_env_pool_keeps_envs_and_rebuilds_them_by_replay():
     pool = EnvPool(Counting, timeout_s=1.0, max_concurrent=2)
-    try:
-        assert pool.reset((0, 0), None).result().observation == ""
-        assert pool.step((0, 0), None, None, "a", 0).result().observation == "a1"
-        assert pool.step((0, 0), None, None, "b", 0).result().observation == "b2"
+
+    async def calls() -> None:
+        assert (await pool.reset((0, 0), None)).observation == ""
+        assert (await pool.step((0, 0), None, None, "a", 0)).observation == "a1"
+        assert (await pool.step((0, 0), None, None, "b", 0)).observation == "b2"
         pool.discard((0, 0))  # a call cut off: the env is rebuilt from the actions before it
-        assert pool.step((0, 0), None, ["a", "b"], "c", 0).result().observation == "c3" and pool.rebuilds == 1
-        assert pool.step((1, 0), None, ["x"], "y", 0).result().observation == "y2"  # never seen: a restart
-        pool.keep_only({(1, 0)})
-        assert not pool.has((0, 0), 3) and pool.has((1, 0), 2)
-    finally:
-        pool.close()
+        assert (await pool.step((0, 0), None, ["a", "b"], "c", 0)).observation == "c3" and pool.rebuilds == 1
+        assert (await pool.step((1, 0), None, ["x"], "y", 0)).observation == "y2"  # never seen: a restart
+
+    asyncio.run(calls())
+    asyncio.run(pool.step((1, 0), None, None, "z", 0))  # another loop: the pool's concurrency limit follows it
+    pool.keep_only({(1, 0)})
+    assert not pool.has((0, 0), 3) and pool.has((1, 0), 3)
+    pool.close()
+    assert not pool.envs

@@ -1,0 +1,186 @@
+"""The generation driver: rounds of requests over the transfer dock until it is ready, one loop for every mode.
+
+    stats = generate_rounds(dock, engine, rollout_cfg, sampling, weight_version, drain, on_round, hooks)
+
+Each round takes rows from the dock (carried-over rows first, oldest first; spillover.rollout.drivers.dispatch orders
+and pins them), sends them with the mode's budget (RoundBudget) and writes each answer into the dock as it arrives
+(the Generator's on_result):
+- sync: rounds of (GBS + over_sampling_groups) x n rows, up to max_tokens // max_split new tokens per row, until the
+  dock is ready (>= GBS groups complete; drain: every row). The over-sampled groups go out from the first round
+  (APRIL). With max_split = 1 a round generates whole responses: plain GRPO.
+- async: every row that can generate, with its whole remaining budget; the answer that finds the dock ready stops
+  the round (the engines abort), and the partial tokens that come back stay in the dock for the next iteration.
+  The check runs on every answer (finer than MindSpeed's "every 20 engine steps": it costs microseconds).
+
+RoundHooks is what a rollout adds to the loop (the defaults are single-turn generation; ToolTurns in
+rollout/drivers/tool_turns.py makes trajectories of turns and tool calls). Answers are written by callbacks that run
+one at a time (on the engine's loop) while the calling thread waits in `generate`, and rows left unanswered go back
+after it returns, so the dock is only ever touched by one thread at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from spillover.infra.config.rollout import RolloutConfig
+from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.drivers.dispatch import DispatchPlanner
+from spillover.rollout.drivers.requests import (GenerationStats, Generator, SamplingSettings, build_requests,
+                                                parse_responses, request_seeds)
+
+OnRound = Callable[[dict], None]
+"""on_round(progress): round, ready_groups, target_groups, tokens, elapsed_s (the terminal and Prefect progress)."""
+PROGRESS_INTERVAL_S = 0.5  # progress from inside a round, at most this often
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundBudget:
+    tokens: int | None      # new tokens per row and round; None: each row's whole remaining budget
+    rows: int | None        # rows per round; None: every row that can generate
+    stop_when_ready: bool   # the answer that finds the dock ready stops the round (every engine aborts)
+
+    @classmethod
+    def for_mode(cls, rollout_cfg: RolloutConfig) -> "RoundBudget":
+        if rollout_cfg.mode == "async":
+            return cls(tokens=None, rows=None, stop_when_ready=True)
+        rows = (rollout_cfg.global_batch_size + rollout_cfg.over_sampling_groups) * rollout_cfg.n_samples_per_prompt
+        return cls(tokens=rollout_cfg.max_tokens // rollout_cfg.max_split, rows=rows, stop_when_ready=False)
+
+
+class RoundHooks:
+    """What a rollout adds to the driver loop; these defaults are single-turn generation.
+
+    on_start / on_end run once per generate_rounds call (on_end also after a failure); between_rounds before each
+    readiness check; before_round on the rows taken for a round; on_answer on the engine's callback thread as each
+    answer arrives; wait_for_rows when no row can generate although the dock is not ready."""
+
+    stop_strings: tuple[str, ...] = ()  # stop strings the hooks need besides rollout.stop
+
+    def __init__(self, dock: TransferDock, weight_version: int):
+        self.dock, self.weight_version = dock, weight_version
+
+    def on_start(self) -> None:
+        pass
+
+    def between_rounds(self) -> None:
+        pass
+
+    def before_round(self, rows: np.ndarray) -> np.ndarray:
+        """In-flight rows taken for the round -> bool[k]: the rows to send (the hook released the others)."""
+        return np.ones(len(rows), dtype=bool)
+
+    def on_answer(self, row: int, answer: dict, stopping: bool) -> int:
+        """Write one answer into the dock (stopping: the round was stopped by an earlier answer) -> new tokens kept."""
+        tokens, logprobs, stopped, version = parse_responses([answer], self.weight_version)
+        self.dock.put_generation(np.asarray([row]), tokens, logprobs, version, stopped)
+        return len(tokens[0])
+
+    def wait_for_rows(self) -> bool:
+        """No row can generate: wait until one may (True), or say that none ever will (False)."""
+        return False
+
+    def on_end(self) -> None:
+        pass
+
+
+class _Progress:
+    def __init__(self, dock: TransferDock, on_round: OnRound | None, target_groups: int, stats: GenerationStats):
+        self.dock, self.on_round, self.target_groups, self.stats = dock, on_round, target_groups, stats
+        self.start = time.perf_counter()
+        self.last = 0.0
+
+    def report(self, force: bool) -> None:
+        now = time.perf_counter()
+        if self.on_round and (force or now - self.last > PROGRESS_INTERVAL_S):
+            self.last = now
+            self.on_round({"round": self.stats.rounds, "ready_groups": self.dock.ready_group_count(),
+                           "target_groups": self.target_groups, "tokens": self.stats.tokens_generated,
+                           "elapsed_s": now - self.start})
+
+
+class _Round:
+    """One engine call: writes each answer as it arrives; stops the round once the dock is ready (async)."""
+
+    def __init__(self, dock: TransferDock, rows: np.ndarray, hooks: RoundHooks, budget: RoundBudget,
+                 stats: GenerationStats, progress: _Progress):
+        self.dock, self.rows, self.hooks, self.budget = dock, rows, hooks, budget
+        self.stats, self.progress = stats, progress
+        self.written = np.zeros(len(rows), dtype=bool)
+        self.stopping = False
+
+    def on_result(self, index: int, answer: dict) -> bool:
+        """True (stop the round) from the answer that finds the dock ready, with stop_when_ready."""
+        if self.written[index]:
+            return False  # an engine restart may deliver a retried request twice: keep the first
+        self.stats.tokens_generated += self.hooks.on_answer(int(self.rows[index]), answer, self.stopping)
+        self.written[index] = True
+        stop = self.budget.stop_when_ready and not self.stopping and bool(self.dock.update_ready())
+        self.stopping |= stop
+        if self.budget.stop_when_ready:
+            self.progress.report(force=self.stopping)
+        return stop
+
+    def release_unanswered(self) -> None:
+        """Rows whose answer never came (or could not be written) go back untouched."""
+        left = self.rows[~self.written & self.dock.in_flight[self.rows]]
+        self.written[:] = True
+        if len(left):
+            self.dock.release(left)
+
+
+def generate_rounds(dock: TransferDock, engine: Generator, rollout_cfg: RolloutConfig, sampling: SamplingSettings,
+                    weight_version: int, drain: bool = False, on_round: OnRound | None = None,
+                    hooks: RoundHooks | None = None) -> GenerationStats:
+    """Rounds with rollout.mode's budget until >= GBS groups are ready (drain: every loaded row complete)."""
+    budget = RoundBudget.for_mode(rollout_cfg)
+    hooks = hooks or RoundHooks(dock, weight_version)
+    if hooks.stop_strings:
+        sampling = dataclasses.replace(sampling, stop=tuple(sampling.stop) + tuple(hooks.stop_strings))
+    dock.set_drain(drain)
+    stats = GenerationStats()
+    progress = _Progress(dock, on_round, rollout_cfg.global_batch_size, stats)
+    planner = DispatchPlanner.from_config(rollout_cfg, engine, weight_version, drain)
+    try:
+        hooks.on_start()
+        while True:
+            hooks.between_rounds()
+            if dock.update_ready():
+                break
+            rows, engines = planner.next_rows(dock, limit=budget.rows)
+            if len(rows) == 0:
+                if hooks.wait_for_rows():
+                    continue
+                raise RuntimeError(f"generation cannot finish: no row left to generate (and no tool call running), "
+                                   f"but only {dock.ready_group_count()} groups are ready (need {dock.gbs})")
+            keep = hooks.before_round(rows)
+            rows, engines = rows[keep], None if engines is None else engines[keep]
+            if len(rows):
+                _run_round(dock, engine, rows, engines, planner, sampling, budget, hooks, stats, progress)
+                progress.report(force=not budget.stop_when_ready)
+    finally:
+        try:
+            planner.release_held(dock)
+        finally:
+            hooks.on_end()
+    stats.ready_groups = dock.ready_group_count()
+    stats.time_s = time.perf_counter() - progress.start
+    return stats
+
+
+def _run_round(dock: TransferDock, engine: Generator, rows: np.ndarray, engines: np.ndarray | None,
+               planner: DispatchPlanner, sampling: SamplingSettings, budget: RoundBudget, hooks: RoundHooks,
+               stats: GenerationStats, progress: _Progress) -> None:
+    inputs, max_new = dock.generation_inputs(rows, budget.tokens)
+    requests = planner.route(build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling)), engines)
+    round_ = _Round(dock, rows, hooks, budget, stats, progress)
+    stats.rounds += 1
+    stats.requests += len(rows)
+    start = time.perf_counter()
+    try:
+        engine.generate(requests, on_result=round_.on_result)
+    finally:
+        stats.engine_s += time.perf_counter() - start
+        round_.release_unanswered()
