@@ -17,8 +17,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+import psutil
 import pytest
 
 # the child runs in the background (tests/fixtures_early.py)
@@ -74,21 +74,7 @@ def test_cluster_listens_only_on_loopback(placement_report):
 
 # ---- the child process ------------------------------------------------------------------------------
 def _descendants(root: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = {root}, [root]
-    while frontier:
-        pid = frontier.pop()
-        kids = [child for child, parent in parents.items() if parent == pid and child not in found]
-        found.update(kids)
-        frontier.extend(kids)
-    return found
+    return {root, *(child.pid for child in psutil.Process(root).children(recursive=True))}
 
 
 def _non_loopback_listeners(pids: set[int]) -> list[str]:

@@ -2,38 +2,17 @@
 generation through it, and no process left behind."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import httpx
+import psutil
 
 from spillover.rollout.fleet.router import Router
 from run_processes import children_of
 
 
 def listening_addresses(pid: int) -> set[tuple[str, int]]:
-    """(ip, port) of every TCP socket in LISTEN state owned by pid (IPv4 and IPv6, from /proc)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] != "0A" or cols[9] not in inodes:  # 0A = LISTEN
-                continue
-            hex_ip, hex_port = cols[1].split(":")
-            if v6:
-                ip = "::1" if hex_ip == "00000000000000000000000001000000" else hex_ip
-            else:
-                ip = ".".join(str(int(hex_ip[i:i + 2], 16)) for i in (6, 4, 2, 0))
-            found.add((ip, int(hex_port, 16)))
-    return found
+    """(ip, port) of every TCP socket in LISTEN state owned by pid (IPv4 and IPv6)."""
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN}
 
 
 def test_router_binds_loopback_and_manages_workers(torch_engines):
@@ -61,4 +40,7 @@ def test_router_binds_loopback_and_manages_workers(torch_engines):
         assert [a - b for a, b in zip(after, before)] == [0, 3 * 4], (before, after)
     finally:
         router.stop()
-    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    try:
+        assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # exited, not yet reaped by its wrapper
+    except psutil.NoSuchProcess:
+        pass
