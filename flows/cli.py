@@ -9,6 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
+from spillover.flows.parts import RunParts
 from spillover.flows.run_lock import RunLockedError
 from spillover.infra.config.parsing import ConfigError
 from spillover.infra.config.run_config import load_config
@@ -62,33 +63,33 @@ def cmd_check(args) -> int:
     return EXIT_OK
 
 
-def cmd_train(args) -> int:
+def cmd_train(args, parts: RunParts | None) -> int:
     cfg = load_config(args.config, args.overrides)
     refuse_bad_inputs(args, cfg)
     from spillover.flows.train import grpo_train
 
-    summary = grpo_train(cfg)
+    summary = grpo_train(cfg, parts=parts)
     print(json.dumps(summary, indent=2))
     return EXIT_OK
 
 
-def cmd_resume(args) -> int:
+def cmd_resume(args, parts: RunParts | None) -> int:
     from spillover.flows.setup import load_run_config
     from spillover.flows.train import grpo_train
 
     cfg = load_run_config(args.run_dir, args.overrides)
     refuse_bad_inputs(args, cfg, resuming=True)
-    summary = grpo_train(cfg, resume=True)
+    summary = grpo_train(cfg, resume=True, parts=parts)
     print(json.dumps(summary, indent=2))
     return EXIT_OK
 
 
-def cmd_eval(args) -> int:
+def cmd_eval(args, parts: RunParts | None) -> int:
     from spillover.flows.eval import evaluate, format_table, resolve_target
 
     target = resolve_target(args.target, args.overrides, args.config)
     refuse_bad_inputs(args, target.cfg, purpose="eval", model_dir=target.model_dir, data_paths={"--data": args.data})
-    result, path = evaluate(target, args.data, args.name)
+    result, path = evaluate(target, args.data, args.name, parts)
     print(format_table(result))
     print(path)
     return EXIT_OK
@@ -221,14 +222,16 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     """parse_args, but `eval` takes key=value overrides after its options too (argparse alone takes positionals
     only before `--data FILE`)."""
     args, extra = parser.parse_known_args(argv)
-    if extra and (getattr(args, "fn", None) is not cmd_eval or any("=" not in e or e.startswith("-") for e in extra)):
+    if extra and (args.fn is not cmd_eval or any("=" not in e or e.startswith("-") for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, parts: RunParts | None = None) -> int:
+    """parts: where train, resume and eval get engines and learner groups (flows/parts.py; None: started for the
+    command; a caller in process, such as the test suite, may lend kept ones)."""
     args = parse_args(build_parser(), argv)
     preflighted = args.fn in (cmd_check, cmd_train, cmd_resume, cmd_eval, cmd_serve)  # Prefect after the check
     apply_process_defaults(prefect=not preflighted)
@@ -236,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if not preflighted:
         quiet_console(verbose=args.verbose)
     try:
-        return args.fn(args)
+        return args.fn(args, parts) if args.fn in (cmd_train, cmd_resume, cmd_eval) else args.fn(args)
     except InputRefused as err:
         for problem in err.problems:
             print(f"spillover: {problem}", file=sys.stderr)

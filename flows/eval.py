@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from spillover.flows.parts import NewParts, RunParts
 from spillover.infra.config.parsing import ConfigError
 from spillover.infra.config.run_config import RunConfig
 
@@ -142,10 +143,10 @@ def summarize(greedy: list, sampled: list, k: int, threshold: float) -> dict:
     }
 
 
-def evaluate(target: EvalTarget, data_path: str | Path, name: str | None = None) -> tuple[dict, Path]:
-    """Start engines on the target's policy, score greedy and k sampled responses per prompt of `data_path`,
-    write <out_dir>/eval/<name>.json -> (result, its path)."""
-    from spillover.flows.setup import release_parts, start_engines
+def evaluate(target: EvalTarget, data_path: str | Path, name: str | None = None,
+             parts: RunParts | None = None) -> tuple[dict, Path]:
+    """Start engines on the target's policy (from `parts`; None: started for this and shut down after it), score
+    greedy and k sampled responses per prompt of `data_path`, write <out_dir>/eval/<name>.json -> (result, its path)."""
     from spillover.infra.cluster import init_ray
     from spillover.infra.imports import load_function
     from spillover.infra.models import load_tokenizer
@@ -166,14 +167,15 @@ def evaluate(target: EvalTarget, data_path: str | Path, name: str | None = None)
                   stop=cfg.rollout.stop)
     start = time.perf_counter()
     init_ray(cfg.engines.ray_address)
-    engines, scored = start_engines(cfg.engines, target.model_dir), False
+    parts = parts if parts is not None else NewParts()
+    engines, scored = parts.engine(cfg.engines, Path(target.model_dir)), False
     try:
         greedy = run_eval({name: prompts}, engines.generate, reward_fn, temperature=0.0, **common)[name]
         sampled = run_eval({name: prompts}, engines.generate, reward_fn, temperature=cfg.eval.temperature,
                            top_p=cfg.eval.top_p, n_samples_per_prompt=cfg.eval.k, **common)[name]
         scored = True
     finally:
-        release_parts([engines], keep=scored)  # kept only by an active spillover.flows.parts.WarmParts
+        parts.give_back(engines, keep=scored)
     result = {"name": name, "data": str(data_path), **target.source,
               **summarize(greedy, sampled, cfg.eval.k, cfg.eval.pass_threshold),
               "reward_function": cfg.grpo.reward_function_path, "temperature": cfg.eval.temperature,

@@ -9,9 +9,9 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Iterable
 
-from spillover.flows.parts import active_warm_parts
+from spillover.flows.parts import NewParts, RunParts
 from spillover.infra.cluster import init_ray
 from spillover.infra.config.parsing import ConfigError
 from spillover.infra.config.run_config import RunConfig
@@ -28,6 +28,11 @@ from spillover.rollout.tools.env_pool import EnvPool
 from spillover.rollout.scoring.reward_models import start_reward_models
 from spillover.tasks.reward import REWARD_KEYWORDS, RewardSetup
 
+if TYPE_CHECKING:
+    from spillover.infra.storage.checkpoint import CheckpointState
+    from spillover.rollout.fleet.manager import RolloutManager
+    from spillover.tasks.learner.group import LearnerGroup
+
 log = logging.getLogger(__name__)
 BUILTIN_TASK_REWARD = "spillover.rollout.builtin.toy_task.reward"
 RUN_CONFIG_FILE = "config.json"
@@ -43,9 +48,10 @@ class Run:
     controller: RolloutController
     context: RolloutContext          # rollout functions' data_source (per iteration: context.for_iteration)
     reward: RewardSetup
-    policy: Any                      # spillover.tasks.learner.group.LearnerGroup; None: rollout only (no learner)
-    ref: Any                         # LearnerGroup, or None (no KL)
-    engine: Any                      # spillover.rollout.fleet.manager.RolloutManager, or None
+    policy: LearnerGroup | None      # None: rollout only (no learner)
+    ref: LearnerGroup | None         # None: no KL
+    engine: RolloutManager | None    # None: no engines (replayed debug data, SFT without eval)
+    parts: RunParts                  # where policy, ref and engine go back to (shutdown_run)
     baseline: float | None = None    # the built-in task's prompt-independent baseline reward
 
     @property
@@ -102,11 +108,13 @@ def refuse_unplaceable(cfg: RunConfig, resuming: bool) -> None:
         raise ConfigError("; ".join(problems))
 
 
-def build_run(cfg: RunConfig, saved=None) -> Run:
+def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunParts | None = None) -> Run:
     """Everything the tasks need. Fails early on bad config or input.
 
-    saved: an spillover.infra.storage.checkpoint.CheckpointState to resume from (the dock and cursor come from it; weights are
-    restored by spillover.tasks.checkpoint.restore_weights)."""
+    saved: the checkpoint to resume from (the dock and cursor come from it; weights are restored by
+    spillover.tasks.checkpoint.restore_weights). parts: where engines and learner groups come from (flows/parts.py;
+    None: started for this run, shut down by shutdown_run)."""
+    parts = parts if parts is not None else NewParts()
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     reward_fn = load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
@@ -142,7 +150,7 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
     if is_remote_model(cfg.model.path):  # every node reads the model from its own local copy
         stage_on_other_nodes(str(model_path), cfg.storage)
     reward_models = start_reward_models(cfg.grpo.reward_models, cfg.model.dtype)  # first: a bad folder fails early
-    learners, engine = start_learners_and_engines(cfg, model_path, resuming=saved is not None)
+    learners, engine = start_learners_and_engines(cfg, model_path, parts, resuming=saved is not None)
     builtin = cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD
     context = RolloutContext(dock=dock, engine=engine, tokenizer=tokenizer, prompts=prompts, cursor=cursor,
                              stop_token_ids=stop_ids, reward_fn=reward_fn,
@@ -153,35 +161,32 @@ def build_run(cfg: RunConfig, saved=None) -> Run:
                          concurrency=cfg.grpo.reward_concurrency, reward_models=reward_models,
                          keep_sample_rewards=builtin)  # a custom rollout function's own rewards, unless one is set
     return Run(cfg, run_dir, Path(model_path), dock, cursor, controller, context, reward, learners[0], learners[1],
-               engine, baseline=toy_task.prompt_independent_baseline(prompts.labels)[1] if builtin else None)
+               engine, parts, baseline=toy_task.prompt_independent_baseline(prompts.labels)[1] if builtin else None)
 
 
-def start_learners_and_engines(cfg: RunConfig, model_path: Path, resuming: bool = False) -> tuple[tuple[Any, Any], Any]:
-    """((policy, ref), engine): borrowed from the active spillover.flows.parts.WarmParts if any, else started. Colocated
-    engines live in the policy's ranks (placement.colocate): both are started for the run and never kept.
-    schedule.debug_rollout_only starts no learner ((None, None)), unless resuming: the policy then carries the
-    checkpoint's weights to the engines (it never trains)."""
+def start_learners_and_engines(cfg: RunConfig, model_path: Path, parts: RunParts, resuming: bool = False
+                               ) -> tuple[tuple[LearnerGroup | None, LearnerGroup | None], RolloutManager | None]:
+    """((policy, ref), engine) from `parts`. Colocated engines live in the policy's ranks (placement.colocate): both
+    are started for the run (parts shuts them down at its end). schedule.debug_rollout_only starts no learner
+    ((None, None)), unless resuming: the policy then carries the checkpoint's weights to the engines (it never
+    trains)."""
     if cfg.placement.colocate:
-        return start_colocated(cfg, model_path)
-    warm = active_warm_parts()
+        return start_colocated(cfg, model_path, parts)
     if cfg.schedule.debug_rollout_only and not resuming:
         learners = (None, None)
-    elif warm is not None:
-        learners = warm.learners(model_path, cfg)
     else:
-        from spillover.tasks.learner.group import create_learners
-
-        learners = create_learners(model_path, cfg)
+        learners = parts.learners(model_path, cfg)
     if not needs_engines(cfg):
         return learners, None
     try:
-        return learners, start_engines(cfg.engines, model_path, cfg.rollout.deterministic_sampling, cfg.model.seed)
+        return learners, parts.engine(cfg.engines, model_path, cfg.rollout.deterministic_sampling, cfg.model.seed)
     except BaseException:
-        release_parts(learners, keep=False)
+        give_back(parts, learners, keep=False)
         raise
 
 
-def start_colocated(cfg: RunConfig, model_path: Path) -> tuple[tuple[Any, Any], Any]:
+def start_colocated(cfg: RunConfig, model_path: Path, parts: RunParts
+                    ) -> tuple[tuple[LearnerGroup, LearnerGroup | None], RolloutManager | None]:
     from spillover.rollout.fleet.manager import RolloutManager
     from spillover.tasks.learner.group import create_learners
 
@@ -192,39 +197,22 @@ def start_colocated(cfg: RunConfig, model_path: Path) -> tuple[tuple[Any, Any], 
         return learners, RolloutManager(cfg.engines, str(model_path), hosts=learners[0].actors, seed=cfg.model.seed,
                                         deterministic_inference=cfg.rollout.deterministic_sampling)
     except BaseException:
-        release_parts(learners, keep=False)
+        give_back(parts, learners, keep=False)
         raise
 
 
-def start_engines(engines_cfg, model_path, deterministic: bool = False, seed: int = 0):
-    """A spillover.rollout.fleet.manager.RolloutManager on model_path: borrowed from the active WarmParts if any, else started.
-    seed: model.seed; engine i samples from seed + i (SGLang's random_seed), on a borrowed engine too."""
-    warm = active_warm_parts()
-    if warm is not None:
-        return warm.engine(engines_cfg, model_path, deterministic, seed)
-    from spillover.rollout.fleet.manager import RolloutManager
-
-    return RolloutManager(engines_cfg, str(model_path), deterministic_inference=deterministic, seed=seed)
-
-
-def release_parts(parts, keep: bool) -> None:
-    """Give engines and learner groups back to the active WarmParts (kept for the next run if keep), or shut
-    them down (a LearnerGroup removes its placement group too)."""
-    warm = active_warm_parts()
-    for part in parts:
-        if part is None:
-            continue
-        if warm is not None:
-            warm.give_back(part, keep=keep)  # shuts down what it did not lend
-        else:
-            part.shutdown()
+def give_back(parts: RunParts, started: Iterable[LearnerGroup | RolloutManager | None], keep: bool) -> None:
+    """Each engine fleet and learner group back to where it came from (kept there for the next run if keep)."""
+    for part in started:
+        if part is not None:
+            parts.give_back(part, keep=keep)
 
 
 def shutdown_run(run: Run | None, keep_parts: bool = True) -> None:
-    """keep_parts=False: a run that failed gives its parts up even when they were borrowed (flows/parts.py)."""
+    """keep_parts=False: a run that failed gives its parts up, even to a RunParts that would keep them."""
     if run is None:
         return
-    release_parts((run.engine, run.policy, run.ref), keep_parts)
+    give_back(run.parts, (run.engine, run.policy, run.ref), keep_parts)
     if run.context.envs is not None:
         run.context.envs.close()
     if run.reward.reward_models:

@@ -15,6 +15,7 @@ from prefect import Task, flow
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.utilities.annotations import quote
 
+from spillover.flows.parts import RunParts
 from spillover.flows.report import build_report
 from spillover.flows.run_lock import acquire_run_lock
 from spillover.flows.setup import Run, build_run, shutdown_run
@@ -104,16 +105,19 @@ def make_iteration_flow(run: Run, store=None, wandb_run_id: str | None = None, o
 
 
 @flow(name="grpo-train", log_prints=True)
-def grpo_train(config: RunConfig, resume: bool = False) -> dict:
+def grpo_train(config: RunConfig, resume: bool = False, parts: RunParts | None = None) -> dict:
     """Train `config.schedule.num_iterations` GRPO iterations with partial rollout; returns the run summary.
 
     resume=True continues from the newest verified checkpoint of the run (partial responses included).
+    parts: where the run's engines and learner groups come from (flows/parts.py; None: started for this run). A flow
+    parameter, not state the flow looks up, so that what a run borrows is visible at its call (the test suite lends
+    its kept parts this way: tests/fixtures_warm.py); Prefect records it only by its type name (RunParts).
     """
     run, tracker, lock = None, None, None
     try:
         lock = acquire_run_lock(config)  # a second run on this run_dir / checkpoint location stops here
         store, saved = open_and_check(config, resume)
-        run = build_run(config, saved)
+        run = build_run(config, saved, parts)
         first, version = 0, 0
         if saved is not None:
             version = restore_weights(run.policy, run.engine, saved)

@@ -83,7 +83,7 @@ def assert_same_as_reference(run_dir: Path, state, ref_dir: Path, ref_state) -> 
     assert state.meta["cursor"] == ref_state.meta["cursor"]
 
 
-def run_reference(ref_dir: Path):
+def run_reference(ref_dir: Path, parts):
     """The uninterrupted run, in this process on the session's warm parts (tests/fixtures_warm.py: a run on
     kept parts trains bit for bit like one on new parts) instead of one more `spillover train` process. -> its
     rollout config."""
@@ -94,7 +94,7 @@ def run_reference(ref_dir: Path):
     # tokens independent of the engine count, so the comparison also checks that
     cfg = load_config("configs/tiny.yaml", [f"run_dir={ref_dir}", *SMALL, *DETERMINISTIC, "engines.rollout_num_gpus=2",
                                             f"storage.save_debug_rollout_data={debug_template(ref_dir)}"])
-    grpo_train(cfg)
+    grpo_train(cfg, parts=parts)
     return cfg.rollout
 
 
@@ -116,7 +116,7 @@ def test_kill_9_at_every_point_then_resume_matches_uninterrupted_and_leaks_nothi
         kill_chain_runs, background, s3_server, prefect_harness, warm_parts, tmp_path):
     """The chains ran (or still run) in the background; the reference runs now, in this process."""
     chains, ref_dir = kill_chain_runs, tmp_path / "reference"
-    rollout = run_reference(ref_dir)
+    rollout = run_reference(ref_dir, warm_parts)
     s3_evidence, file_evidence = chains.s3_chain.result(), chains.file_chain.result()
     assert_joined_runs_left_nothing(lambda: background.actors_of([run.session for run in chains.runs]))
     ref_state = final_state(str(ref_dir / "checkpoints"))

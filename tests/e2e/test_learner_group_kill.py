@@ -53,13 +53,13 @@ def test_kill_9_at_a_sharded_update_then_resume_equals_the_uninterrupted_run(sha
     assert killed.returncode == -signal.SIGKILL and killed.saw(ROUTER), spillover.output(killed)
     written = sorted(p.name for p in (killed_dir / "checkpoints" / "ckpt-00000000" / "tensors").iterdir())
     assert written == ["policy-rank000-00000.safetensors", "policy-rank001-00000.safetensors"]  # each rank its own
-    grpo_train(load_run_config(killed_dir, ["engines.rollout_num_gpus=2"]), resume=True)
+    grpo_train(load_run_config(killed_dir, ["engines.rollout_num_gpus=2"]), resume=True, parts=warm_parts)
     spillover.check_gone(killed)
     # Ray ended the killed driver's job: its learner ranks are gone too
     assert_joined_runs_left_nothing(lambda: background.actors_of([killed.session]))
 
     started = warm_parts.started
-    grpo_train(load_config("configs/tiny.yaml", [*run_args(ref_dir), "engines.rollout_num_gpus=2"]))
+    grpo_train(load_config("configs/tiny.yaml", [*run_args(ref_dir), "engines.rollout_num_gpus=2"]), parts=warm_parts)
     assert warm_parts.started == started  # the resumed run's two ranks (and engines) were kept and reset for it
     rows, ref_rows = metrics_rows(killed_dir), metrics_rows(ref_dir)
     assert [r["iteration"] for r in rows] == [r["iteration"] for r in ref_rows] == list(range(ITERATIONS))
@@ -73,7 +73,7 @@ def test_kill_9_at_a_sharded_update_then_resume_equals_the_uninterrupted_run(sha
     assert differing == [], f"{len(differing)} tensors differ from the uninterrupted run, e.g. {differing[:3]}"
 
     cfg = load_run_config(ref_dir, [f"schedule.num_iterations={ITERATIONS + 1}", "learner.world_size=1"])
-    grpo_train(cfg, resume=True)  # the two ranks' slices reshard onto one
+    grpo_train(cfg, resume=True, parts=warm_parts)  # the two ranks' slices reshard onto one
     rows = metrics_rows(ref_dir)
     assert [r["iteration"] for r in rows] == list(range(ITERATIONS + 1)) and rows[-1]["weight_version"] == ITERATIONS + 1
     assert sorted(g for r in rows for g in r["trained_stream_ids"]) == list(range(4 * (ITERATIONS + 1)))

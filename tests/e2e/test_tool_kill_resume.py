@@ -91,7 +91,7 @@ def test_kill_9_inside_a_tool_call_then_resume(spillover, prefect_harness, ray_s
     assert pending >= 1, pending
 
     cfg = load_run_config(run_dir, ["engines.rollout_num_gpus=2"])  # the warm parts of the suite's small runs
-    grpo_train(cfg, resume=True)
+    grpo_train(cfg, resume=True, parts=warm_parts)
     spillover.check_gone(killed)
     # Ray ended the killed driver's job: its engine and learner actors are gone (only its own: other tests' runs
     # join the same cluster; a job is told apart by its driver's pid, the run's session id)

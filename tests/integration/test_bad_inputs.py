@@ -38,14 +38,14 @@ def string_reward(response: str, label, **_):
     return "0.5"
 
 
-def spillover(*argv: str) -> tuple[int, str]:
+def spillover(*argv: str, parts=None) -> tuple[int, str]:
     """Run the command line in this process -> (exit code, what it wrote to sys.stderr). Not capsys/capfd:
     Prefect's console log handler keeps the stream it first saw, and theirs are closed after each test."""
     from spillover.flows.cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        code = main(list(argv))
+        code = main(list(argv), parts)
     return code, err.getvalue()
 
 
@@ -63,8 +63,8 @@ def with_records(logger: str, fn, *args):
         target.removeHandler(handler)
 
 
-def train(run_dir, *extra: str) -> tuple[int, str]:
-    return spillover("train", "--config", "configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, *extra)
+def train(run_dir, *extra: str, parts=None) -> tuple[int, str]:
+    return spillover("train", "--config", "configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, *extra, parts=parts)
 
 
 def error_line(stderr: str) -> str:
@@ -168,30 +168,33 @@ def test_bad_rewards_and_mismatched_resumes_stop_clearly_and_lose_nothing(prefec
     4. resume with a good reward -> the run completes, every group trained exactly once;
     5. the newest checkpoint corrupted -> resume reports it, uses the previous one and completes again."""
     run_dir = tmp_path / "run"
+
+    def cli(*argv: str) -> tuple[int, str]:  # on the session's kept engines and learners
+        return spillover(*argv, parts=warm_parts)
     long_prompts = [json.dumps({"prompt": "x" * 30 + f"a*{n}=", "label": n}) for n in (3, 4)]
     path = prompt_file(tmp_path, GOOD + long_prompts)
     REWARD_CALLS["n"] = 0
     code, err = train(run_dir, f"data.prompts_path={path}", "data.over_long_prompts=truncate",
-                      "grpo.reward_function_path=test_bad_inputs.nan_after_first_iteration")
+                      "grpo.reward_function_path=test_bad_inputs.nan_after_first_iteration", parts=warm_parts)
     line = error_line(err)
     assert code == 2 and "RewardError" in line
     assert "'test_bad_inputs.nan_after_first_iteration' returned nan for sample" in line and "finite number" in line
     assert checkpoints(run_dir) == [(0, True)]
     assert [r["iteration"] for r in rows(run_dir)] == [0] and rows(run_dir)[0]["truncated_prompts"] == 2
 
-    code, err = spillover("resume", str(run_dir), "grpo.reward_function_path=test_bad_inputs.string_reward")
+    code, err = cli("resume", str(run_dir), "grpo.reward_function_path=test_bad_inputs.string_reward")
     assert code == 2 and "'test_bad_inputs.string_reward' returned '0.5'" in error_line(err)
     assert checkpoints(run_dir) == [(0, True)]
 
     for override, field in ((["rollout.global_batch_size=2", "grpo.micro_batch_size=8"],
                              "rollout.global_batch_size: checkpoint 4, config 2"),
                             (["model.tiny.hidden_size=32"], "model.tiny: checkpoint")):
-        code, err = spillover("resume", str(run_dir), *override)
+        code, err = cli("resume", str(run_dir), *override)
         line = error_line(err)
         assert code == 2 and "the checkpoint comes from a different run" in line and field in line, line
     assert checkpoints(run_dir) == [(0, True)]
 
-    code, err = spillover("resume", str(run_dir), "grpo.reward_function_path=spillover.rollout.builtin.toy_task.reward")
+    code, err = cli("resume", str(run_dir), "grpo.reward_function_path=spillover.rollout.builtin.toy_task.reward")
     assert code == 0, err[-3000:]
     done = rows(run_dir)
     assert [r["iteration"] for r in done] == [0, 1, 2]
@@ -202,7 +205,7 @@ def test_bad_rewards_and_mismatched_resumes_stop_clearly_and_lose_nothing(prefec
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte
     victim.write_bytes(bytes(data))
-    code, err, records = with_records("spillover.checkpoint", spillover, "resume", str(run_dir))
+    code, err, records = with_records("spillover.checkpoint", cli, "resume", str(run_dir))
     assert code == 0, err[-3000:]
     warned = [r.getMessage() for r in records if "unusable" in r.getMessage()]
     assert warned and "ckpt-00000002" in warned[0] and "corrupt" in warned[0]

@@ -27,7 +27,8 @@ def test_debug_data_replay_reproduces_training_and_eval_is_logged(prefect_harnes
     first = tmp_path / "first"
     grpo_train(small_config(first, iterations=2, **{"storage.save_debug_rollout_data": template,
                                                     "schedule.eval_interval": 1, "tracking.wandb_mode": "offline",
-                                                    "data.eval_paths": json.dumps({"toy": str(eval_file)})}))
+                                                    "data.eval_paths": json.dumps({"toy": str(eval_file)})}),
+               parts=warm_parts)
     original = rows(first)
     assert (tmp_path / "debug" / "rollout_1.parquet").is_file()
     for row in original:
@@ -43,7 +44,7 @@ def test_debug_data_replay_reproduces_training_and_eval_is_logged(prefect_harnes
 
     replay = tmp_path / "replay"
     grpo_train(small_config(replay, iterations=2, **{"storage.load_debug_rollout_data": template,
-                                                     "schedule.debug_train_only": "true"}))
+                                                     "schedule.debug_train_only": "true"}), parts=warm_parts)
     replayed = rows(replay)
     for a, b in zip(original, replayed):
         assert a["trained_stream_ids"] == b["trained_stream_ids"]
@@ -66,7 +67,7 @@ def test_sft_mode_raises_the_likelihood_of_the_given_responses(prefect_harness, 
                                                  "rollout.n_samples_per_prompt": 1, "grpo.micro_batch_size": 4,
                                                  "grpo.off_policy": "none", "data.sft_path": str(sft),
                                                  "optimizer.lr": 0.01})
-    grpo_train(cfg)
+    grpo_train(cfg, parts=warm_parts)
     sft_rows = rows(run_dir)
     assert [r["sft_samples"] for r in sft_rows] == [4, 4, 4, 4]
     # what an SFT run reports: the per-token NLL (falling), the real lengths, nothing stale, no reward

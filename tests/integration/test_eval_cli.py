@@ -30,12 +30,12 @@ def metadata_reward(response: str, label, metadata) -> float:
     return (len(response) % 4) / 4
 
 
-def spillover(*argv: str) -> tuple[int, str, str]:
+def spillover(*argv: str, parts=None) -> tuple[int, str, str]:
     from spillover.flows.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
+        code = main(list(argv), parts)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -62,14 +62,14 @@ def trained(prefect_harness, warm_pool, tmp_path_factory):
     data, run_dir = chat_prompts(folder / "train.parquet"), folder / "run"
     keys = ["data.prompt_key=messages", "data.label_key=answer", f"data.prompts_path={data}"]
     SEEN.clear()
-    with warm_pool.active():  # the session's kept engines and learners (tests/fixtures_warm.py)
-        code, _, err = spillover("train", "--config", "configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, *keys,
-                                 "schedule.num_iterations=2")
-        assert code == 0, err[-3000:]
-        first = list(SEEN)
-        shutil.rmtree(run_dir / "checkpoints" / "ckpt-00000001")
-        code, _, err = spillover("resume", str(run_dir))
-        assert code == 0, err[-3000:]
+    # on the session's kept engines and learners (tests/fixtures_warm.py)
+    code, _, err = spillover("train", "--config", "configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, *keys,
+                             "schedule.num_iterations=2", parts=warm_pool)
+    assert code == 0, err[-3000:]
+    first = list(SEEN)
+    shutil.rmtree(run_dir / "checkpoints" / "ckpt-00000001")
+    code, _, err = spillover("resume", str(run_dir), parts=warm_pool)
+    assert code == 0, err[-3000:]
     return run_dir, data, first, SEEN[len(first):]
 
 
@@ -86,7 +86,8 @@ def test_additional_keys_reach_the_reward_across_checkpoint_and_resume(trained):
 def test_eval_writes_pass_at_1_and_pass_at_k(trained, warm_parts, tmp_path):
     run_dir, data, _, _ = trained
     SEEN.clear()
-    code, out, err = spillover("eval", str(run_dir), "--data", str(data), "eval.k=2", "--name", "chat")
+    code, out, err = spillover("eval", str(run_dir), "--data", str(data), "eval.k=2", "--name", "chat",
+                               parts=warm_parts)
     assert code == 0, err[-3000:]
     result = json.loads((run_dir / "eval" / "chat.json").read_text())
     assert result["kind"] == "checkpoint" and result["checkpoint_iteration"] == 1 and result["weight_version"] == 2
@@ -100,7 +101,7 @@ def test_eval_writes_pass_at_1_and_pass_at_k(trained, warm_parts, tmp_path):
                       "system_prompt: answer.}\nrollout: {max_tokens: 16}\n"
                       "grpo: {reward_function_path: test_eval_cli.metadata_reward}\n")
     code, _, err = spillover("eval", str(policy), "--config", str(config), "--data", str(data), "eval.k=1",
-                             "engines.rollout_num_gpus=1")
+                             "engines.rollout_num_gpus=1", parts=warm_parts)
     assert code == 0, err[-3000:]
     assert json.loads((policy / "eval" / "train.json").read_text())["kind"] == "model_folder"
 

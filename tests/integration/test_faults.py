@@ -111,7 +111,7 @@ def test_s3_down_during_two_checkpoint_writes_the_run_goes_on(prefect_harness, r
     storage_log, caplog = logging.getLogger("spillover.storage"), Records()
     storage_log.addHandler(caplog)
     try:
-        summary = grpo_train(cfg)
+        summary = grpo_train(cfg, parts=warm_parts)
     finally:
         storage_log.removeHandler(caplog)
         for timer in timers:
@@ -175,7 +175,7 @@ def test_engine_killed_mid_generation_and_reward_raising_once_run_completes(pref
         return real_generate(self, batch, on_result)
 
     monkeypatch.setattr(RolloutManager, "generate", generate)
-    summary = grpo_train(cfg)
+    summary = grpo_train(cfg, parts=warm_parts)
     seen["killer"].join(1)
     assert "killed_pid" in seen, "engine 0 was never seen generating: the kill did not happen"
     assert summary["iterations"] == 3

@@ -88,7 +88,7 @@ def test_a_run_trains_from_an_s3_model_and_its_export_loads_everywhere(prefect_h
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     cfg = small_config(run_dir, iterations=1, **{"model.path": url, "model.cache_dir": str(cache),
                                                 "storage.endpoint_url": storage.endpoint_url})
-    assert grpo_train(cfg)["iterations"] == 1
+    assert grpo_train(cfg, parts=warm_parts)["iterations"] == 1
     staged = [p for p in cache.iterdir() if p.is_dir()]
     assert len(staged) == 1 and (staged[0] / STAGED_MANIFEST).is_file() and not (run_dir / "tiny_model").exists()
 

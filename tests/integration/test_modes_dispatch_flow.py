@@ -9,7 +9,7 @@ import pytest
 
 from test_train_flow import small_config
 
-FLOW = ["prefect_harness", "ray_session", "warm_parts"]
+FLOW = ["prefect_harness", "ray_session"]
 
 
 def rows(run_dir):
@@ -37,7 +37,8 @@ def record_dispatch(monkeypatch) -> list[dict]:
 
 
 @pytest.mark.usefixtures(*FLOW)
-def test_length_aware_dispatch_pins_rows_reorders_them_and_holds_the_tail_for_the_long_round(tmp_path, monkeypatch):
+def test_length_aware_dispatch_pins_rows_reorders_them_and_holds_the_tail_for_the_long_round(tmp_path, monkeypatch,
+                                                                                             warm_parts):
     """rollout.scheduling=length_aware with tail batching (tail_factor 1, a long round every 3rd weight version; the
     last iteration drains, so iterations 2 and 3 are long rounds): every row goes to a chosen engine (both used),
     oldest group first but not in the dock's load order; in iterations 0 and 1 rows expected above the median wait
@@ -48,7 +49,7 @@ def test_length_aware_dispatch_pins_rows_reorders_them_and_holds_the_tail_for_th
     seen = record_dispatch(monkeypatch)
     grpo_train(small_config(tmp_path / "run", iterations=4, **{
         "rollout.scheduling": "length_aware", "rollout.tail_factor": 1.0, "rollout.tail_round_every": 3,
-        "rollout.max_split": 4, "rollout.deterministic_sampling": "true"}))
+        "rollout.max_split": 4, "rollout.deterministic_sampling": "true"}), parts=warm_parts)
     iterations = list(dict.fromkeys(s["planner"] for s in seen))
     by_iteration = [[s for s in seen if s["planner"] == p] for p in iterations]
     assert len(by_iteration) == 4 and [its[0]["long"] for its in by_iteration] == [False, False, True, True]
@@ -114,7 +115,7 @@ def test_an_external_router_serves_the_runs_generation(tmp_path, warm_parts, ext
 
     url, metrics_url = external_router
     grpo_train(small_config(tmp_path / "run", iterations=2, **{"engines.router_address": url,
-                                                              "engines.rollout_num_gpus": 1}))
+                                                              "engines.rollout_num_gpus": 1}), parts=warm_parts)
     idle = warm_parts._idle["engine"]  # the run gave its engine back to the session's pool, still registered
     (key, manager), = [(k, m) for k, m in idle if m.cfg.router_address == url]
     idle.remove((key, manager))

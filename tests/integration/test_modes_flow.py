@@ -8,7 +8,7 @@ import pytest
 
 from test_train_flow import small_config
 
-FLOW = ["prefect_harness", "ray_session", "warm_parts"]
+FLOW = ["prefect_harness", "ray_session"]
 ROLLOUT_ONLY_TASKS = {"load_prompts", "generate_until_ready", "compute_reward", "clear_and_age_sort", "save_checkpoint"}
 
 
@@ -17,7 +17,7 @@ def rows(run_dir):
 
 
 @pytest.mark.usefixtures(*FLOW)
-def test_async_mode_aborts_and_trains_the_cut_tokens_in_a_later_iteration(tmp_path):
+def test_async_mode_aborts_and_trains_the_cut_tokens_in_a_later_iteration(tmp_path, warm_parts):
     """rollout.mode=async: every open row goes out at once with its whole budget (one round, 2 x GBS x n requests;
     sync would need rounds of max_tokens // max_split tokens and at most GBS x n rows each), the engines abort once
     GBS groups are ready (128 rows for 64 slots: rows still decoding are cut), and the cut rows' tokens are trained
@@ -27,7 +27,7 @@ def test_async_mode_aborts_and_trains_the_cut_tokens_in_a_later_iteration(tmp_pa
     gbs, n = 16, 4
     grpo_train(small_config(tmp_path / "run", iterations=3, **{"rollout.mode": "async",
                                                               "rollout.global_batch_size": gbs,
-                                                              "grpo.micro_batch_size": 32}))
+                                                              "grpo.micro_batch_size": 32}), parts=warm_parts)
     got = rows(tmp_path / "run")
     assert (got[0]["rounds"], got[0]["requests"]) == (1, 2 * gbs * n), got[0]
     assert any(r["partial_rows"] > 0 for r in got[:-1]), [r["partial_rows"] for r in got]  # an abort cut rows
@@ -37,14 +37,14 @@ def test_async_mode_aborts_and_trains_the_cut_tokens_in_a_later_iteration(tmp_pa
 
 
 @pytest.mark.usefixtures(*FLOW)
-def test_over_sampled_surplus_groups_are_generated_and_trained_the_next_iteration(tmp_path):
+def test_over_sampled_surplus_groups_are_generated_and_trained_the_next_iteration(tmp_path, warm_parts):
     """rollout.over_sampling_groups=2 without partial rollout (max_split 1): iteration 0 loads and generates GBS + 2
     groups in one round, trains GBS of them, and the two surplus groups (complete, made by weight version 0) are
     trained first in iteration 1, one update late. Ignored, iteration 1 would train four fresh groups."""
     from spillover.flows.train import grpo_train
 
     grpo_train(small_config(tmp_path / "run", iterations=3, **{"rollout.over_sampling_groups": 2,
-                                                              "rollout.max_split": 1}))
+                                                              "rollout.max_split": 1}), parts=warm_parts)
     got = rows(tmp_path / "run")
     assert got[0]["loaded_groups"] == 6 and got[0]["requests"] == 6 * 4 and got[0]["rounds"] == 1
     assert sorted(got[0]["trained_stream_ids"]) == [0, 1, 2, 3]
@@ -55,7 +55,7 @@ def test_over_sampled_surplus_groups_are_generated_and_trained_the_next_iteratio
 
 
 @pytest.mark.usefixtures(*FLOW)
-def test_adaptive_kl_moves_the_coefficient_by_the_measured_kl(tmp_path):
+def test_adaptive_kl_moves_the_coefficient_by_the_measured_kl(tmp_path, warm_parts):
     """grpo.kl_ctrl=adaptive: the coefficient each update uses follows tasks/kl_control.next_kl_coef from the KL the
     previous update measured: down after the first update (policy = reference, KL 0), up once the trained policy's
     KL exceeds the target (fixed would keep 0.05 throughout)."""
@@ -65,7 +65,8 @@ def test_adaptive_kl_moves_the_coefficient_by_the_measured_kl(tmp_path):
     target, horizon, samples = 1e-6, 32, 16
     grpo_train(small_config(tmp_path / "run", iterations=3, **{
         "grpo.kl_coef": 0.05, "grpo.kl_ctrl": "adaptive", "grpo.kl_target": target, "grpo.kl_horizon": horizon,
-        "optimizer.lr": 0.01, "grpo.reward_function_path": "small_run.distinct_chars"}))  # rewards vary: weights move
+        "optimizer.lr": 0.01, "grpo.reward_function_path": "small_run.distinct_chars"}),  # rewards vary: weights move
+               parts=warm_parts)
     got = rows(tmp_path / "run")
     coefs = [r["kl_coef"] for r in got]
     assert got[0]["kl"] == 0 and got[1]["kl"] > target, [r["kl"] for r in got]
@@ -83,7 +84,8 @@ def test_rollout_only_starts_no_learner_and_runs_no_logprob_or_update(tmp_path, 
     from spillover.flows.train import grpo_train
 
     parts_before = warm_parts.started + warm_parts.reused
-    grpo_train(small_config(tmp_path / "run", iterations=2, **{"schedule.debug_rollout_only": "true"}))
+    grpo_train(small_config(tmp_path / "run", iterations=2, **{"schedule.debug_rollout_only": "true"}),
+               parts=warm_parts)
     got = rows(tmp_path / "run")
     assert warm_parts.started + warm_parts.reused - parts_before == 1  # the engines only
     assert [set(r["task_s"]) for r in got] == [ROLLOUT_ONLY_TASKS] * 2
@@ -120,20 +122,20 @@ def half(response, label, **_):
 
 
 @pytest.mark.usefixtures(*FLOW)
-def test_a_custom_rollout_functions_own_rewards_are_trained_unless_a_reward_function_is_set(tmp_path):
+def test_a_custom_rollout_functions_own_rewards_are_trained_unless_a_reward_function_is_set(tmp_path, warm_parts):
     """rollout.rollout_function_path=a function that scores its samples: those rewards are trained (group-normalised:
     0, 0.1, 0.2, 0.3 in every group), as in slime; with grpo.reward_function_path set, that function scores them."""
     from spillover.flows.train import grpo_train
 
     custom = {"rollout.rollout_function_path": "test_modes_flow.scored_rollout"}
-    grpo_train(small_config(tmp_path / "own", iterations=2, **custom))
+    grpo_train(small_config(tmp_path / "own", iterations=2, **custom), parts=warm_parts)
     own = rows(tmp_path / "own")
     assert [r["trained_stream_ids"] for r in own] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the function's groups
     for r in own:
         assert r["reward_mean"] == pytest.approx(0.15) and r["reward_std"] == pytest.approx(np.std([0, .1, .2, .3]))
         assert r["grad_norm"] > 0  # the advantages of those rewards moved the weights
     grpo_train(small_config(tmp_path / "set", iterations=1, **custom,
-                            **{"grpo.reward_function_path": "test_modes_flow.half"}))
+                            **{"grpo.reward_function_path": "test_modes_flow.half"}), parts=warm_parts)
     assert [(r["reward_mean"], r["reward_std"]) for r in rows(tmp_path / "set")] == [(0.5, 0.0)]
 
 
@@ -157,20 +159,21 @@ def weight_version_eval(args, rollout_id, data_source, evaluation=False):
 
 
 @pytest.mark.usefixtures(*FLOW)
-def test_a_custom_eval_function_runs_at_the_eval_interval_and_its_scores_are_logged(tmp_path):
+def test_a_custom_eval_function_runs_at_the_eval_interval_and_its_scores_are_logged(tmp_path, warm_parts):
     """rollout.eval_function_path with schedule.eval_interval=1: the function runs after every update (it sees the
     new weight version) and eval/<its key> is what it scored. (Before this test it never ran without
     data.eval_paths.)"""
     from spillover.flows.train import grpo_train
 
     grpo_train(small_config(tmp_path / "run", iterations=2, **{"rollout.eval_function_path": "test_modes_flow."
-                                                                "weight_version_eval", "schedule.eval_interval": 1}))
+                                                                "weight_version_eval", "schedule.eval_interval": 1}),
+               parts=warm_parts)
     got = rows(tmp_path / "run")
     assert [(r["eval/versions"], r["eval/step"]) for r in got] == [(1.0, 0), (2.0, 1)]
 
 
 @pytest.mark.usefixtures(*FLOW)
-def test_reward_model_scores_are_the_trained_reward(tmp_path):
+def test_reward_model_scores_are_the_trained_reward(tmp_path, warm_parts):
     """grpo.reward_models with the rule reward weighed 0: the trained reward is 2 x the classifier's score
     (reward_model_rm_mean), and it varies within groups (the rule reward alone would be 0 everywhere)."""
     from spillover.flows.train import grpo_train
@@ -179,7 +182,7 @@ def test_reward_model_scores_are_the_trained_reward(tmp_path):
     classifier = build_classifier(tmp_path / "rm")
     models = json.dumps([{"path": classifier, "weight": 2.0, "name": "rm"}])
     grpo_train(small_config(tmp_path / "run", iterations=2, **{"grpo.reward_models": models,
-                                                              "grpo.rule_reward_weight": 0.0}))
+                                                              "grpo.rule_reward_weight": 0.0}), parts=warm_parts)
     for r in rows(tmp_path / "run"):
         assert r["reward_mean"] == pytest.approx(2.0 * r["reward_model_rm_mean"], abs=1e-6)
         assert r["reward_std"] > 0 and r["grad_norm"] > 0

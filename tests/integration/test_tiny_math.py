@@ -15,12 +15,12 @@ SHRINK = ["rollout.global_batch_size=4", "rollout.n_samples_per_prompt=4", "grpo
           "engines.max_running_requests=32", "tracking.wandb_mode=disabled", "tracking.progress=false"]
 
 
-def spillover(*argv: str) -> tuple[int, str, str]:
+def spillover(*argv: str, parts=None) -> tuple[int, str, str]:
     from spillover.flows.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
+        code = main(list(argv), parts)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -29,7 +29,7 @@ def test_tiny_math_trains_and_evaluates(prefect_harness, warm_parts, tmp_path):
 
     run_dir = tmp_path / "tiny-math"
     code, _, err = spillover("train", "--config", "configs/tiny-math.yaml", f"run_dir={run_dir}",
-                             "schedule.num_iterations=2", *SHRINK)
+                             "schedule.num_iterations=2", *SHRINK, parts=warm_parts)
     assert code == 0, err[-3000:]
     tok = load_tokenizer(run_dir / "tiny_model")
     spec = json.loads((run_dir / "tiny_model" / "tokenizer.json").read_text())
@@ -38,7 +38,8 @@ def test_tiny_math_trains_and_evaluates(prefect_harness, warm_parts, tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1] and all(0 <= r["reward_mean"] <= 1 for r in rows)
     data = run_dir / "data" / "train.parquet"
-    code, out, err = spillover("eval", str(run_dir), "--data", str(data), "eval.k=2", "engines.rollout_num_gpus=1")
+    code, out, err = spillover("eval", str(run_dir), "--data", str(data), "eval.k=2", "engines.rollout_num_gpus=1",
+                               parts=warm_parts)
     assert code == 0, err[-3000:]
     result = json.loads((run_dir / "eval" / "train.json").read_text())
     assert result["prompts"] == 32 and result["checkpoint_iteration"] == 1 and "pass@2" in result

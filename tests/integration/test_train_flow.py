@@ -48,8 +48,8 @@ def debug_template(run_dir) -> str:
     return f"{run_dir}/debug/{{rollout_id}}.parquet"
 
 
-def resume_from_checkpoint_0(run_dir, resumed_dir):
-    """A run resumed from `run_dir`'s checkpoint 0 (as after a crash in iteration 1), in `resumed_dir`."""
+def resume_from_checkpoint_0(run_dir, resumed_dir, parts):
+    """A run resumed from `run_dir`'s checkpoint 0 (as after a crash in iteration 1), in `resumed_dir`, on `parts`."""
     from spillover.flows.setup import load_run_config
     from spillover.flows.train import grpo_train
 
@@ -57,7 +57,7 @@ def resume_from_checkpoint_0(run_dir, resumed_dir):
     shutil.copy(run_dir / "config.json", resumed_dir / "config.json")
     shutil.copytree(run_dir / "checkpoints" / "ckpt-00000000", resumed_dir / "checkpoints" / "ckpt-00000000")
     grpo_train(load_run_config(resumed_dir, [f"storage.save_debug_rollout_data={debug_template(resumed_dir)}"]),
-               resume=True)
+               resume=True, parts=parts)
 
 
 def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_harness, ray_session, warm_parts, tmp_path):
@@ -66,7 +66,7 @@ def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_
 
     run_dir = tmp_path / "run"
     cfg = small_config(run_dir, **PARTIAL_EVIDENCE, **{"storage.save_debug_rollout_data": debug_template(run_dir)})
-    state = grpo_train(cfg, return_state=True)
+    state = grpo_train(cfg, return_state=True, parts=warm_parts)
     summary = state.result()
     assert summary["iterations"] == 3
 
@@ -92,7 +92,7 @@ def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_
     assert {row.group_id for row in cut} <= set(rows[1]["trained_stream_ids"])
     assert_cut_rows_trained(cut, trained_samples(debug_template(run_dir), 1), trained_version=1)
     resumed_dir = tmp_path / "resumed"
-    resume_from_checkpoint_0(run_dir, resumed_dir)
+    resume_from_checkpoint_0(run_dir, resumed_dir, warm_parts)
     assert_cut_rows_trained(cut, trained_samples(debug_template(resumed_dir), 1), trained_version=1)
     resumed_rows = [json.loads(line) for line in (resumed_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["trained_stream_ids"] for r in resumed_rows] == [r["trained_stream_ids"] for r in rows]

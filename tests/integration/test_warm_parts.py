@@ -1,4 +1,4 @@
-"""Warm parts (flows/parts.py): a run on engines and learners kept from an earlier run trains exactly as a run
+"""Warm parts (tests/warm_parts.py): a run on engines and learners kept from an earlier run trains exactly as a run
 on new ones -- the same samples, rewards, losses and final weights, optimizer state and RNG -- so the suite's
 flow tests can share them (tests/fixtures_warm.py) without changing what they prove."""
 import json
@@ -6,6 +6,7 @@ import json
 import torch
 
 from test_train_flow import small_config
+from warm_parts import WarmParts
 
 # Tokens independent of the engines' history (every request carries a seed), old logprobs from the learner; a
 # reference model (KL) so that all three kinds of part are kept.
@@ -27,17 +28,18 @@ def final_tensors(run_dir):
 def test_kept_parts_train_exactly_like_new_ones_and_take_the_new_runs_settings(prefect_harness, ray_session,
                                                                                 tmp_path):
     """(Which parts may serve which run: tests/unit/test_warm_parts_pool.py.)"""
-    from spillover.flows.parts import WarmParts
     from spillover.flows.train import grpo_train
 
     first, second = tmp_path / "first", tmp_path / "second"
-    with WarmParts() as pool, pool.active():
-        grpo_train(small_config(first, iterations=2, **{**DETERMINISTIC, "engines.weight_sync": "distributed"}))
+    distributed = {**DETERMINISTIC, "engines.weight_sync": "distributed"}
+    with WarmParts() as pool:
+        grpo_train(small_config(first, iterations=2, **distributed), parts=pool)
         assert pool.reused == 0  # a new pool starts every part
-        grpo_train(small_config(second, iterations=2, **{**DETERMINISTIC, "engines.weight_sync": "distributed"}))
+        grpo_train(small_config(second, iterations=2, **distributed), parts=pool)
         assert pool.reused == 3  # engines, policy and reference: kept, reset, reused
         summary = grpo_train(small_config(tmp_path / "disk", iterations=2, **{**DETERMINISTIC, "grpo.kl_coef": "0",
-                                                                                 "engines.weight_sync": "disk"}))
+                                                                                 "engines.weight_sync": "disk"}),
+                             parts=pool)
         assert pool.reused == 5  # engines and policy (no KL: no reference): the reset applies the weight-sync mode
         assert pool.started == 3
     got, want = rows(second), rows(first)

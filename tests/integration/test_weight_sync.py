@@ -147,7 +147,7 @@ def test_flow_trains_with_distributed_weight_sync(prefect_harness, ray_session, 
     cfg = load_config("configs/tiny.yaml", [f"run_dir={tmp_path / 'run'}", "schedule.num_iterations=2", *SMALL_RUN,
                                             "tracking.wandb_mode=disabled", "engines.weight_sync=distributed",
                                             "engines.weight_bucket_bytes=65536"])
-    assert grpo_train(cfg)["iterations"] == 2
+    assert grpo_train(cfg, parts=warm_parts)["iterations"] == 2
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["weight_version"] for r in rows] == [1, 2]
     assert all(r["weight_sync_s"] > 0 for r in rows)

@@ -1,11 +1,12 @@
-"""flows/parts.WarmParts' bookkeeping with stand-in parts (the real engines and learners: tests/integration/
+"""tests/warm_parts.WarmParts' bookkeeping with stand-in parts (the real engines and learners: tests/integration/
 test_warm_parts.py): which part a run gets, when it is reset, kept or shut down."""
 from __future__ import annotations
 
 import pytest
 
-from spillover.flows.parts import WarmParts, active_warm_parts, engine_key, learner_key, model_shape_digest
+from spillover.flows.parts import NewParts, RunParts
 from spillover.infra.config.run_config import load_config
+from warm_parts import WarmParts, engine_key, learner_key, model_shape_digest
 
 
 class Part:
@@ -75,12 +76,16 @@ def test_with_max_idle_parts_of_several_keys_wait_and_the_least_recently_used_go
         WarmParts(max_idle=0)
 
 
-def test_active_is_scoped_to_the_context():
-    pool = WarmParts()
-    assert active_warm_parts() is None
-    with pool.active():
-        assert active_warm_parts() is pool
-    assert active_warm_parts() is None
+@pytest.mark.parametrize("parts", [WarmParts(), NewParts()], ids=["WarmParts", "NewParts"])
+def test_parts_pass_prefects_parameter_check_and_are_stored_by_type_name(parts):
+    """grpo_train takes them as a flow parameter: Prefect checks it against RunParts and stores only the type name
+    (not every actor a pool holds)."""
+    from spillover.flows.train import grpo_train
+
+    assert isinstance(parts, RunParts)
+    checked = grpo_train.validate_parameters({"config": load_config("configs/tiny.yaml"), "parts": parts})
+    assert checked["parts"] is parts
+    assert grpo_train.serialize_parameters({"parts": parts}) == {"parts": f"<{type(parts).__name__}>"}
 
 
 @pytest.mark.parametrize("override, kept", [([], True), (["learner.world_size=2"], True),
