@@ -10,6 +10,7 @@ import itertools
 from typing import Any
 
 from spillover.rollout.fleet.engine_client import EngineClient
+from spillover.rollout.fleet.weight_update import WeightUpdate
 from spillover.rollout.torch_engine.server import TorchEngineServer
 from spillover.rollout.fleet.generation import BatchGenerator
 from spillover.rollout.fleet.pinned_router import PinnedRouter
@@ -57,11 +58,15 @@ class LocalEngines:
 
         return asyncio.run(run())
 
-    def update_weights(self, model_path: str, weight_version: int) -> None:
+    def update_weights(self, update: WeightUpdate) -> None:
+        """A disk update only (the GPU machine's checks load HF folders)."""
+        if update.kind != "disk":
+            raise ValueError(f"LocalEngines loads disk weight updates only; got {update.kind}")
+
         async def run() -> None:
             clients = [EngineClient(url) for url in self.urls]
             try:
-                await asyncio.gather(*(c.update_weights_from_disk(model_path, weight_version) for c in clients))
+                await asyncio.gather(*(c.update_weights_from_disk(update.source, update.version) for c in clients))
             finally:
                 await asyncio.gather(*(c.aclose() for c in clients))
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from bench.simulator.workload import LognormalLengths
+from spillover.rollout.fleet.weight_update import WeightUpdate
 
 log = logging.getLogger("longtail.real")
 
@@ -174,12 +175,12 @@ class RealRun:
 
         def prepare(version: int) -> None:
             if self.version != version:
-                self.manager.update_weights(str(self.model_dir), version)
+                self.manager.update_weights(WeightUpdate("disk", self.model_dir, version))
                 self.version = version
 
         def update(version: int) -> float:
             start = time.perf_counter()
-            self.manager.update_weights(str(self.model_dir), version)
+            self.manager.update_weights(WeightUpdate("disk", self.model_dir, version))
             self.version = version
             return time.perf_counter() - start
 

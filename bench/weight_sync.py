@@ -78,6 +78,7 @@ def main() -> None:
     from spillover.infra.config.engines import EnginesConfig
     from spillover.infra.config.run_config import build_config
     from spillover.rollout.fleet.manager import RolloutManager
+    from spillover.rollout.fleet.weight_update import WeightUpdate
     from spillover.tasks.learner.group import create_learner_group
 
     set_loopback_env()
@@ -94,8 +95,9 @@ def main() -> None:
         policy = create_learner_group(learner_dir, cfg, trainable=False)
         manager = RolloutManager(engines_cfg, engine_dir, use_gpu=False, max_model_len=64)
         try:
-            distributed = lambda v: manager.sync_weights_distributed(policy, v)  # noqa: E731
-            object_store = lambda v: manager.update_weights(policy.state_dict_ref.remote(), v)  # noqa: E731
+            distributed = lambda v: manager.update_weights(WeightUpdate("distributed", policy, v))  # noqa: E731
+            object_store = lambda v: manager.update_weights(  # noqa: E731
+                WeightUpdate("tensor", policy.state_dict_ref.remote(), v))
             runs: dict[str, list[tuple[float, int]]] = {"distributed": [], "object_store": []}
             version = 0
             for rep in range(args.reps + 1):  # rep 0: warm-up (the group forms on the first distributed sync)
@@ -111,7 +113,7 @@ def main() -> None:
             got = ray.get([h.actors[0].weight_digests.remote() for h in manager.engines])
             identical = all(all(g.get(k) == d for k, d in want.items()) for g in got)
             reported = set(manager.weight_versions.values())
-            last = manager._weight_sync.last
+            last = manager.weights.distributed.last
         finally:
             manager.shutdown()
             policy.shutdown()

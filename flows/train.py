@@ -9,6 +9,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, replace
+from typing import Callable, ParamSpec, TypeVar
 
 import numpy as np
 from prefect import Task, flow
@@ -34,6 +35,8 @@ from spillover.tasks.reward import compute_reward
 from spillover.tasks.update import update
 
 log = logging.getLogger("spillover")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -47,47 +50,58 @@ class IterationOutcome:
 
 
 class StageClock:
-    """Runs the iteration's steps: the fault hook at each start, the time each took. Arguments go to
-    Prefect tasks quoted: Prefect would otherwise walk every prompt and sample looking for futures."""
+    """The time each step of one iteration took, by step name (the metrics' task_s)."""
 
     def __init__(self, iteration: int):
         self.iteration, self.task_s = iteration, {}
 
-    def run(self, name: str, step, *args):
-        hook_point(name, self.iteration)
-        start = time.perf_counter()
-        if isinstance(step, Task):
-            args = tuple(a if isinstance(a, (int, float, str, bool, type(None))) else quote(a) for a in args)
-        out = step(*args)
-        self.task_s[name] = time.perf_counter() - start
-        return out
+    def timed(self, step: Callable[P, R], name: str | None = None) -> Callable[P, R]:
+        """`step` (a Prefect task, named by its task name, or a plain function named by `name`) with the same
+        arguments and result, and around each call: the fault hook at its start (infra/hooks.py, the kill -9 tests'
+        points), its wall time under its name. Arguments go to Prefect tasks quoted: Prefect would otherwise walk
+        every prompt and sample looking for futures."""
+        is_task = isinstance(step, Task)
+        label = name or step.name
+
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            hook_point(label, self.iteration)
+            start = time.perf_counter()
+            if is_task:
+                args = tuple(_quoted(a) for a in args)
+                kwargs = {key: _quoted(a) for key, a in kwargs.items()}
+            out = step(*args, **kwargs)
+            self.task_s[label] = time.perf_counter() - start
+            return out
+        return call
+
+
+def _quoted(arg):
+    return arg if isinstance(arg, (int, float, str, bool, type(None))) else quote(arg)
 
 
 def run_iteration(run: Run, iteration: int, version: int, wandb_run_id: str | None = None, on_round=None,
                   store=None) -> IterationOutcome:
     """One GRPO iteration; `version` is the weight version the engines serve at its start."""
     cfg, clock, start = run.cfg, StageClock(iteration), time.perf_counter()
-    loaded = clock.run("load_prompts", load_prompts, run.dock, run.cursor, run.prompts, iteration,
-                       cfg.schedule.num_iterations)
-    rollout = clock.run("generate_until_ready", generate_until_ready, run.controller,
-                        run.context.for_iteration(version, on_round), iteration)
-    scored = clock.run("compute_reward", compute_reward, rollout, run.reward)
+    timed = clock.timed  # each step: the fault hook at its start, its time in the metrics (task_s)
+    loaded = timed(load_prompts)(run.dock, run.cursor, run.prompts, iteration, cfg.schedule.num_iterations)
+    rollout = timed(generate_until_ready)(run.controller, run.context.for_iteration(version, on_round), iteration)
+    scored = timed(compute_reward)(rollout, run.reward)
     stages = [loaded, rollout, scored]
     if not cfg.schedule.debug_rollout_only:  # rollout only: no learner, so no logprobs and no update
-        ref = clock.run("compute_ref_logprob", compute_ref_logprob, run.ref, scored)
-        old = clock.run("compute_old_logprob", compute_old_logprob, run.policy, scored, version,
-                        cfg.grpo.skip_old_logprob)
-        updated = clock.run("update", update, run.policy, run.engine, scored, old, ref)
+        ref = timed(compute_ref_logprob)(run.ref, scored)
+        old = timed(compute_old_logprob)(run.policy, scored, version, cfg.grpo.skip_old_logprob)
+        updated = timed(update)(run.policy, run.engine, scored, old, ref)
         version = updated.weight_version
         stages += [ref, old, updated]
     interval = cfg.schedule.eval_interval
     if interval and (iteration + 1) % interval == 0:
-        stages.append(Evaluated(metrics=clock.run("eval", run.controller.eval, iteration,
-                                                  run.context.for_iteration(version), version)))
-    stages.append(clock.run("clear_and_age_sort", clear_and_age_sort, run.dock, run.cursor, rollout))
+        metrics = timed(run.controller.eval, "eval")(iteration, run.context.for_iteration(version), version)
+        stages.append(Evaluated(metrics=metrics))
+    stages.append(timed(clear_and_age_sort)(run.dock, run.cursor, rollout))
     row = iteration_row(iteration, stages, clock.task_s)  # also the checkpoint's copy (restored on resume)
-    saved = clock.run("save_checkpoint", save_run_checkpoint, store if run.policy is not None else None, run.policy,
-                      run.dock, run.cursor, cfg, iteration, version, row, wandb_run_id)  # no learner: no checkpoint
+    saved = timed(save_run_checkpoint)(store if run.policy is not None else None, run.policy, run.dock, run.cursor,
+                                       cfg, iteration, version, row, wandb_run_id)  # no learner: no checkpoint
     stages.append(saved)
     row = {**row, **saved.metrics, "task_s": dict(clock.task_s), "time_s": time.perf_counter() - start}
     return IterationOutcome(row, iteration_scalars(stages, clock.task_s) | {"time/iteration_s": row["time_s"]},

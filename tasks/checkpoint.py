@@ -17,6 +17,7 @@ from spillover.infra.config.run_config import RunConfig
 from spillover.infra.storage.store import Store, open_store
 from spillover.rollout.prompt_data import PromptCursor
 from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.fleet.weights import policy_update
 from spillover.tasks.results import Checkpointed
 
 log = logging.getLogger("spillover")
@@ -126,7 +127,7 @@ def restore_weights(policy, engine, state: CheckpointState) -> int:
         ray.get(policy.set_state.remote(state.tensors["policy"], meta["learner"]))
     version = int(meta["weight_version"])
     if engine is not None:
-        engine.sync_weights(policy, version)  # by engines.weight_sync, as every update
+        engine.update_weights(policy_update(policy, version, engine.cfg, engine.model_path, engine.colocated))
     log.info("resumed from iteration %d (weight version %d)", state.iteration, version)
     return version
 

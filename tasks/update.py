@@ -10,6 +10,7 @@ import ray
 from prefect import task
 from prefect.cache_policies import NONE
 
+from spillover.rollout.fleet.weights import policy_update
 from spillover.tasks.results import Logprobs, Scored, Updated
 
 LOGGED = ("loss", "pg_loss", "kl", "kl_coef", "clip_fraction", "grad_norm", "tis_weight_mean", "tis_weight_max",
@@ -28,7 +29,7 @@ def update(policy, engine, scored: Scored, old: Logprobs, ref: Logprobs) -> Upda
     out["old_logprob_source"] = old.source  # "computed" by the learner, or "rollout" logprobs
     if engine is not None:
         start = time.perf_counter()
-        engine.sync_weights(policy, version)  # by engines.weight_sync: distributed, tensor or disk
+        engine.update_weights(policy_update(policy, version, engine.cfg, engine.model_path, engine.colocated))
         out["weight_sync_s"] = time.perf_counter() - start
         if engine.colocated:  # what the hosting process did this iteration, in order
             out["colocation_events"] = engine.take_colocation_log()

@@ -3,14 +3,15 @@
     stats = generate_rounds(dock, engine, rollout_cfg, sampling, weight_version, drain, on_round, hooks)
 
 Each round takes rows from the dock (carried-over rows first, oldest first; spillover.rollout.drivers.dispatch orders
-and pins them), sends them with the mode's budget (RoundBudget) and writes each answer into the dock as it arrives
-(the Generator's on_result):
+and pins them), sends them with the mode's budget (RoundBudget) and writes the answers into the dock:
 - sync: rounds of (GBS + over_sampling_groups) x n rows, up to max_tokens // max_split new tokens per row, until the
   dock is ready (>= GBS groups complete; drain: every row). The over-sampled groups go out from the first round
-  (APRIL). With max_split = 1 a round generates whole responses: plain GRPO.
-- async: every row that can generate, with its whole remaining budget; the answer that finds the dock ready stops
-  the round (the engines abort), and the partial tokens that come back stay in the dock for the next iteration.
-  The check runs on every answer (finer than MindSpeed's "every 20 engine steps": it costs microseconds).
+  (APRIL). With max_split = 1 a round generates whole responses: plain GRPO. A round's answers are written at once
+  when it ends (one dock call for all rows), unless the hooks want each as it arrives.
+- async: every row that can generate, with its whole remaining budget; each answer is written as it arrives (the
+  Generator's on_result), and the one that finds the dock ready stops the round (the engines abort); the partial
+  tokens that come back stay in the dock for the next iteration. The check runs on every answer (finer than
+  MindSpeed's "every 20 engine steps": it costs microseconds).
 
 RoundHooks is what a rollout adds to the loop (the defaults are single-turn generation; ToolTurns in
 rollout/drivers/tool_turns.py makes trajectories of turns and tool calls). Answers are written by callbacks that run
@@ -54,10 +55,12 @@ class RoundHooks:
     """What a rollout adds to the driver loop; these defaults are single-turn generation.
 
     on_start / on_end run once per generate_rounds call (on_end also after a failure); between_rounds before each
-    readiness check; before_round on the rows taken for a round; on_answer on the engine's callback thread as each
-    answer arrives; wait_for_rows when no row can generate although the dock is not ready."""
+    readiness check; before_round on the rows taken for a round; on_answers with answers as they arrive (on the
+    engine's callback thread: async mode, or answers_as_they_arrive) or with all of a round's once it ends (sync);
+    wait_for_rows when no row can generate although the dock is not ready."""
 
     stop_strings: tuple[str, ...] = ()  # stop strings the hooks need besides rollout.stop
+    answers_as_they_arrive = False      # on_answers with each answer as it arrives, in sync mode too
 
     def __init__(self, dock: TransferDock, weight_version: int):
         self.dock, self.weight_version = dock, weight_version
@@ -72,11 +75,11 @@ class RoundHooks:
         """In-flight rows taken for the round -> bool[k]: the rows to send (the hook released the others)."""
         return np.ones(len(rows), dtype=bool)
 
-    def on_answer(self, row: int, answer: dict, stopping: bool) -> int:
-        """Write one answer into the dock (stopping: the round was stopped by an earlier answer) -> new tokens kept."""
-        tokens, logprobs, stopped, version = parse_responses([answer], self.weight_version)
-        self.dock.put_generation(np.asarray([row]), tokens, logprobs, version, stopped)
-        return len(tokens[0])
+    def on_answers(self, rows: np.ndarray, answers: list[dict], stopping: bool) -> int:
+        """Write the rows' answers into the dock (stopping: an earlier answer stopped the round) -> new tokens kept."""
+        tokens, logprobs, stopped, version = parse_responses(answers, self.weight_version)
+        self.dock.put_generation(rows, tokens, logprobs, version, stopped)
+        return sum(len(t) for t in tokens)
 
     def wait_for_rows(self) -> bool:
         """No row can generate: wait until one may (True), or say that none ever will (False)."""
@@ -102,26 +105,42 @@ class _Progress:
 
 
 class _Round:
-    """One engine call: writes each answer as it arrives; stops the round once the dock is ready (async)."""
+    """One engine call: its answers into the dock, each as it arrives or all once the call returns; stops the round
+    once the dock is ready (stop_when_ready)."""
 
     def __init__(self, dock: TransferDock, rows: np.ndarray, hooks: RoundHooks, budget: RoundBudget,
                  stats: GenerationStats, progress: _Progress):
         self.dock, self.rows, self.hooks, self.budget = dock, rows, hooks, budget
         self.stats, self.progress = stats, progress
+        self.as_they_arrive = budget.stop_when_ready or hooks.answers_as_they_arrive
+        self.answers: list[dict | None] = [None] * len(rows)
         self.written = np.zeros(len(rows), dtype=bool)
         self.stopping = False
 
     def on_result(self, index: int, answer: dict) -> bool:
         """True (stop the round) from the answer that finds the dock ready, with stop_when_ready."""
-        if self.written[index]:
+        if self.answers[index] is not None:
             return False  # an engine restart may deliver a retried request twice: keep the first
-        self.stats.tokens_generated += self.hooks.on_answer(int(self.rows[index]), answer, self.stopping)
-        self.written[index] = True
+        self.answers[index] = answer
+        if not self.as_they_arrive:
+            return False
+        self.write(np.asarray([index]))
         stop = self.budget.stop_when_ready and not self.stopping and bool(self.dock.update_ready())
         self.stopping |= stop
         if self.budget.stop_when_ready:
             self.progress.report(force=self.stopping)
         return stop
+
+    def write(self, indices: np.ndarray) -> None:
+        if len(indices):
+            self.stats.tokens_generated += self.hooks.on_answers(self.rows[indices],
+                                                                [self.answers[i] for i in indices], self.stopping)
+            self.written[indices] = True
+
+    def write_the_rest(self) -> None:
+        """After the engine call returned: the answers not written yet (all of them, when they were kept)."""
+        self.write(np.asarray([i for i, a in enumerate(self.answers) if a is not None and not self.written[i]],
+                              dtype=np.int64))
 
     def release_unanswered(self) -> None:
         """Rows whose answer never came (or could not be written) go back untouched."""
@@ -180,7 +199,10 @@ def _run_round(dock: TransferDock, engine: Generator, rows: np.ndarray, engines:
     stats.requests += len(rows)
     start = time.perf_counter()
     try:
-        engine.generate(requests, on_result=round_.on_result)
+        try:
+            engine.generate(requests, on_result=round_.on_result)
+        finally:
+            stats.engine_s += time.perf_counter() - start
+        round_.write_the_rest()
     finally:
-        stats.engine_s += time.perf_counter() - start
         round_.release_unanswered()

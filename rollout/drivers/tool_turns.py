@@ -73,7 +73,9 @@ class ToolStats:
 class ToolTurns(RoundHooks):
     """The hooks of one generate_rounds call: the env calls in flight and the cut at its end.
 
-    loop: the engine's event loop (RolloutManager.loop), where on_answer runs and the env calls run."""
+    loop: the engine's event loop (RolloutManager.loop), where the answers arrive and the env calls run."""
+
+    answers_as_they_arrive = True  # a tool call starts as soon as its turn's answer is in
 
     def __init__(self, dock: TransferDock, weight_version: int, rollout_cfg: RolloutConfig, envs: EnvPool, tokenizer,
                  loop: asyncio.AbstractEventLoop, iteration: int = 0):
@@ -136,7 +138,12 @@ class ToolTurns(RoundHooks):
             self.dock.release(ended)
         return ~self.dock.complete[rows]
 
+    def on_answers(self, rows: np.ndarray, answers: list[dict], stopping: bool) -> int:
+        return sum(self.on_answer(int(row), answer, stopping) for row, answer in zip(rows.tolist(), answers))
+
     def on_answer(self, row: int, answer: dict, stopping: bool) -> int:
+        """The answer into the dock, cut after a tool call's stop string; a tool call starts (unless the round stops)
+        and outcomes that have arrived are applied. -> new tokens kept."""
         tokens, logprobs, stopped, version = parse_responses([answer], self.weight_version)
         new, lps = tokens[0], logprobs[0]
         reason = answer["meta_info"].get("finish_reason") or {}

@@ -46,7 +46,7 @@ class EngineActor:
 
     def __init__(self, backend: str, model_path: str, engine_index: int, node_rank: int = 0, nnodes: int = 1,
                  tp_size: int = 1, max_running_requests: int = 128, seed: int = 0,
-                 weight_version: int | str = 0, torch_threads: int | None = None,
+                 weight_version: int = 0, torch_threads: int | None = None,
                  max_model_len: int | None = None, sglang_options: dict[str, Any] | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"engines.backend must be one of {BACKENDS}; got {backend!r}")
@@ -128,8 +128,8 @@ class EngineActor:
                                f"node 0)")
         return WeightPoster(self.url, self.backend, self.tp_size, self.base_gpu_id, f"engine {self.engine_index}")
 
-    def update_weights(self, state_dict: dict[str, Any], weight_version: int | str,
-                       bucket_bytes: int | None = None) -> int | str | None:
+    def update_weights(self, state_dict: dict[str, Any], weight_version: int,
+                       bucket_bytes: int | None = None) -> int | None:
         """Apply HF-named tensors (Ray resolves an ObjectRef argument) by /update_weights_from_tensor, in buckets of
         about bucket_bytes (None: one), inside one weight-update session; returns the version the engine reports."""
         if self.node_rank > 0:

@@ -37,7 +37,7 @@ class EngineHandle:
     url: str | None = None
     pids: list[int] = field(default_factory=list)  # actor processes
     server_pgids: list[int | None] = field(default_factory=list)  # SGLang server process groups (own session)
-    weight_version: int | str | None = None
+    weight_version: int | None = None  # what the engine reported last
 
 
 @ray.remote(num_cpus=0)
@@ -91,7 +91,7 @@ class EnginePool:
 
     def __init__(self, cfg: EnginesConfig, model_path: str, *, slots_per_node: int | None = None,
                  strategy: str = "PACK", use_gpu: bool | None = None, seed: int = 0,
-                 weight_version: int | str = 0, torch_threads: int | None = None,
+                 weight_version: int = 0, torch_threads: int | None = None,
                  max_model_len: int | None = None, sglang_options: dict[str, Any] | None = None,
                  start_timeout_s: float = 600.0, deterministic_inference: bool = False):
         self.cfg, self.model_path = cfg, str(model_path)

@@ -34,14 +34,14 @@ from spillover.rollout.fleet.router import Router
 from spillover.rollout.fleet.generation import BatchGenerator
 from spillover.rollout.fleet.pinned_router import PinnedRouter
 from spillover.rollout.drivers.requests import OnResult
-from spillover.rollout.fleet.weights import EngineWeights
-from spillover.rollout.fleet.distributed_weights import DistributedWeightSync, weight_sync_settings
+from spillover.rollout.fleet.weight_update import WeightUpdate
+from spillover.rollout.fleet.weights import FleetWeights
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class RolloutManager(EngineWeights):
+class RolloutManager:
     def __init__(self, engines_cfg: EnginesConfig, model_path: str | Path, *, max_attempts: int = 5,
                  max_in_flight: int | None = None, hosts: list[Any] | None = None, **pool_options: Any):
         """Start the engines (pool_options: see `EnginePool`), the router (or join engines_cfg.router_address),
@@ -57,9 +57,8 @@ class RolloutManager(EngineWeights):
         self.pool_options, self.hosts = pool_options, hosts
         self.pool: EnginePool | None = None
         self.router: Router | None = None
-        self.weight_versions: dict[int, int | str | None] = {}
+        self.weights: FleetWeights | None = None  # what the engines serve, how updates reach them
         self.restarts = 0
-        self._latest_weights: tuple[str, Any, int | str] | None = None  # ("disk" | "tensor", path | ref, version)
         self._offloaded = False
         self._clients: dict[str, EngineClient] = {}
         self._engine_lock = asyncio.Lock()  # weight updates, offload/onload, health checks and restarts
@@ -93,7 +92,6 @@ class RolloutManager(EngineWeights):
         self.pool = await asyncio.to_thread(ColocatedEnginePool if self.colocated else EnginePool, self.cfg,
                                             self.model_path, **hosted, **self.pool_options)
         await self.pool.start_all()
-        self.weight_versions = {h.index: h.weight_version for h in self.pool.engines}
         if self.cfg.router_address:
             self.router = await asyncio.to_thread(Router.connect, self.cfg.router_address)
         else:
@@ -101,7 +99,7 @@ class RolloutManager(EngineWeights):
                                                   self.cfg.resolved_router_policy(self.cfg.backend))
         for handle in self.pool.engines:
             await asyncio.to_thread(self.router.add_worker, handle.url)
-        self._weight_sync = DistributedWeightSync(**weight_sync_settings(self.cfg, self.pool.use_gpu))
+        self.weights = self._new_weights(self.cfg)
         router = PinnedRouter(EngineClient(self.router.url), lambda i: self.engines[i % len(self.engines)].url,
                               self._client)
         self._gen = BatchGenerator(router, lambda: self.urls, self._client, self._recover,
@@ -126,6 +124,11 @@ class RolloutManager(EngineWeights):
     def router_url(self) -> str:
         return self.router.url
 
+    @property
+    def weight_versions(self) -> dict[int, int | None]:
+        """The weight version each engine reported last (index -> version)."""
+        return {h.index: h.weight_version for h in self.engines}
+
     def _client(self, url: str) -> EngineClient:
         if url not in self._clients:
             self._clients[url] = EngineClient(url)
@@ -149,14 +152,64 @@ class RolloutManager(EngineWeights):
         they are idle. (Inside a round, return True from on_result instead.)"""
         self._call(self._gen.abort_all, timeout_s)
 
-    # ---- memory and weights ---------------------------------------------------------------------------
+    # ---- weights and memory ---------------------------------------------------------------------------
+    def update_weights(self, update: WeightUpdate) -> dict[int, int | None]:
+        """Load `update` on every engine (rollout/fleet/weights.py: one strategy per kind); an engine that dies
+        meanwhile is restarted and loads it too, as does any engine restarted later. Colocated engines are resumed
+        first. Returns engine index -> the version it reports."""
+        return self._call(self._update_weights, update)
+
+    async def _update_weights(self, update: WeightUpdate) -> dict[int, int | None]:
+        if update.kind == "colocated" and self._offloaded:
+            await self._memory(False, None, restore=False)  # the weights come next, from the learner
+        async with self._engine_lock:
+            await self.weights.update(update)
+        return self.weight_versions
+
+    def reset(self, model_path: str | Path, engines_cfg: EnginesConfig | None = None, seed: int | None = None) -> None:
+        """Serve model_path's weights as version 0, as a newly started manager would (a run reusing these engines,
+        flows/parts.py): leave the weight-update group, take memory back, load the folder on every engine, restart
+        each torch engine's sampling generator from seed + its index (seed None: the pool's start seed; SGLang's
+        seed is a launch flag: kept as is).
+        engines_cfg: the new run's engines section (its weight-sync and health settings take effect; the
+        settings the engines were started with must be the same: spillover.flows.parts.engine_key)."""
+        self.stop_health_monitor()
+        self._call(self._reset, str(model_path), engines_cfg or self.cfg, seed)
+        if self.cfg.health_interval_s:
+            self.start_health_monitor(self.cfg.health_interval_s)
+
+    async def _reset(self, model_path: str, engines_cfg: EnginesConfig, seed: int | None) -> None:
+        async with self._engine_lock:
+            await self.weights.leave()
+            self.cfg = self.pool.cfg = engines_cfg
+            self.weights = self._new_weights(engines_cfg)
+            if self._offloaded:
+                payload = sgl.resume_memory_payload(None)
+                await asyncio.gather(*(self._client(u).post(sgl.ENDPOINTS["resume_memory"], json=payload)
+                                       for u in self.urls))
+                self._offloaded = False
+            self.model_path = self.pool.model_path = model_path  # what a restarted engine starts from
+            await self.weights.disk.load(WeightUpdate("disk", model_path, 0), self.engines)
+            self.restarts = 0
+            if self.cfg.backend == "torch":  # each engine's seed at start (EnginePool.new_actors): the stream anew
+                if seed is not None:  # a restarted engine starts from it too
+                    self.pool.seed = seed
+                await asyncio.gather(*(h.actors[0].reseed.remote(self.pool.seed + h.index) for h in self.engines))
+
+    def _new_weights(self, engines_cfg: EnginesConfig) -> FleetWeights:
+        return FleetWeights(engines_cfg, self.pool.use_gpu, self._client, lambda: self.engines, self._restart)
+
+    def take_colocation_log(self) -> list[str]:
+        """What rank 0's process did since the last take, in order (tasks/learner/engine_host.py)."""
+        return ray.get(self.hosts[0].take_colocation_log.remote())
+
     def offload(self, tags: list[str] | None = None) -> None:
         """Release every engine's memory (SGLang tags: weights, kv_cache, cuda_graph); engines must be idle."""
         self._call(self._memory, True, tags)
 
     def onload(self, tags: list[str] | None = None) -> None:
         """Resume what offload released; released weights come back empty, so the engines load the weights they
-        served again (rollout/fleet/weights.py)."""
+        served again (FleetWeights.restore)."""
         self._call(self._memory, False, tags)
 
     async def _memory(self, release: bool, tags: list[str] | None, restore: bool = True) -> None:
@@ -166,7 +219,7 @@ class RolloutManager(EngineWeights):
             await asyncio.gather(*(self._client(url).post(path, json=payload) for url in self.urls))
             self._offloaded = release
             if not release and restore and (tags is None or "weights" in tags):
-                await self._restore_served_weights()
+                await self.weights.restore(self.model_path)
 
     # ---- health -------------------------------------------------------------------------------------
     def health_check(self) -> dict[int, str]:
@@ -232,8 +285,7 @@ class RolloutManager(EngineWeights):
             if client is not None:
                 await client.aclose()
         handle = await self.pool.restart_engine(index)
-        self.weight_versions[index] = handle.weight_version
-        await self._apply_latest(handle)
+        await self.weights.reload(handle)
         if self._offloaded:
             await self._client(handle.url).post(sgl.ENDPOINTS["release_memory"], json=sgl.release_memory_payload())
         await asyncio.to_thread(self.router.add_worker, handle.url)

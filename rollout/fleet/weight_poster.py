@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from spillover.rollout.fleet.weight_update import reported_version
 from spillover.rollout.sglang import backend as sgl
 
 log = logging.getLogger(__name__)
@@ -28,8 +29,7 @@ class WeightPoster:
     base_gpu_id: int = 0
     label: str = "engine"  # for error messages, e.g. "engine 3"
 
-    def update(self, state_dict: dict[str, Any], weight_version: int | str,
-               bucket_bytes: int | None = None) -> int | str | None:
+    def update(self, state_dict: dict[str, Any], weight_version: int, bucket_bytes: int | None = None) -> int:
         """HF-named tensors in buckets of about bucket_bytes (None: one) inside one session; the last bucket sets
         weight_version and flushes the cache. Returns the version the engine reports."""
         from spillover.rollout.sglang.update_group import dtype_name, plan_buckets
@@ -57,7 +57,7 @@ class WeightPoster:
             raise
         self.post(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload())
 
-    def post_bucket(self, tensors: dict[str, Any], weight_version: int | str | None, flush_cache: bool = True) -> None:
+    def post_bucket(self, tensors: dict[str, Any], weight_version: int | None, flush_cache: bool = True) -> None:
         """One /update_weights_from_tensor call (inside a session); weight_version None keeps the engine's version.
         SGLang: CUDA IPC handles, so the tensors go to this engine's GPU first (one bucket there at a time) and stay
         alive until the call returns. Torch engine: the tensors' data, safetensors-encoded."""
@@ -68,9 +68,9 @@ class WeightPoster:
         self.post(sgl.ENDPOINTS["update_from_tensor"],
                   sgl.update_from_tensor_payload(serialized, weight_version, flush_cache=flush_cache))
 
-    def reported_version(self) -> int | str | None:
+    def reported_version(self) -> int:
         version = httpx.get(self.url + sgl.ENDPOINTS["model_info"], timeout=30.0).json().get("weight_version")
-        return int(version) if isinstance(version, str) and version.isdigit() else version
+        return reported_version(version, self.label)
 
     def post(self, path: str, payload: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
         """POST a JSON body; a non-200 answer or success:false raises RuntimeError naming the route and engine."""

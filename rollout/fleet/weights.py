@@ -1,163 +1,304 @@
-"""The weight side of RolloutManager: new weights to every engine (Ray's object store, an HF folder, or
-SGLang's distributed broadcast group), and the latest weights to an engine that was restarted.
+"""How a WeightUpdate reaches the engines: one strategy per kind, and `FleetWeights`, the manager's weight component
+(the update every engine serves, what a restarted engine loads, what comes back after a resume).
 
-A mixin: it runs on the manager's event loop (`self._call`) under its engine lock, and uses its engines,
-clients and restart logic.
+Every strategy has `load(update, engines)` (load it on those engines; each handle then holds the version its engine
+reports) and `update(update, engines, restart)` (load it on the whole fleet, restarting engines that die meanwhile).
+Disk and tensor load each engine on its own; distributed and colocated load every engine at once (one
+weight-update group, every learner rank), and a restarted engine alone.
+
+Distributed (the learner's half: tasks/learner/weight_sender.py): once per group, the learner's rank 0 hosts a
+weight-update group (rank 0) and every engine joins it through `/init_weights_update_group` (engine e as ranks 1 + the
+tensor-parallel ranks of the engines before it), all at the same time (the rendezvous needs every rank). Per sync:
+`/begin_weight_update` on every engine, then for each bucket (engines.weight_bucket_bytes, whole tensors)
+`/update_weights_from_distributed` to every engine while the learner broadcasts that bucket, then
+`/end_weight_update`. A group's membership is fixed: when the engines change (one was restarted) or the learner
+does, the old group is left on both sides and a new one (new name, new port) is formed before the next sync, so a
+restarted engine rejoins and receives the current weights.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import httpx
 import ray
 
+from spillover.infra.config.engines import EnginesConfig
+from spillover.rollout.fleet.engine_client import EngineClient, EngineError
 from spillover.rollout.fleet.engine_pool import EngineHandle
+from spillover.rollout.fleet.weight_update import LearnerHandle, WeightKind, WeightUpdate, reported_version
 from spillover.rollout.sglang import backend as sgl
-from spillover.rollout.fleet.engine_client import EngineError
-from spillover.rollout.fleet.distributed_weights import DistributedWeightSync, disk_folder, weight_sync_settings
+from spillover.rollout.sglang.update_group import plan_buckets
 
 log = logging.getLogger("spillover.rollout.fleet.manager")
-Weights = dict | ray.ObjectRef | str | Path
 ENGINE_GONE = (ray.exceptions.RayActorError, httpx.TransportError)
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+Client = Callable[[str], EngineClient]
+Engines = Callable[[], list[EngineHandle]]  # the fleet's engines now (a restart replaces a handle)
+Restart = Callable[[int], Awaitable[None]]  # replace engine i; it loads the latest update itself
 
 
-class EngineWeights:
-    def update_weights(self, weights: Weights, weight_version: int | str) -> dict[int, Any]:
-        """Load new weights on every engine: a state dict (put in Ray's object store once, shared), its
-        ObjectRef, or an HF folder (update_weights_from_disk). Returns engine index -> reported version."""
-        return self._call(self._update_weights, weights, weight_version)
+class WeightStrategy(Protocol):
+    async def load(self, update: WeightUpdate, engines: list[EngineHandle]) -> None: ...
 
-    async def _update_weights(self, weights: Weights, weight_version: int | str) -> dict[int, Any]:
-        if isinstance(weights, (str, Path)):
-            latest = ("disk", str(weights), weight_version)
-        elif isinstance(weights, ray.ObjectRef):
-            latest = ("tensor", weights, weight_version)
-        elif isinstance(weights, dict):
-            latest = ("tensor", await asyncio.to_thread(ray.put, weights), weight_version)
-        else:
-            raise TypeError(f"update_weights takes a state dict, its ObjectRef or a checkpoint folder; "
-                            f"got {type(weights).__name__}")
-        async with self._engine_lock:
-            self._latest_weights = latest  # what a restarted engine loads too
-            outcomes = await asyncio.gather(*(self._apply_latest(h) for h in self.engines), return_exceptions=True)
-            for handle, outcome in zip(self.engines, outcomes):
-                if isinstance(outcome, ENGINE_GONE):  # a restarted engine loads the latest weights itself
-                    log.warning("engine %d died during the weight update (%r): restarting it", handle.index, outcome)
-                    await self._restart(handle.index)
-            refused = [o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, ENGINE_GONE)]
-            if refused:
-                raise refused[0]
-        return dict(self.weight_versions)
+    async def update(self, update: WeightUpdate, engines: Engines, restart: Restart) -> None: ...
 
-    def reset(self, model_path: str | Path, engines_cfg=None, seed: int | None = None) -> None:
-        """Serve model_path's weights as version 0, as a newly started manager would (a run reusing these engines,
-        flows/parts.py): leave the weight-update group, take memory back, load the folder on every engine, restart
-        each torch engine's sampling generator from seed + its index (seed None: the pool's start seed; SGLang's
-        seed is a launch flag: kept as is).
-        engines_cfg: the new run's engines section (its weight-sync and health settings take effect; the
-        settings the engines were started with must be the same: spillover.flows.parts.engine_key)."""
-        self.stop_health_monitor()
-        self._call(self._reset, str(model_path), engines_cfg or self.cfg, seed)
-        if self.cfg.health_interval_s:
-            self.start_health_monitor(self.cfg.health_interval_s)
 
-    async def _reset(self, model_path: str, engines_cfg, seed: int | None) -> None:
-        async with self._engine_lock:
-            await self._weight_sync.leave(self._client)
-            self.cfg = self.pool.cfg = engines_cfg
-            self._weight_sync = DistributedWeightSync(**weight_sync_settings(engines_cfg, self.pool.use_gpu))
-            if self._offloaded:
-                payload = sgl.resume_memory_payload(None)
-                await asyncio.gather(*(self._client(u).post(sgl.ENDPOINTS["resume_memory"], json=payload)
-                                       for u in self.urls))
-                self._offloaded = False
-            self.model_path = self.pool.model_path = model_path  # what a restarted engine starts from
-            self._latest_weights = ("disk", model_path, 0)
-            await asyncio.gather(*(self._apply_latest(h) for h in self.engines))
-            self._latest_weights, self.restarts = None, 0
-            if self.cfg.backend == "torch":  # each engine's seed at start (EnginePool.new_actors): the stream anew
-                if seed is not None:  # a restarted engine starts from it too
-                    self.pool.seed = seed
-                await asyncio.gather(*(h.actors[0].reseed.remote(self.pool.seed + h.index) for h in self.engines))
+async def note_reported(client: Client, engines: list[EngineHandle]) -> None:
+    for handle in engines:
+        handle.weight_version = reported_version(await client(handle.url).weight_version(), f"engine {handle.index}")
 
-    def sync_weights(self, policy: Any, weight_version: int | str) -> dict[int, Any]:
-        """The policy learner's current weights to every engine by engines.weight_sync: distributed (SGLang's
-        broadcast group, bucket by bucket), tensor (Ray's object store) or disk (an HF folder the policy writes).
-        Colocated engines are resumed first and loaded by the ranks that host them, bucket by bucket."""
-        if self.colocated:
-            return self._call(self._sync_colocated, policy, weight_version)
-        mode = getattr(self.cfg, "weight_sync", "tensor")
-        if mode == "distributed":
-            return self._call(self._sync_distributed, policy, weight_version)
-        return self.update_weights(policy.state_dict_ref.remote() if mode == "tensor" else ray.get(
-            policy.save_weights.remote(disk_folder(self.cfg, self.model_path, weight_version))), weight_version)
 
-    def sync_weights_distributed(self, policy: Any, weight_version: int | str) -> dict[int, Any]:
-        return self._call(self._sync_distributed, policy, weight_version)
+async def update_each_engine(strategy: WeightStrategy, update: WeightUpdate, engines: Engines,
+                             restart: Restart) -> None:
+    """Load on every engine at once, each on its own: one that died meanwhile is restarted (and loads the update
+    itself); an update an engine refused raises once the others are done."""
+    current = engines()
+    outcomes = await asyncio.gather(*(strategy.load(update, [h]) for h in current), return_exceptions=True)
+    for handle, outcome in zip(current, outcomes):
+        if isinstance(outcome, ENGINE_GONE):
+            log.warning("engine %d died during the weight update (%r): restarting it", handle.index, outcome)
+            await restart(handle.index)
+    refused = [o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, ENGINE_GONE)]
+    if refused:
+        raise refused[0]
 
-    async def _sync_distributed(self, policy: Any, weight_version: int | str) -> dict[int, Any]:
-        async with self._engine_lock:
-            self._latest_weights = ("distributed", policy, weight_version)  # a restarted engine rejoins for it
-            try:
-                await self._apply_latest(None)
-            except (*ENGINE_GONE, EngineError):
-                alive = await asyncio.gather(*(self._client(h.url).health() for h in self.engines))
-                if all(alive):
-                    raise
-                for handle in [h for h, ok in zip(self.engines, alive) if not ok]:
-                    await self._restart(handle.index)  # joins a new group and gets the current weights
-                await self._apply_latest(None)  # the survivors that missed this version
-        return dict(self.weight_versions)
 
-    async def _sync_colocated(self, policy: Any, weight_version: int | str) -> dict[int, Any]:
-        if self._offloaded:
-            await self._memory(False, None, restore=False)  # the weights come next, from the learner
-        async with self._engine_lock:
-            self._latest_weights = ("colocated", policy, weight_version)
-            await self._apply_latest(None)
-        return dict(self.weight_versions)
+class DiskWeights:
+    """An HF folder: /update_weights_from_disk on each engine."""
 
-    def take_colocation_log(self) -> list[str]:
-        """What rank 0's process did since the last take, in order (tasks/learner/engine_host.py)."""
-        return ray.get(self.hosts[0].take_colocation_log.remote())
+    def __init__(self, client: Client):
+        self.client = client
 
-    async def _restore_served_weights(self) -> None:
-        """After a resume: released weights came back empty; load what the engines served (the latest weights, or
-        the model folder at the version they report)."""
-        latest = self._latest_weights
-        if latest is None:
-            await asyncio.gather(*(self._client(h.url).update_weights_from_disk(self.model_path,
-                                                                              self.weight_versions[h.index])
-                                   for h in self.engines))
-        elif latest[0] in ("distributed", "colocated"):
-            await self._apply_latest(None)  # every engine in one group (or every hosting rank) at once
-        else:
-            await asyncio.gather(*(self._apply_latest(h) for h in self.engines))
+    async def load(self, update: WeightUpdate, engines: list[EngineHandle]) -> None:
+        await asyncio.gather(*(self.client(h.url).update_weights_from_disk(update.source, update.version)
+                               for h in engines))
+        await note_reported(self.client, engines)
 
-    async def _apply_latest(self, handle: EngineHandle | None) -> None:
-        if self._latest_weights is None:
+    async def update(self, update: WeightUpdate, engines: Engines, restart: Restart) -> None:
+        await update_each_engine(self, update, engines, restart)
+
+
+class TensorWeights:
+    """A state dict in Ray's object store: each engine actor resolves the ObjectRef and posts the tensors to its server
+    in buckets inside one weight-update session (rollout/fleet/weight_poster.py)."""
+
+    def __init__(self, bucket_bytes: int):
+        self.bucket_bytes = bucket_bytes
+
+    async def load(self, update: WeightUpdate, engines: list[EngineHandle]) -> None:
+        reported = await asyncio.gather(*(h.actors[0].update_weights.remote(update.source, update.version,
+                                                                            self.bucket_bytes) for h in engines))
+        for handle, version in zip(engines, reported):
+            handle.weight_version = reported_version(version, f"engine {handle.index}")
+
+    async def update(self, update: WeightUpdate, engines: Engines, restart: Restart) -> None:
+        await update_each_engine(self, update, engines, restart)
+
+
+class ColocatedWeights:
+    """Every policy rank takes part (FSDP gathers each bucket); each loads the engine it hosts
+    (tasks/learner/engine_host.py), so a restarted engine is loaded by every rank too."""
+
+    def __init__(self, client: Client, bucket_bytes: int):
+        self.client, self.bucket_bytes = client, bucket_bytes
+
+    async def load(self, update: WeightUpdate, engines: list[EngineHandle]) -> None:
+        await asyncio.gather(*update.source.each("load_colocated_weights", update.version, self.bucket_bytes))
+        await note_reported(self.client, engines)
+
+    async def update(self, update: WeightUpdate, engines: Engines, restart: Restart) -> None:
+        await self.load(update, engines())
+
+
+class DistributedWeights:
+    """One weight-update group at a time between the policy learner group and the engines."""
+
+    def __init__(self, client: Client, bucket_bytes: int = DEFAULT_BUCKET_BYTES, ranks_per_engine: int = 1,
+                 backend: str = "gloo", timeout_s: float = 600.0):
+        self.client = client
+        self.bucket_bytes, self.ranks_per_engine = int(bucket_bytes), int(ranks_per_engine)
+        self.backend, self.timeout_s = backend, float(timeout_s)
+        self.group_name: str | None = None
+        self._members: tuple[LearnerHandle, tuple[str, ...]] | None = None  # (learner, engine urls) of the group
+        self._usable = False  # False after a failed rendezvous: the group is left and formed anew
+        self._prefix = f"spillover-{secrets.token_hex(4)}"
+        self.epoch = 0
+        self.last: dict[str, int | float] = {}  # the last sync's numbers (buckets, bytes, sender's report)
+
+    async def load(self, update: WeightUpdate, engines: list[EngineHandle]) -> None:
+        """All engines in one group, or a restarted one alone (in a group of its own, so the others go on)."""
+        await self.sync(update.source, [h.url for h in engines], update.version)
+        await note_reported(self.client, engines)
+
+    async def update(self, update: WeightUpdate, engines: Engines, restart: Restart) -> None:
+        try:
+            await self.load(update, engines())
+        except (*ENGINE_GONE, EngineError):
+            current = engines()
+            alive = await asyncio.gather(*(self.client(h.url).health() for h in current))
+            if all(alive):
+                raise
+            for handle in [h for h, ok in zip(current, alive) if not ok]:
+                await restart(handle.index)  # joins a new group and gets the current weights
+            await self.load(update, engines())  # the survivors that missed this version
+
+    async def sync(self, policy: LearnerHandle, urls: list[str], version: int) -> None:
+        """Send the policy's current weights to every engine at `urls` as `version` (forms the group if needed)."""
+        if not self._usable or self._members != (policy, tuple(urls)):
+            await self.form(policy, urls)
+        client = self.client
+        specs = await policy.weight_specs.remote()
+        buckets = plan_buckets(specs, self.bucket_bytes)
+        name, sending = self.group_name, None
+        try:
+            await asyncio.gather(*(client(u).post(sgl.ENDPOINTS["begin_weight_update"],
+                                                  json=sgl.begin_weight_update_payload()) for u in urls))
+            sending = asyncio.ensure_future(_awaited(
+                policy.broadcast_weights.remote(name, [[n for n, _, _ in b] for b in buckets])))
+            for bucket in buckets:
+                names, dtypes, shapes = zip(*bucket)
+                payload = sgl.update_from_distributed_payload(list(names), list(dtypes), list(shapes), version,
+                                                              group_name=name)
+                await _unless_sender_fails(asyncio.gather(*(
+                    client(u).post(sgl.ENDPOINTS["update_from_distributed"], json=payload, timeout=self.timeout_s)
+                    for u in urls)), sending)
+            report = await sending
+        except BaseException:
+            if sending is not None:  # its outcome no longer matters (a sender still blocked fails once we leave)
+                sending.add_done_callback(lambda done: done.cancelled() or done.exception())
+            await self.leave(wait_learner=False)  # engines drop their ends: a blocked broadcast fails fast
+            raise
+        finally:  # also after a failure (or a begin refused on some engine): the next sync must be able to begin
+            end = sgl.end_weight_update_payload()
+            await asyncio.gather(*(client(u).post(sgl.ENDPOINTS["end_weight_update"], json=end) for u in urls),
+                                 return_exceptions=True)
+        self.last = {"buckets": len(buckets), "bucket_bytes": self.bucket_bytes, **report}
+
+    async def form(self, policy: LearnerHandle, urls: list[str]) -> None:
+        """Leave the old group (best effort), then host a new one on the learner with every engine joined."""
+        await self.leave()
+        client = self.client
+        healthy = await asyncio.gather(*(client(u).health() for u in urls))
+        if not all(healthy):  # a dead member would keep the rendezvous waiting: let the caller restart it first
+            dead = [u for u, ok in zip(urls, healthy) if not ok]
+            raise httpx.ConnectError(f"engines {dead} do not answer /health: not forming a weight-update group")
+        self.epoch += 1
+        name = f"{self._prefix}-{self.epoch}"
+        address, port = await policy.weight_sync_address.remote()
+        world_size = 1 + self.ranks_per_engine * len(urls)
+        joins = [client(u).post(sgl.ENDPOINTS["init_update_group"], timeout=self.timeout_s,
+                                json=sgl.init_update_group_payload(address, port, 1 + self.ranks_per_engine * i,
+                                                                   world_size, name, self.backend))
+                 for i, u in enumerate(urls)]
+        hosting = policy.join_weight_group.remote(address, port, world_size, name, self.backend, self.timeout_s)
+        outcomes = await asyncio.gather(hosting, *joins, return_exceptions=True)
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        self.group_name, self._members, self._usable = name, (policy, tuple(urls)), not failures
+        if failures:
+            raise failures[0]
+        log.info("weight-update group %s: learner + %d engines (world %d, %s)", name, len(urls), world_size,
+                 self.backend)
+
+    async def leave(self, wait_learner: bool = True) -> None:
+        """Destroy the current group on the engines still in it and on the learner (errors ignored: some are gone).
+        wait_learner=False: after a failed sync the learner may still be blocked in the broadcast (it fails once the
+        engines' ends close); its leave is queued behind it, not awaited."""
+        if self.group_name is None:
             return
-        kind, source, version = self._latest_weights
-        if kind == "colocated":  # every rank takes part (FSDP gathers); each loads the engine it hosts
-            await asyncio.gather(*source.each("load_colocated_weights", version, self.cfg.weight_bucket_bytes))
-            for h in self.engines:
-                h.weight_version = self.weight_versions[h.index] = await self._client(h.url).weight_version()
-            return
-        if kind == "distributed":  # all engines, or a restarted one alone (in a group of its own, so the others go on)
-            targets = self.engines if handle is None else [handle]
-            await self._weight_sync.sync(source, [h.url for h in targets], self._client, version)
-            for h in targets:
-                h.weight_version = self.weight_versions[h.index] = await self._client(h.url).weight_version()
-            return
-        if kind == "disk":
-            client = self._client(handle.url)
-            await client.update_weights_from_disk(source, version)
-            reported = (await client.get(sgl.ENDPOINTS["model_info"])).json().get("weight_version")
-            reported = int(reported) if isinstance(reported, str) and reported.isdigit() else reported
-        else:
-            reported = await handle.actors[0].update_weights.remote(source, version, self.cfg.weight_bucket_bytes)
-        handle.weight_version = self.weight_versions[handle.index] = reported
+        (policy, urls), name = self._members, self.group_name
+        self.group_name, self._members, self._usable = None, None, False
+        calls = [self.client(u).post(sgl.ENDPOINTS["destroy_update_group"], json={"group_name": name}, timeout=30.0)
+                 for u in urls]
+        learner_leave = policy.leave_weight_group.remote(name)
+        await asyncio.gather(*calls, *([learner_leave] if wait_learner else []), return_exceptions=True)
 
+
+async def _awaited(pending: ray.ObjectRef) -> dict[str, int | float]:
+    return await pending
+
+
+async def _unless_sender_fails(posts: Awaitable[list], sending: asyncio.Future) -> list:
+    """The engines' posts of one bucket, given up as soon as the sender fails: the engines would otherwise wait in
+    their broadcast receive until weight_sync_timeout_s (the caller then leaves the group, which ends those
+    receives)."""
+    posts = asyncio.ensure_future(posts)
+    await asyncio.wait({posts, sending}, return_when=asyncio.FIRST_COMPLETED)
+    if not posts.done() and sending.exception() is not None:
+        posts.cancel()
+        raise sending.exception()
+    return await posts
+
+
+class FleetWeights:
+    """What the engines serve and how updates reach them, for one RolloutManager (its engine lock held around every
+    call). engines: the fleet's engines now; restart(i): the manager replaces engine i (which calls reload)."""
+
+    def __init__(self, cfg: EnginesConfig, use_gpu: bool, client: Client, engines: Engines, restart: Restart):
+        self.engines, self.restart = engines, restart
+        self.latest: WeightUpdate | None = None  # what a restarted engine loads; None: the model folder it starts from
+        self.disk = DiskWeights(client)
+        self.tensor = TensorWeights(cfg.weight_bucket_bytes)
+        self.distributed = DistributedWeights(client, **weight_sync_settings(cfg, use_gpu))
+        self.colocated = ColocatedWeights(client, cfg.weight_bucket_bytes)
+
+    def strategy(self, kind: WeightKind) -> WeightStrategy:
+        return {"disk": self.disk, "tensor": self.tensor, "distributed": self.distributed,
+                "colocated": self.colocated}[kind]
+
+    async def update(self, update: WeightUpdate) -> None:
+        if update.kind == "tensor" and isinstance(update.source, dict):  # in the object store once, for every engine
+            update = replace(update, source=await asyncio.to_thread(ray.put, update.source))
+        self.latest = update
+        await self.strategy(update.kind).update(update, self.engines, self.restart)
+
+    async def reload(self, handle: EngineHandle) -> None:
+        """A restarted engine: the latest update (its start already loaded the model folder)."""
+        if self.latest is not None:
+            await self.strategy(self.latest.kind).load(self.latest, [handle])
+
+    async def restore(self, model_path: str) -> None:
+        """After a resume: released weights came back empty; load what the engines served (the latest update, or the
+        model folder at the version each reports)."""
+        if self.latest is not None:
+            await self.strategy(self.latest.kind).load(self.latest, self.engines())
+            return
+        await asyncio.gather(*(self.disk.load(WeightUpdate("disk", model_path, h.weight_version), [h])
+                               for h in self.engines()))
+
+    async def leave(self) -> None:
+        """Leave the weight-update group (before new settings or another learner)."""
+        await self.distributed.leave()
+
+
+def policy_update(policy: LearnerHandle, version: int, cfg: EnginesConfig, model_path: str,
+                  colocated: bool) -> WeightUpdate:
+    """The policy learner's current weights as the update engines.weight_sync asks for: distributed (the group
+    broadcasts), tensor (its state dict to Ray's object store) or disk (an HF folder the policy writes, waited for);
+    colocated engines are loaded by the ranks that host them."""
+    if colocated:
+        return WeightUpdate("colocated", policy, version)
+    if cfg.weight_sync == "distributed":
+        return WeightUpdate("distributed", policy, version)
+    if cfg.weight_sync == "tensor":
+        return WeightUpdate("tensor", policy.state_dict_ref.remote(), version)
+    return WeightUpdate("disk", ray.get(policy.save_weights.remote(disk_folder(cfg, model_path, version))), version)
+
+
+def weight_sync_settings(cfg: EnginesConfig, use_gpu: bool) -> dict[str, int | float | str]:
+    """DistributedWeights' settings from the engines config (NCCL between GPUs, gloo on CPU)."""
+    return {"bucket_bytes": cfg.weight_bucket_bytes,
+            "ranks_per_engine": cfg.gpus_per_engine if cfg.backend == "sglang" else 1,
+            "backend": "nccl" if use_gpu else "gloo", "timeout_s": cfg.weight_sync_timeout_s}
+
+
+def disk_folder(cfg: EnginesConfig, model_path: str, weight_version: int) -> str:
+    """Where engines.weight_sync=disk exports version `weight_version` (engines.weight_sync_dir, or next to the
+    model folder); every engine must be able to read it (one node, or a shared file system)."""
+    root = cfg.weight_sync_dir or Path(model_path).parent / "synced_weights"
+    return str(Path(root) / f"version-{weight_version}")

@@ -26,6 +26,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from spillover.infra.process_memory import peak_rss_bytes, reset_peak_rss
 from spillover.infra.config.training import OFF_POLICY_NEEDS_OLD_LOGPROBS, GRPOConfig, OptimizerConfig
 from spillover.infra.config.learner import LearnerConfig
 from spillover.rollout.batch import RolloutBatch
@@ -36,18 +37,19 @@ from spillover.tasks.learner.distributed import (all_reduce, balanced_shards, ch
                                 load_learner_lm, shard_model)
 from spillover.tasks.learner.state import (STATE_FORMAT, full_model_state, load_state, save_hf_folder, save_state,
                                  unique_state_keys)
-from spillover.tasks.learner.engine_host import EngineHostMixin
+from spillover.tasks.learner.engine_host import EngineHost
 from spillover.tasks.learner.token_logprobs import ResponseLogprobModel
 from spillover.tasks.learner.offpolicy_metrics import OffPolicyStats
-from spillover.tasks.learner.weight_sender import WeightSenderMixin, for_engines
+from spillover.tasks.learner.weight_sender import WeightSender, for_engines, free_address
 
 __all__ = ["LearnerActor"]
 
 
-class LearnerActor(WeightSenderMixin, EngineHostMixin):
-    """Policy (trainable=True) or frozen reference (trainable=False) over an HF causal LM folder; one rank (the
-    host of a colocated engine too: tasks/learner/engine_host.py). dtype: model.dtype, the dtype of the weights engines
-    get; the learner's own parameters are float32."""
+class LearnerActor:
+    """Policy (trainable=True) or frozen reference (trainable=False) over an HF causal LM folder; one rank. Its weights
+    go to engines through `weight_sender` (tasks/learner/weight_sender.py); a rank that hosts a colocated engine holds
+    it in `engine_host` (tasks/learner/engine_host.py). dtype: model.dtype, the dtype of the weights engines get; the
+    learner's own parameters are float32."""
 
     def __init__(self, model_path: str, grpo_cfg: GRPOConfig, optim_cfg: OptimizerConfig, temperature: float,
                  seed: int, trainable: bool, dtype: str = "float32", num_threads: int | None = 1,
@@ -85,6 +87,8 @@ class LearnerActor(WeightSenderMixin, EngineHostMixin):
         cfg = lm.config
         pad = getattr(cfg, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else (getattr(cfg, "eos_token_id", None) or 0))
+        self.weight_sender = WeightSender(lm, self.state_keys, self.rank, self.weight_dtype, self.device)
+        self.engine_host: EngineHost | None = None  # set by host_engine (placement.colocate)
         self._version, self.kl_coef = 0, float(grpo_cfg.kl_coef)  # grpo.kl_ctrl=adaptive moves kl_coef
         self.optimizer = None
         if trainable:
@@ -257,10 +261,12 @@ class LearnerActor(WeightSenderMixin, EngineHostMixin):
 
     # ----- weights and state -----
     def reset(self, model_path: str, **init_kwargs) -> None:
-        """Start over as a new actor would (flows/parts.py): leave every weight-update group, construct again."""
-        for name in list(self.__dict__.get("_weight_groups", {})):
-            self.leave_weight_group(name)
+        """Start over as a new actor would (flows/parts.py): leave every weight-update group, construct again; a
+        hosted engine stays (its manager resets it)."""
+        self.weight_sender.leave_all()
+        host = self.engine_host
         self.__init__(model_path, **init_kwargs)
+        self.engine_host = host
 
     def weight_version(self) -> int:
         return self._version
@@ -312,3 +318,61 @@ class LearnerActor(WeightSenderMixin, EngineHostMixin):
         self._version = load_state(self.net, self.model, self.optimizer, self.param_names, self.state_keys,
                                    self.sharded, tensors, meta, self.model_path)
         self.kl_coef = float(meta.get("kl_coef", self.grpo.kl_coef))  # checkpoints before grpo.kl_ctrl have none
+
+    # ----- weight-update group (tasks/learner/weight_sender.py); Ray calls these by name -----
+    def weight_specs(self) -> list[tuple[str, str, list[int]]]:
+        return self.weight_sender.specs()
+
+    def weight_sync_address(self) -> tuple[str, int]:
+        return free_address()
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str, timeout_s: float = 600.0) -> bool:
+        return self.weight_sender.join(master_address, master_port, world_size, group_name, backend, timeout_s)
+
+    def leave_weight_group(self, group_name: str) -> bool:
+        return self.weight_sender.leave(group_name)
+
+    def broadcast_weights(self, group_name: str, buckets: list[list[str]]) -> dict:
+        return self.weight_sender.broadcast(group_name, buckets)
+
+    def weight_digests(self) -> dict[str, str]:
+        return self.weight_sender.digests()
+
+    def reset_peak_rss(self) -> int:
+        return reset_peak_rss()
+
+    def peak_rss(self) -> int:
+        return peak_rss_bytes()
+
+    # ----- a colocated engine in this rank's process (tasks/learner/engine_host.py) -----
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def host_engine(self, backend: str, model_path: str, engine_index: int, **engine_kwargs) -> dict:
+        """Build engine engine_index in this process (replacing a hosted one); returns its info()."""
+        self.engine_host = self.engine_host or EngineHost()
+        return self.engine_host.host(backend, model_path, engine_index, **engine_kwargs)
+
+    def engine_call(self, name: str, *args, **kwargs):
+        if self.engine_host is None:
+            raise RuntimeError(f"engine_call({name!r}): this learner rank hosts no engine (host_engine first)")
+        return self.engine_host.call(name, *args, **kwargs)
+
+    def drop_engine(self) -> None:
+        if self.engine_host is not None:
+            self.engine_host.drop()
+
+    def load_colocated_weights(self, weight_version: int, bucket_bytes: int) -> dict:
+        """Every rank takes part (FSDP gathers each bucket); a hosting rank loads its engine."""
+        host = self.engine_host or EngineHost()  # a rank that hosts no engine still gathers
+        return host.load_weights(self.weight_sender, weight_version, bucket_bytes)
+
+    def take_colocation_log(self) -> list[str]:
+        return self.engine_host.take_log() if self.engine_host is not None else []
+
+    def _note(self, event: str) -> None:
+        if self.engine_host is not None:
+            self.engine_host.note(event)

@@ -3,94 +3,93 @@ as verl's hybrid engine does; the engine and the learner take turns with the dev
 colocated mode): the manager releases the engines' memory before logprobs and update, resumes it afterwards,
 and the new weights go to each engine bucket by bucket.
 
-`EngineHostMixin` is a base of `LearnerActor`, so these are actor methods of every rank:
-- host_engine(...): a spillover.rollout.fleet.engine_actor.EngineActor in this process (torch backend: the torch engine's HTTP
-  server on a thread of this process; sglang: its server process on this rank's GPU, fate-shared with it).
-  rollout/fleet/colocated_pool.py routes the engine pool's actor calls to engine_call.
-- load_colocated_weights(version, bucket_bytes): every rank gathers each bucket's full tensors (FSDP shards; a
+A rank that hosts one holds an `EngineHost` (LearnerActor.engine_host; the actor's engine methods forward to it):
+- host(...): a spillover.rollout.fleet.engine_actor.EngineActor in this process (torch backend: the torch engine's
+  HTTP server on a thread of this process; sglang: its server process on this rank's GPU, fate-shared with it).
+  rollout/fleet/colocated_pool.py routes the engine pool's actor calls to LearnerActor.engine_call.
+- load_weights(sender, version, bucket_bytes): every rank gathers each bucket's full tensors (FSDP shards; a
   collective), and a hosting rank posts them to its engine's /update_weights_from_tensor inside one weight-update
   session (SGLang: CUDA IPC handles; the torch engine: the tensors' data, which it copies into its own, resumed
   weights). No rank holds more than one bucket beyond its model.
-- colocation_log(): this process's memory release/resume, logprob, update and weight-load events in order (the
+- take_log(): this process's memory release/resume, logprob, update and weight-load events in order (the
   colocation test reads it).
 """
 from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from spillover.rollout.sglang.update_group import plan_buckets
-from spillover.tasks.learner.weight_sender import full_tensor
+from spillover.tasks.learner.weight_sender import WeightSender, full_tensor
 
-__all__ = ["EngineHostMixin"]
+if TYPE_CHECKING:  # imported where an engine is hosted: a rank that hosts none never loads the engine's code
+    from spillover.rollout.fleet.engine_actor import EngineActor
+
+__all__ = ["EngineHost"]
 
 
-class EngineHostMixin:
-    """Needs the WeightSenderMixin's _named_weights / weight_specs and LearnerActor's device."""
+class EngineHost:
+    """The engine this rank hosts (none until host()), and the events of this process while it does."""
 
-    _hosted: Any = None  # spillover.rollout.fleet.engine_actor.EngineActor, while this rank hosts one
+    def __init__(self) -> None:
+        self.engine: EngineActor | None = None
+        self._events: list[tuple[float, str]] = []
 
-    def _note(self, event: str) -> None:
-        """An event of this process, for colocation_log (kept only while an engine is hosted)."""
-        if self._hosted is not None:
-            self.__dict__.setdefault("_events", []).append((time.monotonic(), event))
+    def note(self, event: str) -> None:
+        """An event of this process, for take_log (kept only while an engine is hosted)."""
+        if self.engine is not None:
+            self._events.append((time.monotonic(), event))
 
-    def node_id(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    def host_engine(self, backend: str, model_path: str, engine_index: int, **engine_kwargs: Any) -> dict:
+    def host(self, backend: str, model_path: str, engine_index: int, **engine_kwargs: Any) -> dict:
         """Build engine engine_index in this process (replacing a hosted one); returns its info()."""
         from spillover.rollout.fleet.engine_actor import EngineActor
 
-        self.drop_engine()
-        self._hosted = EngineActor(backend, model_path, engine_index, **engine_kwargs)
-        return self._hosted.info()
+        self.drop()
+        self.engine = EngineActor(backend, model_path, engine_index, **engine_kwargs)
+        return self.engine.info()
 
-    def engine_call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        if self._hosted is None:
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is None:
             raise RuntimeError(f"engine_call({name!r}): this learner rank hosts no engine (host_engine first)")
-        return getattr(self._hosted, name)(*args, **kwargs)
+        return getattr(self.engine, name)(*args, **kwargs)
 
-    def drop_engine(self) -> None:
+    def drop(self) -> None:
         """Stop the hosted engine's server and forget it."""
-        if self._hosted is not None:
-            self._hosted.stop()
-            self._hosted = None
+        if self.engine is not None:
+            self.engine.stop()
+            self.engine = None
 
-    def load_colocated_weights(self, weight_version: int | str, bucket_bytes: int) -> dict:
+    def load_weights(self, sender: WeightSender, weight_version: int, bucket_bytes: int) -> dict:
         """This rank's part of a colocated sync (every rank calls it): the model's tensors to the hosted engine,
         bucket by bucket, inside one weight-update session (ended also on failure); the last bucket sets
         weight_version. -> {"buckets", "bytes", "version"}."""
-        named = self._named_weights()
-        buckets = plan_buckets(self.weight_specs(), bucket_bytes)
-        device = "cuda" if getattr(self, "device", "cpu") == "cuda" else "cpu"
+        named = sender.named_weights()
+        buckets = plan_buckets(sender.specs(), bucket_bytes)
         # Only an engine's node 0 serves HTTP. The torch engine takes the buckets over HTTP too, although it runs in
         # this process: that costs a few copies of one bucket (encoded, decoded), never of the model, and runs the
         # session and route that SGLang needs, so the CPU suite exercises them.
-        poster = self._hosted.poster() if self._hosted is not None and self._hosted.url is not None else None
+        poster = self.engine.poster() if self.engine is not None and self.engine.url is not None else None
         loaded = 0
         with torch.no_grad(), (poster.session() if poster is not None else nullcontext()):
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
-                tensors = {name: full_tensor(named[name]).to(device) for name, _, _ in bucket}  # a collective
+                tensors = {name: full_tensor(named[name]).to(sender.device) for name, _, _ in bucket}  # a collective
                 if poster is not None:
                     poster.post_bucket(tensors, weight_version if last else None, flush_cache=last)
                     loaded += sum(t.numel() * t.element_size() for t in tensors.values())
                 del tensors
         version = poster.reported_version() if poster is not None else None
-        self._note("load_weights")
+        self.note("load_weights")
         return {"buckets": len(buckets), "bytes": loaded, "version": version}
 
-    def take_colocation_log(self) -> list[str]:
+    def take_log(self) -> list[str]:
         """The events of this process since the last take, in time order: release / resume (the hosted engine's
         memory), compute_logprobs, update, load_weights."""
-        events, self.__dict__["_events"] = self.__dict__.get("_events", []), []
-        server = self._hosted._server if self._hosted is not None else None
+        events, self._events = self._events, []
+        server = self.engine._server if self.engine is not None else None
         if server is not None:
             events, server.memory_events = events + server.memory_events, []
         return [event for _, event in sorted(events)]

@@ -3,8 +3,8 @@
 the project sends is one SGLang drops.
 
 Bodies come from the project's builders (rollout/sglang/backend.py) with the arguments their callers pass,
-and from the callers themselves where they build a body inline: DistributedWeightSync (rollout/fleet/distributed_weights.py)
-driven through a whole sync with recording clients, EngineClient (abort, update from disk) with its transport
+and from the callers themselves where they build a body inline: DistributedWeights (rollout/fleet/weights.py) driven
+through a whole sync with recording clients, EngineClient (abort, update from disk) with its transport
 recorded. The project sends no /pause_generation, /continue_generation, /open_session or /close_session."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from contract_checks import accepted
 from spillover.rollout.sglang import backend as sgl
 from spillover.rollout.fleet.engine_client import EngineClient
-from spillover.rollout.fleet.distributed_weights import DistributedWeightSync
+from spillover.rollout.fleet.weights import DistributedWeights
 
 ROUTE_CLASS = {  # SGLang 0.5.23 http_server.py: route -> the io_struct class its handler takes as Body()
     "/abort_request": "AbortReq",
@@ -47,7 +47,7 @@ def check(sglang, path: str, body: dict) -> dict:
 
 @pytest.mark.parametrize("tags", [None, ["kv_cache"], ["weights"], ["weights", "kv_cache", "cuda_graph"]])
 def test_memory_bodies(sglang, tags):
-    """RolloutManager.offload/onload and the weight pusher's resume (rollout/fleet/manager.py, manager_weights.py)."""
+    """RolloutManager.offload/onload and the weight pusher's resume (rollout/fleet/manager.py, weights.py)."""
     check(sglang, "/release_memory_occupation", sgl.release_memory_payload(tags))
     check(sglang, "/resume_memory_occupation", sgl.resume_memory_payload(tags))
 
@@ -136,14 +136,14 @@ class RecordingEngine:
 
 
 def test_distributed_sync_bodies(sglang):
-    """A whole DistributedWeightSync: group formed (init), one session of buckets, group left (destroy)."""
+    """A whole DistributedWeights sync: group formed (init), one session of buckets, group left (destroy)."""
     sent: list[tuple[str, dict]] = []
-    sync = DistributedWeightSync(bucket_bytes=80, ranks_per_engine=2, backend="nccl")
+    sync = DistributedWeights(lambda url: RecordingEngine(sent), bucket_bytes=80, ranks_per_engine=2, backend="nccl")
     urls = ["http://e0", "http://e1"]
 
     async def run():
-        await sync.sync(FakePolicy(), urls, lambda url: RecordingEngine(sent), version=5)
-        await sync.leave(lambda url: RecordingEngine(sent))
+        await sync.sync(FakePolicy(), urls, version=5)
+        await sync.leave()
 
     asyncio.run(run())
     paths = [path for path, _ in sent]

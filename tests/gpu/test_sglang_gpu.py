@@ -59,10 +59,10 @@ def test_update_weights_from_tensor_changes_outputs_and_version(sglang_manager, 
         if f.endswith(".safetensors"):
             state.update(load_file(os.path.join(path, f)))
     noisy = {k: (v + 0.05 * torch.randn_like(v.float()).to(v.dtype)) if v.dim() == 2 else v for k, v in state.items()}
-    assert sglang_manager.update_weights(noisy, 3) == {0: 3}
+    assert sglang_manager.update_weights(WeightUpdate("tensor", noisy, 3)) == {0: 3}
     after = sglang_manager.generate(batch(GREEDY))
     assert [r["output_ids"] for r in after] != [r["output_ids"] for r in before]
-    assert sglang_manager.update_weights(path, 4) == {0: 4}  # back from disk
+    assert sglang_manager.update_weights(WeightUpdate("disk", path, 4)) == {0: 4}  # back from disk
     assert [r["output_ids"] for r in sglang_manager.generate(batch(GREEDY))] == [r["output_ids"] for r in before]
 
 

@@ -20,6 +20,7 @@ import pytest
 import ray
 
 from spillover.infra.config.run_config import build_config
+from spillover.rollout.fleet.weight_update import WeightUpdate
 from small_run import SMALL_RUN
 from test_train_flow import small_config
 
@@ -58,7 +59,7 @@ def test_hosted_engine_releases_for_real_refuses_generation_and_comes_back_with_
 
         learner = ray.get(policy.weight_digests.remote())
         ray.get(host.engine_call.remote("take_weight_update_events"))
-        manager.sync_weights(policy, 1)  # colocated: resume, then the learner's tensors bucket by bucket
+        manager.update_weights(WeightUpdate("colocated", policy, 1))  # resume, then the learner's tensors in buckets
         events = ray.get(host.engine_call.remote("take_weight_update_events"))  # over HTTP, in SGLang's session
         assert events[0] == "begin_weight_update" and events[-1] == "end_weight_update", events
         assert set(events[1:-1]) == {"update_weights_from_tensor"} and len(events) > 4, events

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from test_train_flow import small_config
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(900)
 REWARD_CALLS = {"n": 0, "raised": 0}
@@ -155,16 +156,9 @@ def test_engine_killed_mid_generation_and_reward_raising_once_run_completes(pref
 
     def kill_when_busy(manager: RolloutManager) -> None:
         victim = manager.engines[0]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if loads(victim.url) > 0:
-                    os.kill(victim.pids[0], signal.SIGKILL)
-                    seen.update(killed_pid=victim.pids[0], killed_url=victim.url)
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.005)
+        wait_for(lambda: loads(victim.url), 30, "engine 0 running a request", every=0.005, not_yet=(httpx.HTTPError,))
+        os.kill(victim.pids[0], signal.SIGKILL)
+        seen.update(killed_pid=victim.pids[0], killed_url=victim.url)
 
     def generate(self, batch, on_result=None):
         seen["calls"] += 1

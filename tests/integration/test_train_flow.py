@@ -4,11 +4,11 @@ carried over in checkpoint 0's dock and trained stale by the next iteration, and
 checkpoint (seeded sampling makes the cuts the same in every run: tests/integration/test_seeded_sampling.py)."""
 import json
 import shutil
-import time
 
 from spillover.infra.config.run_config import load_config
 from partial_evidence import assert_cut_rows_trained, assert_partial_rollout_happened, cut_rows, trained_samples
 from small_run import SMALL_RUN
+from waiting import wait_for
 
 # The seven steps of the algorithm, and the checkpoint as a task of its own.
 ITERATION_TASKS = ["clear_and_age_sort", "compute_old_logprob", "compute_ref_logprob", "compute_reward",
@@ -98,12 +98,10 @@ def test_flow_runs_seven_tasks_per_iteration_and_trains_each_group_once(prefect_
     assert [r["trained_stream_ids"] for r in resumed_rows] == [r["trained_stream_ids"] for r in rows]
 
     names = [f"iteration-{i:04d}" for i in range(3)]
-    deadline = time.time() + 20  # the server records task runs in batches (see infra/prefect/env.py)
-    while True:
-        found = task_names_by_iteration(state.state_details.flow_run_id, names)
-        if all(found.get(n, ("", []))[1] == ITERATION_TASKS for n in names) or time.time() > deadline:
-            break
-        time.sleep(1)
+    # the server records task runs in batches (see infra/prefect/env.py)
+    found = wait_for(lambda: task_names_by_iteration(state.state_details.flow_run_id, names), 20,
+                     "every iteration's task runs recorded", every=1,
+                     until=lambda now: all(now.get(n, ("", []))[1] == ITERATION_TASKS for n in names))
     for name in names:
         state, tasks = found[name]
         assert state == "COMPLETED" and tasks == ITERATION_TASKS, (name, found[name])

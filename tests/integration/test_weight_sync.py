@@ -19,6 +19,7 @@ import ray
 import torch
 
 from spillover.infra.config.run_config import build_config
+from spillover.rollout.fleet.weight_update import WeightUpdate
 from learner_batches import random_batch
 
 
@@ -56,22 +57,23 @@ def test_three_bucketed_syncs_then_a_killed_engine_rejoins(rollout_manager, poli
     m = rollout_manager
     specs = ray.get(policy.weight_specs.remote())
     largest = max(int(np.prod(shape)) * 4 for _, _, shape in specs)
-    shared_bucket_bytes = m._weight_sync.bucket_bytes  # the session's manager: the next tests get it back
+    sync = m.weights.distributed
+    shared_bucket_bytes = sync.bucket_bytes  # the session's manager: the next tests get it back
     ray.get([h.actors[0].take_update_peak_bytes.remote() for h in m.engines])  # from here on (earlier whole-dict loads)
     try:
-        m._weight_sync.bucket_bytes = largest // 2  # smaller than the largest tensor: that one goes alone
+        sync.bucket_bytes = largest // 2  # smaller than the largest tensor: that one goes alone
         for step in range(1, 4):
             metrics = ray.get(policy.update.remote(ray.put(random_batch(step, max_response=14)), None, None))
             version = int(metrics["weight_version"])
             assert version == step
-            reported = m.sync_weights_distributed(policy, version)
+            reported = m.update_weights(WeightUpdate("distributed", policy, version))
             assert reported == {h.index: version for h in m.engines}
             state = ray.get(policy.state_dict_ref.remote())
             assert_engines_hold(m, state, version)
-            assert m._weight_sync.last["buckets"] > len(specs) // 4 and m._weight_sync.last["bytes"] > 0
+            assert sync.last["buckets"] > len(specs) // 4 and sync.last["bytes"] > 0
             # memory beyond the model during the sync (tensor bytes; RSS is too coarse at this size): the learner
             # ranks hold one bucket's gathered tensors at a time, an engine one received bucket (loads are in place)
-            assert 0 < m._weight_sync.last["peak_extra_bytes"] <= 2 * largest, m._weight_sync.last
+            assert 0 < sync.last["peak_extra_bytes"] <= 2 * largest, sync.last
             assert all(0 < ray.get(h.actors[0].take_update_peak_bytes.remote()) <= largest for h in m.engines)
         victim = m.engines[1]
         os.kill(victim.pids[0], signal.SIGKILL)
@@ -84,13 +86,13 @@ def test_three_bucketed_syncs_then_a_killed_engine_rejoins(rollout_manager, poli
         victim = m.engines[0]  # dead when the next sync starts: the sync restarts it and still reaches everyone
         os.kill(victim.pids[0], signal.SIGKILL)
         ray.get(policy.update.remote(ray.put(random_batch(4, max_response=14)), None, None))
-        assert m.sync_weights_distributed(policy, 4) == {0: 4, 1: 4} and m.engines[0].url != victim.url
+        assert m.update_weights(WeightUpdate("distributed", policy, 4)) == {0: 4, 1: 4}
+        assert m.engines[0].url != victim.url
         assert_engines_hold(m, ray.get(policy.state_dict_ref.remote()), 4)
     finally:
-        m._weight_sync.bucket_bytes = shared_bucket_bytes
-        m._call(m._weight_sync.leave, m._client)
-        m._latest_weights = None
-        m.update_weights(str(varied_model_dir), 0)  # the session's engines back to the checkpoint
+        sync.bucket_bytes = shared_bucket_bytes
+        m._call(sync.leave)
+        m.update_weights(WeightUpdate("disk", varied_model_dir, 0))  # the session's engines back to the checkpoint
 
 
 class SenderFailingAtOnce:
@@ -110,19 +112,18 @@ class SenderFailingAtOnce:
 
 def test_a_failing_sender_ends_the_sync_at_once_and_the_next_sync_works(rollout_manager, policy, varied_model_dir):
     m = rollout_manager
-    assert m._weight_sync.timeout_s >= 600  # the engines' receive would wait this long for a sender that is gone
+    assert m.weights.distributed.timeout_s >= 600  # the engines' receive would wait this long for a sender that is gone
     try:
         tic = time.monotonic()
         with pytest.raises(Exception, match="no.such"):
-            m.sync_weights_distributed(SenderFailingAtOnce(policy), 7)
+            m.update_weights(WeightUpdate("distributed", SenderFailingAtOnce(policy), 7))
         assert time.monotonic() - tic < 60
         version = int(ray.get(policy.weight_version.remote()))
-        assert m.sync_weights_distributed(policy, version) == {h.index: version for h in m.engines}
+        assert m.update_weights(WeightUpdate("distributed", policy, version)) == {h.index: version for h in m.engines}
         assert_engines_hold(m, ray.get(policy.state_dict_ref.remote()), version)
     finally:
-        m._call(m._weight_sync.leave, m._client)
-        m._latest_weights = None
-        m.update_weights(str(varied_model_dir), 0)
+        m._call(m.weights.distributed.leave)
+        m.update_weights(WeightUpdate("disk", varied_model_dir, 0))
 
 
 def test_flow_trains_with_distributed_weight_sync(prefect_harness, ray_session, warm_parts, tmp_path, monkeypatch):
@@ -130,15 +131,15 @@ def test_flow_trains_with_distributed_weight_sync(prefect_harness, ray_session, 
     engines in several buckets by the distributed path (a spy counts its syncs), the sync timed."""
     import json
 
-    from spillover.rollout.fleet.distributed_weights import DistributedWeightSync
+    from spillover.rollout.fleet.weights import DistributedWeights
 
-    syncs, real_sync = [], DistributedWeightSync.sync
+    syncs, real_sync = [], DistributedWeights.sync
 
-    async def spy(self, policy, urls, client, version):
-        await real_sync(self, policy, urls, client, version)
+    async def spy(self, policy, urls, version):
+        await real_sync(self, policy, urls, version)
         syncs.append((version, self.last["buckets"]))
 
-    monkeypatch.setattr(DistributedWeightSync, "sync", spy)
+    monkeypatch.setattr(DistributedWeights, "sync", spy)
 
     from spillover.flows.train import grpo_train
     from spillover.infra.config.run_config import load_config
