@@ -57,13 +57,13 @@ def batch_arrays(dock: "TransferDock", batch: np.ndarray) -> dict[str, np.ndarra
 
 def age_histogram(dock: "TransferDock") -> dict[str, int]:
     """Loaded rows per age: {"0": count, "1": count, ...}."""
-    ages, counts = np.unique(dock.age[dock._occupied_rows()], return_counts=True)
+    ages, counts = np.unique(dock.age[dock.occupied_rows()], return_counts=True)
     return {str(a): int(c) for a, c in zip(ages.tolist(), counts.tolist())}
 
 
 def stats(dock: "TransferDock") -> dict[str, Any]:
     """Group, row and token counts, the age histogram and buffer size (JSON-able)."""
-    occupied = dock._occupied_rows()
+    occupied = dock.occupied_rows()
     return {
         "loaded_groups": int(np.count_nonzero(dock.group_ids >= 0)), "ready_groups": dock.ready_group_count(),
         "complete_rows": int((occupied & dock.complete).sum()),
@@ -153,5 +153,5 @@ def _check_restored(dock: "TransferDock") -> None:
     room = np.minimum(dock.max_tokens, dock.max_model_len - dock.prompt_lengths(np.arange(dock.capacity_rows)))
     if (dock.responses.length[occupied] > room[occupied]).any():
         raise ValueError("dock snapshot: a response is longer than max_tokens / max_model_len allow")
-    if dock.batch is not None and not dock._ready_groups()[dock.batch].all():
+    if dock.batch is not None and not dock.ready_groups()[dock.batch].all():
         raise ValueError("dock snapshot: the selected batch holds groups that are not ready")

@@ -56,13 +56,13 @@ def token_staleness_max(weight_versions, update_version: int) -> int:
 def groups_held_back(dock) -> np.ndarray:
     """Group slots of a spillover.rollout.dock.transfer_dock.TransferDock that may not start generating yet: the fresh groups beyond
     what the next max_age batches can take (oldest first are let through)."""
-    active = dock._started_groups() | dock.in_flight.reshape(dock.capacity_groups, dock.n).any(axis=1)
+    active = dock.started_groups() | dock.in_flight.reshape(dock.capacity_groups, dock.n).any(axis=1)
     fresh = np.flatnonzero((dock.group_ids >= 0) & ~active)
-    return fresh[dock._oldest_first(fresh)][fresh_groups_allowed(int(active.sum()), dock.max_age, dock.gbs):]
+    return fresh[dock.oldest_first(fresh)][fresh_groups_allowed(int(active.sum()), dock.max_age, dock.gbs):]
 
 
 def batch_may_form(dock, batch: np.ndarray) -> bool:
     """With `batch` (the group slots select_batch would take), is no started group of the dock left to be
     trained above age max_age - 1?"""
-    ages = dock._group_age()
-    return staleness_bound_met(ages[dock._started_groups()], ages[batch], dock.max_age, dock.gbs)
+    ages = dock.group_age()
+    return staleness_bound_met(ages[dock.started_groups()], ages[batch], dock.max_age, dock.gbs)

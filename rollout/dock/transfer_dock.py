@@ -93,32 +93,32 @@ class TransferDock:
                    multi_turn=bool(rollout_cfg.env_path))
 
     # ---- derived views -------------------------------------------------------------------------
-    def _occupied_rows(self) -> np.ndarray:
+    def occupied_rows(self) -> np.ndarray:
         return np.repeat(self.group_ids >= 0, self.n)
 
-    def _group_age(self) -> np.ndarray:
+    def group_age(self) -> np.ndarray:
         """int32[G] (a view): every row of a group carries the group's age (clear and restore keep it so)."""
         return self.age[::self.n]
 
-    def _started_groups(self) -> np.ndarray:
+    def started_groups(self) -> np.ndarray:
         """bool[G]: occupied and holding a response token or a complete row (the group's age clock runs)."""
         held = (self.responses.length > 0) | self.complete
         return (self.group_ids >= 0) & held.reshape(self.capacity_groups, self.n).any(axis=1)
 
-    def _ready_groups(self) -> np.ndarray:
+    def ready_groups(self) -> np.ndarray:
         """bool[G]: occupied and all n rows complete."""
         return (self.group_ids >= 0) & self.complete.reshape(self.capacity_groups, self.n).all(axis=1)
 
-    def _oldest_first(self, slots: np.ndarray) -> np.ndarray:
+    def oldest_first(self, slots: np.ndarray) -> np.ndarray:
         """slots[k] (repeats allowed: a group's rows) -> the stable permutation ordering them oldest first:
         age descending, then load order."""
-        key = self._group_age()[slots].astype(np.int64) * -(1 << 40) + self.load_seq[slots]
+        key = self.group_age()[slots].astype(np.int64) * -(1 << 40) + self.load_seq[slots]
         return np.argsort(key, kind="stable")
 
     def group_order(self) -> np.ndarray:
         """Occupied group slots, oldest first."""
         slots = np.flatnonzero(self.group_ids >= 0)
-        return slots[self._oldest_first(slots)]
+        return slots[self.oldest_first(slots)]
 
     def prompt_lengths(self, rows: np.ndarray) -> np.ndarray:
         return self.prompts.length[np.asarray(rows, dtype=np.int64) // self.n]
@@ -155,12 +155,12 @@ class TransferDock:
         With the staleness bound (outside drain mode), rows of groups that may not start yet stay back."""
         if limit is not None and limit < 0:
             raise ValueError(f"take_rows: limit must be >= 0 or None; got {limit}")
-        waiting = self._occupied_rows() & ~self.complete & ~self.in_flight & ~self.awaiting_tool
+        waiting = self.occupied_rows() & ~self.complete & ~self.in_flight & ~self.awaiting_tool
         if self.require_max_age_all_finished and not self.drain:
             held_back = dock_staleness.groups_held_back(self)
             waiting[(held_back[:, None] * self.n + np.arange(self.n)).reshape(-1)] = False
         waiting = np.flatnonzero(waiting)
-        rows = waiting[self._oldest_first(waiting // self.n)][:limit]
+        rows = waiting[self.oldest_first(waiting // self.n)][:limit]
         self.in_flight[rows] = True
         return rows
 
@@ -219,14 +219,14 @@ class TransferDock:
 
     # ---- stopping and the batch ----------------------------------------------------------------
     def ready_group_count(self) -> int:
-        return int(np.count_nonzero(self._ready_groups()))
+        return int(np.count_nonzero(self.ready_groups()))
 
     def set_drain(self, drain: bool) -> None:
         """Drain mode: generation is ready only once every loaded row is complete."""
         self.drain = bool(drain)
 
     def _all_loaded_complete(self) -> bool:
-        occupied = self._occupied_rows()
+        occupied = self.occupied_rows()
         return bool(occupied.any()) and bool(self.complete[occupied].all())
 
     def update_ready(self) -> bool:
@@ -234,18 +234,18 @@ class TransferDock:
         in drain mode: every loaded row complete."""
         if self.drain:
             return self._all_loaded_complete()
-        ready = np.flatnonzero(self._ready_groups())
+        ready = np.flatnonzero(self.ready_groups())
         if len(ready) < self.gbs:
             return False
         if not self.require_max_age_all_finished:
             return True
-        return dock_staleness.batch_may_form(self, ready[self._oldest_first(ready)][:self.gbs])
+        return dock_staleness.batch_may_form(self, ready[self.oldest_first(ready)][:self.gbs])
 
     def select_batch(self) -> np.ndarray:
         """Choose the training batch once: gbs ready groups, oldest first; -> group slots (same until clear())."""
         if self.batch is None:
-            ready = np.flatnonzero(self._ready_groups())
-            ready = ready[self._oldest_first(ready)]
+            ready = np.flatnonzero(self.ready_groups())
+            ready = ready[self.oldest_first(ready)]
             if len(ready) < self.gbs and not (self.drain and self._all_loaded_complete()):
                 raise DockError(f"select_batch: {len(ready)} ready groups, need gbs={self.gbs} "
                                 "(generate until update_ready(), or set_drain(True) at the end of the data)")
@@ -292,9 +292,9 @@ class TransferDock:
         self.env_reward[rows] = np.nan
         self.prompts.free(batch)
         self.responses.free(rows)
-        self.age += np.repeat(self._started_groups(), self.n)  # a group ages as one, from its first token
+        self.age += np.repeat(self.started_groups(), self.n)  # a group ages as one, from its first token
         self.batch, self._batch_arrays = None, None
-        carried = self._occupied_rows() & self.generated
+        carried = self.occupied_rows() & self.generated
         return {"trained_groups": int(len(batch)), "carried_rows": int(carried.sum()),
                 "partial_rows": int((carried & ~self.complete).sum()), "age_histogram": dock_export.age_histogram(self)}
 
