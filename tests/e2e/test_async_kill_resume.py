@@ -1,0 +1,63 @@
+"""Kill -9 in async mode, then resume: `spillover train` with rollout.mode=async SIGKILLs itself at the start of
+iteration 1's update (kill point "update:1"): iteration 1's rollout already aborted its engines once GBS groups were
+ready, so the dock in memory holds rows cut mid-response that no checkpoint has. `resume` (in process, on the session's
+warm parts) goes on from checkpoint 0, whose dock holds iteration 0's cut rows.
+
+Async mode is not compared with an uninterrupted run: which groups are ready first depends on timing, so two
+runs train different batches. What must hold is what async promises: every loaded prompt group trained exactly once
+over the run, the rows checkpoint 0 carried cut trained from exactly their stored tokens, and no trained token more
+than max_age - 1 versions old. The subprocess joins the session's Ray cluster: its processes and actors must be gone."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+from background_ray import actors_of
+from partial_evidence import assert_cut_rows_trained, assert_partial_rollout_happened, cut_rows, trained_samples
+from small_run import SMALL_RUN
+from spillover_runs import ROUTER, assert_joined_runs_left_nothing, metrics_rows
+
+ITERATIONS, GBS, N = 3, 16, 4
+
+
+def async_args(run_dir) -> list[str]:
+    return ["train", "--config", "configs/tiny.yaml", f"run_dir={run_dir}", f"schedule.num_iterations={ITERATIONS}",
+            *SMALL_RUN, "rollout.mode=async", f"rollout.global_batch_size={GBS}", f"rollout.n_samples_per_prompt={N}",
+            "grpo.micro_batch_size=32", "engines.rollout_num_gpus=1", "tracking.wandb_mode=disabled",
+            "tracking.progress=false", "rollout.deterministic_sampling=true",
+            f"storage.save_debug_rollout_data={run_dir}/debug/rollout_{{rollout_id}}.parquet"]
+
+
+@pytest.mark.timeout(400)
+def test_kill_9_at_an_async_update_then_resume_trains_every_group_once(spillover, prefect_harness, ray_session,
+                                                                       warm_parts, tmp_path):
+    from spillover.flows.setup import load_run_config
+    from spillover.flows.train import grpo_train
+    from spillover.infra.storage.checkpoint import load_latest_checkpoint
+    from spillover.infra.storage.store import open_store
+
+    run_dir = tmp_path / "async"
+    ray_address = ray_session.get_runtime_context().gcs_address
+    killed = spillover.run(async_args(run_dir), SPILLOVER_KILL_AT="update:1", RAY_ADDRESS=ray_address)
+    assert killed.returncode == -signal.SIGKILL, spillover.output(killed)
+    assert killed.saw(ROUTER)
+    store = open_store(str(run_dir / "checkpoints"))
+    assert load_latest_checkpoint(store).iteration == 0
+    # iteration 0's abort cut rows mid-response (and some before their first token); checkpoint 0 carries them
+    cut = [row for row in cut_rows(store, 0) if row.tokens]
+    assert cut and all(len(row.tokens) < 16 for row in cut), cut
+
+    cfg = load_run_config(run_dir, ["engines.rollout_num_gpus=2"])  # the warm parts of the suite's small runs
+    grpo_train(cfg, resume=True, parts=warm_parts)
+    spillover.check_gone(killed)
+    assert_joined_runs_left_nothing(lambda: actors_of({killed.session}))
+
+    rows = metrics_rows(run_dir)
+    assert [r["iteration"] for r in rows] == list(range(ITERATIONS))
+    assert rows[0]["rounds"] == 1, rows[0]  # async: one round, stopped once ready (sync takes several)
+    trained = [g for r in rows for g in r["trained_stream_ids"]]
+    assert sorted(trained) == list(range(ITERATIONS * GBS)), trained  # each group once, none lost to the kill
+    assert_partial_rollout_happened(rows, cfg.rollout.effective_max_age)
+    # async max_age 2: a group started in iteration 0 is trained in iteration 1 at the latest, cut rows included
+    assert_cut_rows_trained(cut, trained_samples(str(run_dir / "debug" / "rollout_{rollout_id}.parquet"), 1),
+                            trained_version=1)
