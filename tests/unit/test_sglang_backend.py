@@ -4,10 +4,10 @@ Flag and field names are SGLang 0.5.x's (`server_args.py`, `managers/io_struct.p
 """
 from __future__ import annotations
 
-import psutil
 import sys
 import time
 
+import psutil
 import pytest
 
 from spillover.rollout.fleet.engine_pool import bundle_order, engine_layout
