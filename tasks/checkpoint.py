@@ -17,7 +17,9 @@ from spillover.infra.config.run_config import RunConfig
 from spillover.infra.storage.store import Store, open_store
 from spillover.rollout.prompt_data import PromptCursor
 from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.fleet.manager import RolloutManager
 from spillover.rollout.fleet.weights import policy_update
+from spillover.tasks.learner.group import LearnerGroup
 from spillover.tasks.results import Checkpointed
 
 log = logging.getLogger("spillover")
@@ -52,7 +54,7 @@ def check_resume_compatible(saved: dict, cfg: RunConfig) -> None:
                           "the run's own config, or start a new run_dir")
 
 
-def write_learner_shards(store: Store, policy, cfg: RunConfig, iteration: int) -> list[dict] | None:
+def write_learner_shards(store: Store, policy: LearnerGroup, cfg: RunConfig, iteration: int) -> list[dict] | None:
     """A learner group of world_size > 1: every rank writes its own slices of the learner state under the
     checkpoint's prefix, concurrently (tasks/learner/shards.py) -> what each wrote; None: one process, whose
     full state goes with the rest."""
@@ -63,7 +65,7 @@ def write_learner_shards(store: Store, policy, cfg: RunConfig, iteration: int) -
     return ray.get(policy.each("write_state_shards", checkpoint_url(cfg), cfg.storage, checkpoint_name(iteration)))
 
 
-def capture(policy, dock, cursor, cfg: RunConfig, iteration: int, weight_version: int, metrics: dict,
+def capture(policy: LearnerGroup, dock: TransferDock, cursor: PromptCursor, cfg: RunConfig, iteration: int, weight_version: int, metrics: dict,
             wandb_run_id: str | None, learner_shards: list[dict] | None = None) -> CheckpointState:
     """learner_shards: write_learner_shards' result (the learner state is then in those objects, its layout
     and meta in meta["learner_shards"]), else None (the full state from rank 0 goes in tensors["policy"])."""
@@ -87,7 +89,8 @@ def should_checkpoint(cfg: RunConfig, iteration: int) -> bool:
 
 
 @task(name="save_checkpoint", cache_policy=NONE)
-def save_run_checkpoint(store: Store | None, policy, dock, cursor, cfg: RunConfig, iteration: int,
+def save_run_checkpoint(store: Store | None, policy: LearnerGroup | None, dock: TransferDock,
+                        cursor: PromptCursor, cfg: RunConfig, iteration: int,
                         weight_version: int, metrics: dict, wandb_run_id: str | None) -> Checkpointed:
     """The run's state after clear/age-sort, every storage.checkpoint_interval iterations and after the last.
     metrics: the iteration's metrics.jsonl row (restored if the crash comes before it is appended)."""
@@ -114,7 +117,7 @@ def restore_dock_and_cursor(state: CheckpointState) -> tuple[TransferDock, Promp
     return dock, PromptCursor.from_state(state.meta["cursor"])
 
 
-def restore_weights(policy, engine, state: CheckpointState) -> int:
+def restore_weights(policy: LearnerGroup, engine: RolloutManager | None, state: CheckpointState) -> int:
     """Learner state into the policy actor, its weights to the engines -> the weight version."""
     meta = state.meta
     if "learner_shards" in meta:  # written rank by rank: put the slices together, each rank keeps its own

@@ -4,12 +4,13 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NONE
 
+from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.prompt_data import PromptCursor
 from spillover.tasks.results import Cleared, Rollout
 
 
 @task(name="clear_and_age_sort", cache_policy=NONE)
-def clear_and_age_sort(dock, cursor: PromptCursor, rollout: Rollout) -> Cleared:
+def clear_and_age_sort(dock: TransferDock, cursor: PromptCursor, rollout: Rollout) -> Cleared:
     """trained_stream_ids: the groups' ids in the prompt stream; trained_group_ids: their data set indices."""
     if not rollout.from_dock:  # custom, SFT or replayed samples never entered the dock
         ids = tuple(sorted(int(i) for i in rollout.batch.group_ids))

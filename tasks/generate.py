@@ -5,11 +5,13 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NONE
 
+from spillover.rollout.context import RolloutContext
+from spillover.rollout.controller import RolloutController
 from spillover.tasks.results import Rollout
 
 
 @task(name="generate_until_ready", cache_policy=NONE)
-def generate_until_ready(controller, context, iteration: int) -> Rollout:
+def generate_until_ready(controller: RolloutController, context: RolloutContext, iteration: int) -> Rollout:
     """controller: spillover.rollout.controller.RolloutController; context: spillover.rollout.context.RolloutContext."""
     out = controller.generate(iteration, context)
     if getattr(context.engine, "colocated", False):  # the learner's turn with the device (update resumes them)

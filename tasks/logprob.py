@@ -7,6 +7,7 @@ import ray
 from prefect import task
 from prefect.cache_policies import NONE
 
+from spillover.tasks.learner.group import LearnerGroup
 from spillover.tasks.results import Logprobs, Scored
 
 
@@ -19,7 +20,7 @@ def needs_old_logprob_pass(token_versions: tuple[int, int], current_version: int
 
 
 @task(name="compute_ref_logprob", retries=1, cache_policy=NONE)
-def compute_ref_logprob(ref_actor, scored: Scored) -> Logprobs:
+def compute_ref_logprob(ref_actor: LearnerGroup | None, scored: Scored) -> Logprobs:
     if ref_actor is None:
         return Logprobs(source="skipped (grpo.kl_coef = 0)")
     start = time.perf_counter()
@@ -29,7 +30,7 @@ def compute_ref_logprob(ref_actor, scored: Scored) -> Logprobs:
 
 
 @task(name="compute_old_logprob", retries=1, cache_policy=NONE)
-def compute_old_logprob(policy, scored: Scored, weight_version: int, skip_old_logprob: bool) -> Logprobs:
+def compute_old_logprob(policy: LearnerGroup, scored: Scored, weight_version: int, skip_old_logprob: bool) -> Logprobs:
     if not needs_old_logprob_pass(scored.token_versions, weight_version, skip_old_logprob):
         return Logprobs(source="rollout")
     start = time.perf_counter()

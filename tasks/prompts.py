@@ -5,11 +5,12 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NONE
 
+from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.prompt_data import PromptCursor, PromptSet, groups_for_iteration
 from spillover.tasks.results import Loaded
 
 
-def load_prompt_groups(dock, cursor: PromptCursor, prompts: PromptSet, iteration: int, count: int) -> int:
+def load_prompt_groups(dock: TransferDock, cursor: PromptCursor, prompts: PromptSet, iteration: int, count: int) -> int:
     """Load `count` groups for `iteration` once; a retry of the same iteration loads nothing twice."""
     if iteration in cursor.loaded_iterations or count == 0:
         return 0
@@ -23,7 +24,7 @@ def load_prompt_groups(dock, cursor: PromptCursor, prompts: PromptSet, iteration
 
 
 @task(name="load_prompts", retries=2, retry_delay_seconds=1, cache_policy=NONE)
-def load_prompts(dock, cursor: PromptCursor, prompts: PromptSet, iteration: int, num_iterations: int) -> Loaded:
+def load_prompts(dock: TransferDock, cursor: PromptCursor, prompts: PromptSet, iteration: int, num_iterations: int) -> Loaded:
     count = groups_for_iteration(dock, iteration, num_iterations)
     loaded = load_prompt_groups(dock, cursor, prompts, iteration, count)
     metrics = {"loaded_groups": loaded}

@@ -10,7 +10,9 @@ import ray
 from prefect import task
 from prefect.cache_policies import NONE
 
+from spillover.rollout.fleet.manager import RolloutManager
 from spillover.rollout.fleet.weights import policy_update
+from spillover.tasks.learner.group import LearnerGroup
 from spillover.tasks.results import Logprobs, Scored, Updated
 
 LOGGED = ("loss", "pg_loss", "kl", "kl_coef", "clip_fraction", "grad_norm", "tis_weight_mean", "tis_weight_max",
@@ -21,7 +23,7 @@ LOGGED = ("loss", "pg_loss", "kl", "kl_coef", "clip_fraction", "grad_norm", "tis
 
 
 @task(name="update", retries=0, cache_policy=NONE)
-def update(policy, engine, scored: Scored, old: Logprobs, ref: Logprobs) -> Updated:
+def update(policy: LearnerGroup, engine: RolloutManager | None, scored: Scored, old: Logprobs, ref: Logprobs) -> Updated:
     """engine: the RolloutManager to send the new weights to (None: no engines, e.g. replayed data)."""
     metrics = ray.get(policy.update.remote(scored.batch_ref, old.ref, ref.ref))
     version = int(metrics["weight_version"])
