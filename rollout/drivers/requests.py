@@ -1,8 +1,8 @@
 """The request codec between the dock and the engines: dock rows -> SGLang /generate payloads, answers ->
 tokens, logprobs, stop flags and weight versions; and the engine interface the drivers call.
 
-The engine side is anything with `generate(requests, on_result=None) -> list[answer]` speaking SGLang's
-/generate shapes: RolloutManager through the router, or bench.simulator.engine.SimulatedEngine.
+The engine side is anything with `generate(requests, on_result=None, detach=False) -> list[answer | None]` and
+`collect_detached() -> {index: answer}` speaking SGLang's /generate shapes: RolloutManager through the router, or bench.simulator.engine.SimulatedEngine.
 """
 from __future__ import annotations
 
@@ -19,10 +19,24 @@ truthy result does not count) stops the round (see Generator)."""
 
 
 class Generator(Protocol):
-    def generate(self, requests: list[dict], on_result: OnResult | None = None) -> list[dict]:
+    def generate(self, requests: list[dict], on_result: OnResult | None = None,
+                 detach: bool = False) -> list[dict | None]:
         """Answers in input order. An on_result that returns True stops the round: nothing more is sent,
         running requests come back with their tokens so far (finish_reason abort), unsent ones with none,
-        and generate returns once the engines are idle."""
+        and generate returns once the engines are idle.
+
+        detach=True (rollout.overlap): an on_result that returns True makes the call return at once instead;
+        the requests not answered yet keep running (not aborted) and their entries are None until
+        collect_detached() hands them over."""
+        ...
+
+    def collect_detached(self) -> dict[int, dict]:
+        """The answers of every request the last detached call left unanswered: index in that call's request
+        list -> answer. What still runs is aborted first (its partial output, finish_reason abort). {} when
+        nothing is detached. Weight updates while detached requests run pause them in the engines' pause mode
+        (abort: they end at the pause, partial answers kept here; in_place: they go on with their KV; retract:
+        they go on after recomputing their KV), so later tokens carry the new version
+        (meta_info.weight_versions spans)."""
         ...
 
 
