@@ -135,24 +135,34 @@ def parse_prompts(group_ids, prompt_tokens, labels: Sequence[Any], max_model_len
 def parse_generation(rows: np.ndarray, tokens, logprobs, weight_version, finished_by_stop, room: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One put_generation call -> (tokens int32[T], lengths int64[k], logprobs float32[T],
-    versions int64[k], finished_by_stop bool[k]); room[k]: the most tokens each row may still take."""
+    versions int64[T] (each token's weight version), finished_by_stop bool[k]); room[k]: the most tokens each row may
+    still take. weight_version: one int, one per row, or one sequence per row with a version per token (a request
+    that lived through a weight update)."""
     k = len(rows)
     flat, lengths = to_flat(tokens, "put_generation tokens", np.int64, integer=True)
     flat_lp, lengths_lp = to_flat(logprobs, "put_generation logprobs", np.float32)
     stop = np.asarray(finished_by_stop, dtype=bool).reshape(-1)
-    versions = np.asarray(weight_version, dtype=np.int64).reshape(-1)
-    if versions.shape == (1,) and np.ndim(weight_version) == 0:
-        versions = np.broadcast_to(versions, (k,))
+    per_token = isinstance(weight_version, list) and any(np.ndim(v) == 1 for v in weight_version)
+    if per_token:
+        versions, lengths_v = to_flat(weight_version, "put_generation weight_version", np.int64, integer=True)
+    else:
+        versions = np.asarray(weight_version, dtype=np.int64).reshape(-1)
+        if versions.shape == (1,) and np.ndim(weight_version) == 0:
+            versions = np.broadcast_to(versions, (k,))
+        lengths_v = lengths
     for name, got in (("tokens", len(lengths)), ("logprobs", len(lengths_lp)), ("finished_by_stop", len(stop)),
-                      ("weight_version", len(versions))):
+                      ("weight_version", len(lengths_v) if per_token else len(versions))):
         if got != k:
             raise ValueError(f"put_generation: {k} rows but {got} entries in {name}")
-    if k and (versions.min() < 0 or versions.max() > INT32_MAX):
+    if len(versions) and (versions.min() < 0 or versions.max() > INT32_MAX):
         raise ValueError(f"put_generation: weight_version must be in [0, 2**31); got {versions.min()}..{versions.max()}")
-    if not np.array_equal(lengths, lengths_lp):
-        i = int(np.flatnonzero(lengths != lengths_lp)[0])
-        raise ValueError(f"put_generation: row {int(rows[i])} has {int(lengths[i])} tokens but "
-                         f"{int(lengths_lp[i])} logprobs")
+    for other, name in ((lengths_lp, "logprobs"), (lengths_v, "weight versions")):
+        if not np.array_equal(lengths, other):
+            i = int(np.flatnonzero(lengths != other)[0])
+            raise ValueError(f"put_generation: row {int(rows[i])} has {int(lengths[i])} tokens but "
+                             f"{int(other[i])} {name}")
+    if not per_token:
+        versions = np.repeat(versions, lengths)
     check_token_values(flat, "put_generation tokens")
     over = lengths > room
     if over.any():

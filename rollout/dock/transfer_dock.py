@@ -202,10 +202,10 @@ class TransferDock:
         response = self.responses.length[rows] + lengths
         limit = np.minimum(self.max_tokens, self.max_model_len - self.prompt_lengths(rows))
         complete = stopped | (response >= limit)
-        one_version = k == 0 or bool((versions == versions[0]).all())
-        self.responses.append(rows, lengths, {  # one version for all rows (the common case) broadcasts
+        one_version = len(versions) == 0 or bool((versions == versions[0]).all())
+        self.responses.append(rows, lengths, {  # one version for every token (the common case) broadcasts
             "tokens": flat, "logprobs": flat_lp, "mask": 1,  # (a mask column exists in multi_turn docks only)
-            "versions": versions[0] if one_version and k else np.repeat(versions.astype(np.int32), lengths)})
+            "versions": versions[0] if one_version and len(versions) else versions.astype(np.int32)})
         self.complete[rows] = complete
         self.stopped[rows] = stopped
         self.generated[rows] = True
