@@ -29,6 +29,11 @@ class RolloutConfig(Section):
         "than max_age - 1 weight versions old; with over-sampling, extra groups start only when they can be trained "
         "in time. false: off (rows may be carried up to max_split iterations and longer with over-sampling).")
     mode: Literal["sync", "async"] = Field("sync", description="sync: chunked rounds; async: stop signal + abort.")
+    overlap: bool = Field(
+        False, description="Async mode: once the dock is ready the requests still running are not aborted; they "
+        "keep generating through reward, logprobs, update, clear and checkpoint (weight updates pause them in "
+        "the engines' pause mode, tokens after the swap carry the new version), and their answers go into the dock at "
+        "the next generation step. The staleness bound (max_age) holds as without it.")
     over_sampling_groups: int = Field(0, ge=0, description="Extra groups dispatched beyond GBS (APRIL).")
     scheduling: Literal["fifo", "length_aware"] = Field(
         "fifo", description="Dispatch order: fifo = the dock's (oldest first); length_aware = longest expected remaining "
@@ -108,6 +113,10 @@ class RolloutConfig(Section):
                              f"({self.max_tokens}) to leave room for the prompt")
         if self.max_age is not None and self.max_age < 1:
             raise ValueError(f"rollout.max_age must be >= 1; got {self.max_age}")
+        if self.overlap and self.mode != "async":
+            raise ValueError(f"rollout.overlap=true needs rollout.mode=async (got mode={self.mode}): the sync driver's "
+                             "rounds end with every request, so nothing runs on; set rollout.mode=async or "
+                             "rollout.overlap=false")
         if any(not s for s in self.stop):
             raise ValueError("rollout.stop holds an empty string; give non-empty stop strings")
         return self
