@@ -117,10 +117,15 @@ def request_seeds(dock, rows: np.ndarray, sampling: SamplingSettings) -> np.ndar
     return (h & np.uint64(0x7FFFFFFF)).astype(np.int64)
 
 
-def parse_responses(responses: list[dict], default_version: int) -> tuple[list[list[int]], list[list[float]],
-                                                                          np.ndarray, np.ndarray]:
-    """SGLang responses -> (tokens per row, logprobs per row, finished_by_stop[bool], weight_version[int] per row)."""
+def parse_responses(responses: list[dict], default_version: int
+                    ) -> tuple[list[list[int]], list[list[float]], np.ndarray, np.ndarray | list[np.ndarray]]:
+    """SGLang responses -> (tokens per row, logprobs per row, finished_by_stop[bool], weight versions).
+
+    The versions are int64[k], one per row, unless a response lived through a weight update
+    (meta_info.weight_versions spans): then a list of k int64 arrays, one version per output token (what
+    TransferDock.put_generation takes either way)."""
     tokens, logprobs, stopped, versions = [], [], [], []
+    spanned = False
     for resp in responses:
         meta = resp["meta_info"]
         ids = list(resp.get("output_ids") or [])
@@ -130,8 +135,31 @@ def parse_responses(responses: list[dict], default_version: int) -> tuple[list[l
         tokens.append(ids)
         logprobs.append(lps)
         stopped.append((meta.get("finish_reason") or {}).get("type") == "stop")
-        versions.append(_as_version(meta.get("weight_version"), default_version))
+        version = _as_version(meta.get("weight_version"), default_version)
+        spans = meta.get("weight_versions")
+        if spans:
+            spanned = True
+            versions.append(token_versions(spans, len(ids), version, meta.get("id")))
+        else:
+            versions.append(version)
+    if spanned:
+        return tokens, logprobs, np.asarray(stopped, dtype=bool), [
+            v if isinstance(v, np.ndarray) else np.full(len(t), v, dtype=np.int64) for v, t in zip(versions, tokens)]
     return tokens, logprobs, np.asarray(stopped, dtype=bool), np.asarray(versions, dtype=np.int64)
+
+
+def token_versions(spans: list[dict], count: int, default: int, rid=None) -> np.ndarray:
+    """SGLang's meta_info.weight_versions ([{"version": "3", "start": s, "end": e}], spans over output positions
+    [s, e)) -> int64[count], each output token's weight version. Positions no span covers take `default`, the
+    response's weight_version."""
+    out = np.full(count, default, dtype=np.int64)
+    for span in spans:
+        start, end = int(span["start"]), int(span["end"])
+        if not 0 <= start <= end <= count:
+            raise ValueError(f"engine response {rid}: weight_versions span [{start}, {end}) lies outside its "
+                             f"{count} output tokens")
+        out[start:end] = _as_version(span.get("version"), default)
+    return out
 
 
 def _as_version(value, default: int) -> int:

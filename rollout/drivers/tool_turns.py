@@ -154,6 +154,8 @@ class ToolTurns(RoundHooks):
             cut = find_stop(window, new, self.stop_strings, self.decode)
             if cut is not None:
                 new, lps, tool = new[:cut], lps[:cut], True
+                if isinstance(version, list):  # one version per token (it lived through an update): cut them too
+                    version = [version[0][:cut]]
         if tool:
             stopped[:] = False
         self.dock.put_generation(np.asarray([row]), [new], [lps], version, stopped)
