@@ -274,13 +274,20 @@ class TransferDock:
                 array.flags.writeable = False
         return dict(self._batch_arrays)
 
-    def clear(self) -> dict:
-        """Batch groups leave; every other generated row ages by one. -> small stats."""
+    def clear(self, keep_generating: bool = False) -> dict:
+        """Batch groups leave; every other generated row ages by one. -> small stats.
+
+        keep_generating (rollout.overlap): rows outside the batch may still be in flight (their requests run on
+        through the update); they stay so, and their groups age as started ones."""
         batch = self._require_batch("clear")
-        if self.in_flight.any():
-            raise DockError(f"clear: {int(self.in_flight.sum())} rows are in flight; put_generation() or "
-                            "release() them first")
         rows = (batch[:, None] * self.n + np.arange(self.n)).reshape(-1)
+        flying = int(self.in_flight[rows].sum()) if keep_generating else int(self.in_flight.sum())
+        if flying:
+            raise DockError(f"clear: {flying} {'batch ' if keep_generating else ''}rows are in flight; "
+                            "put_generation() or release() them first")
+        # rows still in flight here are generating through the update (rollout.overlap): their group's clock runs
+        # from now, as their next tokens come from these weights
+        generating = self.in_flight.reshape(self.capacity_groups, self.n).any(axis=1)
         self.group_ids[batch] = -1
         for slot in batch.tolist():
             self.labels[slot] = self.metadata[slot] = None
@@ -292,7 +299,7 @@ class TransferDock:
         self.env_reward[rows] = np.nan
         self.prompts.free(batch)
         self.responses.free(rows)
-        self.age += np.repeat(self.started_groups(), self.n)  # a group ages as one, from its first token
+        self.age += np.repeat(self.started_groups() | generating, self.n)  # a group ages as one, from its first token
         self.batch, self._batch_arrays = None, None
         carried = self.occupied_rows() & self.generated
         return {"trained_groups": int(len(batch)), "carried_rows": int(carried.sum()),
