@@ -131,6 +131,9 @@ class RolloutConfig(Section):
         if len(self.stop) + len(self.tool_call_stop) > 32:
             raise ValueError("rollout.stop and rollout.tool_call_stop together hold more than 32 strings (SGLang's "
                              "limit per request)")
+        if self.overlap:
+            raise ValueError("rollout.overlap=true does not apply to multi-turn rollouts (rollout.env_path is set: a "
+                             "tool call cannot wait through the update): use rollout.overlap=false")
         if self.scheduling != "fifo":
             raise ValueError("rollout.scheduling=length_aware does not apply to multi-turn rollouts (rollout.env_path "
                              "is set): use rollout.scheduling=fifo")

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.drivers.requests import GenerationStats, Generator, SamplingSettings
-from spillover.rollout.drivers.rounds import OnRound, RoundHooks, generate_rounds
+from spillover.rollout.drivers.rounds import DetachedRows, OnRound, RoundHooks, generate_rounds
 from spillover.rollout.drivers.tool_turns import ToolTurns, turn_metrics
 from spillover.rollout.functions import RolloutOutput
 from spillover.rollout.scoring.evaluation import run_eval
@@ -19,11 +19,12 @@ from spillover.rollout.scoring.evaluation import run_eval
 def generate_training_batch(dock: TransferDock, engine: Generator, rollout_cfg: RolloutConfig,
                             stop_token_ids: Sequence[int], weight_version: int, drain: bool,
                             on_round: OnRound | None = None, seed: int | None = None,
-                            hooks: RoundHooks | None = None) -> GenerationStats:
+                            hooks: RoundHooks | None = None, detached: DetachedRows | None = None) -> GenerationStats:
     """Generate until the dock is ready (rollout.mode's rounds, with the hooks given), then choose the training batch
-    once. seed: model.seed, used with rollout.deterministic_sampling."""
+    once. seed: model.seed, used with rollout.deterministic_sampling; detached: the run's DetachedRows
+    (rollout.overlap)."""
     sampling = SamplingSettings.from_rollout(rollout_cfg, stop_token_ids, seed)
-    stats = generate_rounds(dock, engine, rollout_cfg, sampling, weight_version, drain, on_round, hooks)
+    stats = generate_rounds(dock, engine, rollout_cfg, sampling, weight_version, drain, on_round, hooks, detached)
     dock.select_batch()
     return stats
 

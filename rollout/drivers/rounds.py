@@ -13,6 +13,12 @@ and pins them), sends them with the mode's budget (RoundBudget) and writes the a
   tokens that come back stay in the dock for the next iteration. The check runs on every answer (finer than
   MindSpeed's "every 20 engine steps": it costs microseconds).
 
+- overlap (rollout.overlap, async mode): the answer that finds the dock ready detaches the round instead: the
+  requests still running go on through reward, logprobs, update, clear and checkpoint, their rows stay in flight (so
+  no round dispatches them again), and their answers (DetachedRows) are written at the start of the next call, by
+  this thread and the same write path: the dock keeps one writer and no lock. Waiting answers are lost to a kill -9
+  (the checkpoint holds the rows as they were when the round detached): they are generated again.
+
 RoundHooks is what a rollout adds to the loop (the defaults are single-turn generation; ToolTurns in
 rollout/drivers/tool_turns.py makes trajectories of turns and tool calls). Answers are written by callbacks that run
 one at a time (on the engine's loop) while the calling thread waits in `generate`, and rows left unanswered go back
@@ -49,6 +55,24 @@ class RoundBudget:
             return cls(tokens=None, rows=None, stop_when_ready=True)
         rows = (rollout_cfg.global_batch_size + rollout_cfg.over_sampling_groups) * rollout_cfg.n_samples_per_prompt
         return cls(tokens=rollout_cfg.max_tokens // rollout_cfg.max_split, rows=rows, stop_when_ready=False)
+
+
+class DetachedRows:
+    """The rows of the engine call that generate_rounds left running (rollout.overlap) until the next call collects
+    their answers; one per dock, kept by the caller as long as the run."""
+
+    def __init__(self):
+        self.rows = np.zeros(0, dtype=np.int64)   # the detached call's rows, in its request order
+        self.pending = np.zeros(0, dtype=np.int64)  # indices into rows still running
+
+    def hold(self, rows: np.ndarray, pending: np.ndarray) -> None:
+        self.rows, self.pending = rows, pending
+
+    def take(self) -> tuple[np.ndarray, np.ndarray]:
+        """-> (rows, pending) and forget them."""
+        out = self.rows, self.pending
+        self.hold(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        return out
 
 
 class RoundHooks:
@@ -142,6 +166,12 @@ class _Round:
         self.write(np.asarray([i for i, a in enumerate(self.answers) if a is not None and not self.written[i]],
                               dtype=np.int64))
 
+    def detach(self, detached: DetachedRows) -> None:
+        """The round stopped with requests still running (overlap): their rows stay in flight until collected."""
+        pending = np.flatnonzero(~self.written & self.dock.in_flight[self.rows])
+        detached.hold(self.rows, pending)
+        self.written[pending] = True
+
     def release_unanswered(self) -> None:
         """Rows whose answer never came (or could not be written) go back untouched."""
         left = self.rows[~self.written & self.dock.in_flight[self.rows]]
@@ -152,8 +182,14 @@ class _Round:
 
 def generate_rounds(dock: TransferDock, engine: Generator, rollout_cfg: RolloutConfig, sampling: SamplingSettings,
                     weight_version: int, drain: bool = False, on_round: OnRound | None = None,
-                    hooks: RoundHooks | None = None) -> GenerationStats:
-    """Rounds with rollout.mode's budget until >= GBS groups are ready (drain: every loaded row complete)."""
+                    hooks: RoundHooks | None = None, detached: DetachedRows | None = None) -> GenerationStats:
+    """Rounds with rollout.mode's budget until >= GBS groups are ready (drain: every loaded row complete).
+
+    detached (needed with rollout.overlap): the answers of the requests the previous call left running are written
+    first, and this call's round that finds the dock ready leaves its running requests there."""
+    if rollout_cfg.overlap and detached is None:
+        raise ValueError("rollout.overlap=true: generate_rounds needs a DetachedRows kept for the run (detached=...), "
+                         "where the requests left running wait for the next call")
     budget = RoundBudget.for_mode(rollout_cfg)
     hooks = hooks or RoundHooks(dock, weight_version)
     if hooks.stop_strings:
@@ -164,6 +200,8 @@ def generate_rounds(dock: TransferDock, engine: Generator, rollout_cfg: RolloutC
     planner = DispatchPlanner.from_config(rollout_cfg, engine, weight_version, drain)
     try:
         hooks.on_start()
+        if detached is not None:
+            _collect_detached(dock, engine, detached, hooks, budget, stats, progress)
         while True:
             hooks.between_rounds()
             if dock.update_ready():
@@ -177,7 +215,7 @@ def generate_rounds(dock: TransferDock, engine: Generator, rollout_cfg: RolloutC
             keep = hooks.before_round(rows)
             rows, engines = rows[keep], None if engines is None else engines[keep]
             if len(rows):
-                _run_round(dock, engine, rows, engines, planner, sampling, budget, hooks, stats, progress)
+                _run_round(dock, engine, rows, engines, planner, sampling, budget, hooks, stats, progress, detached)
                 progress.report(force=not budget.stop_when_ready)
     finally:
         try:
@@ -191,7 +229,7 @@ def generate_rounds(dock: TransferDock, engine: Generator, rollout_cfg: RolloutC
 
 def _run_round(dock: TransferDock, engine: Generator, rows: np.ndarray, engines: np.ndarray | None,
                planner: DispatchPlanner, sampling: SamplingSettings, budget: RoundBudget, hooks: RoundHooks,
-               stats: GenerationStats, progress: _Progress) -> None:
+               stats: GenerationStats, progress: _Progress, detached: DetachedRows | None) -> None:
     inputs, max_new = dock.generation_inputs(rows, budget.tokens)
     requests = planner.route(build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling)), engines)
     round_ = _Round(dock, rows, hooks, budget, stats, progress)
@@ -200,9 +238,38 @@ def _run_round(dock: TransferDock, engine: Generator, rows: np.ndarray, engines:
     start = time.perf_counter()
     try:
         try:
-            engine.generate(requests, on_result=round_.on_result)
+            if detached is None:
+                engine.generate(requests, on_result=round_.on_result)
+            else:
+                engine.generate(requests, on_result=round_.on_result, detach=True)
         finally:
             stats.engine_s += time.perf_counter() - start
         round_.write_the_rest()
+        if detached is not None and round_.stopping:
+            round_.detach(detached)
+    finally:
+        round_.release_unanswered()
+
+
+def _collect_detached(dock: TransferDock, engine: Generator, detached: DetachedRows, hooks: RoundHooks,
+                      budget: RoundBudget, stats: GenerationStats, progress: _Progress) -> None:
+    """The previous call's detached answers into the dock (what still runs is aborted with its tokens so far); rows
+    without an answer go back untouched."""
+    rows, pending = detached.take()
+    start = time.perf_counter()
+    try:
+        answers = engine.collect_detached()
+    finally:
+        stats.engine_s += time.perf_counter() - start
+    if not len(pending):
+        return
+    round_ = _Round(dock, rows[pending], hooks, dataclasses.replace(budget, stop_when_ready=False), stats, progress)
+    try:
+        for k, index in enumerate(pending.tolist()):
+            if index in answers:
+                round_.answers[k] = answers[index]
+        before = stats.tokens_generated
+        round_.write_the_rest()
+        stats.detached_tokens += stats.tokens_generated - before
     finally:
         round_.release_unanswered()
