@@ -5,6 +5,8 @@
     on_result(index, answer) -> True                       # stop right there (as RolloutManager does)
     engine.abort_all()                                     # the same, called from an on_result callback
     engine.update_weights(None, version); engine.advance(seconds); engine.clock_s; engine.usage()
+    engine.generate(requests, on_result, detach=True)      # True from on_result: return, the rest keeps running
+    engine.advance(s); engine.update_weights(None, v, pause_s); engine.collect_detached()   # {index: answer}
 
 Timing model (all in integer nanoseconds, so hand-computed cases are exact):
 - `num_engines` engines with `slots_per_engine` slots each. Continuous batching: a request runs in a slot
@@ -19,6 +21,14 @@ Timing model (all in integer nanoseconds, so hand-computed cases are exact):
   the tokens of the steps its engine completed by T (finish "abort"; a request whose last step ended exactly
   at T has finished normally), queued requests answer with none, and the clock stops at T.
 
+- detach=True (rollout.overlap): on_result returning True at T returns at once; running and queued requests stay
+  and decode on through advance() (the learner's update) as in a generate call. update_weights with requests running
+  pauses the engines for pause_s in `pause_mode`: abort (they answer at the pause with their tokens so far, finish
+  "abort"), in_place (they go on with their KV after the swap), retract (they go on after their KV is recomputed: a
+  prefill of prompt + output). Tokens after the swap carry the new version: an answer that lived through an update
+  reports SGLang's meta_info.weight_versions spans. A step in progress at the pause is lost (it restarts after it).
+  collect_detached() at T aborts what still runs (as above) and returns the detached call's answers.
+
 The loop is event-driven: between two events an engine's batch is fixed, so it jumps straight to the
 next time a request ends on any engine. Costs are per request, never per token or per step.
 """
@@ -32,6 +42,7 @@ from typing import Callable
 from bench.simulator.workload import DEFAULT_EOS, answer, parse_simulated_input, response_tokens
 
 NS = 1_000_000_000
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 @dataclass(frozen=True)
@@ -56,20 +67,22 @@ class _Request:
     """One request; `produce` (tokens it will generate) and `eos` are fixed when it is admitted."""
 
     __slots__ = ("index", "rid", "input_len", "group", "j", "start", "budget", "produce", "eos", "start_step",
-                 "return_logprob", "received_ns", "engine")
+                 "return_logprob", "received_ns", "engine", "spans")
 
     def __init__(self, index, rid, input_len, group, j, start, budget, return_logprob, received_ns, engine=None):
         self.index, self.rid, self.input_len, self.group, self.j = index, rid, input_len, group, j
         self.engine = engine
         self.start, self.budget, self.return_logprob, self.received_ns = start, budget, return_logprob, received_ns
         self.produce, self.eos, self.start_step = 0, False, 0
+        self.spans: list[tuple[int, int]] = []  # (weight version, first output position it made), from admission
 
 
 class _Engine:
-    """One engine: `steps` completed by time `t`; the batch (a heap by finish step) is fixed since t."""
+    """One engine: `steps` completed by time `t`; the batch (a heap by finish step) is fixed since t. Busy time is
+    counted up to `counted` (a pause for a weight swap is not busy)."""
 
     def __init__(self):
-        self.t = self.steps = self.pending_prefill = 0
+        self.t = self.steps = self.pending_prefill = self.counted = 0
         self.heap: list[tuple[int, int, _Request]] = []
         self.busy_ns = self.slot_ns = 0
 
@@ -86,18 +99,36 @@ class _Engine:
         return self.steps + (0 if now < first_end else 1 + (now - first_end) // step)
 
     def account(self, now: int) -> None:
-        if self.heap:
-            self.busy_ns += now - self.t
-            self.slot_ns += len(self.heap) * (now - self.t)
+        """Busy time up to `now`, which becomes the engine's time base (its batch changes there)."""
+        self.count(now)
         self.t = now
+
+    def count(self, now: int) -> None:
+        if self.heap and now > self.counted:
+            self.busy_ns += now - self.counted
+            self.slot_ns += len(self.heap) * (now - self.counted)
+        self.counted = max(self.counted, now)
+
+    def pause(self, now: int, pause_ns: int, base: int, per_seq: int) -> None:
+        """Generation stops at `now` for pause_ns: the steps completed by then stand, a step in progress restarts."""
+        steps = self.steps_by(now, base, per_seq)
+        self.count(now)
+        if steps > self.steps:
+            self.steps, self.pending_prefill = steps, 0
+        self.t = self.counted = now + pause_ns
 
 
 class SimulatedEngine:
     """Same generation interface as spillover.rollout.fleet.manager.RolloutManager; not thread-safe (one caller)."""
 
-    def __init__(self, timing: EngineTiming, lengths, eos_token_id: int = DEFAULT_EOS, weight_version: int = 0):
+    def __init__(self, timing: EngineTiming, lengths, eos_token_id: int = DEFAULT_EOS, weight_version: int = 0,
+                 pause_mode: str = "in_place"):
         """lengths: anything with group_lengths(group_id) -> int[n] natural response lengths
-        (bench.simulator.workload.LognormalLengths, TableLengths)."""
+        (bench.simulator.workload.LognormalLengths, TableLengths); pause_mode: what a weight update does to
+        detached requests (abort, retract, in_place)."""
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"SimulatedEngine: pause_mode must be one of {PAUSE_MODES}; got {pause_mode!r}")
+        self.pause_mode = pause_mode
         self.timing, self.lengths, self.eos, self.weight_version = timing, lengths, int(eos_token_id), weight_version
         self.num_engines = timing.num_engines
         # requests without an "engine_index" wait in one queue and each goes to the first engine with a free slot:
@@ -111,7 +142,13 @@ class SimulatedEngine:
         self._free_j: dict[int, list[int]] = {}
         self._abort_requested = False
         self._running = False
+        self._results: list = []
+        self._detached: tuple | None = None  # (queue_of, queued requests, indices unanswered when it detached)
         self.tokens_generated = self.prefill_tokens = self.requests_done = 0
+        self.recomputed_prefill_tokens = 0  # retract: the KV of paused requests computed again
+        self.continued_prefill_tokens = 0   # prefill of requests that continue a partial response
+        self.detached_tokens = 0            # generated after their call returned (overlap)
+        self.pauses = 0
 
     # ---- clock, weights, counters -------------------------------------------------------------------
     @property
@@ -119,15 +156,44 @@ class SimulatedEngine:
         return self._now / NS
 
     def advance(self, seconds: float) -> None:
-        """Let virtual time pass with the engines idle (e.g. the learner's update)."""
+        """Let virtual time pass (e.g. the learner's update): detached requests decode on, the other engines idle."""
         if seconds < 0:
             raise ValueError(f"advance: seconds must be >= 0; got {seconds}")
-        self._now += round(seconds * NS)
+        target = self._now + round(seconds * NS)
+        if self._detached is not None:
+            self._loop(self._detached[0], until=target)
+        self._now = target
         for engine in self._engines:
-            engine.t = self._now
+            engine.count(target)
+            if not engine.heap:
+                engine.t = target
 
-    def update_weights(self, weights, weight_version: int) -> dict[int, int]:
-        """The engines report `weight_version` from now on (weights themselves are not simulated)."""
+    def update_weights(self, weights, weight_version: int, pause_s: float = 0.0) -> dict[int, int]:
+        """The engines report `weight_version` from now on (weights themselves are not simulated). Detached requests
+        running: the engines pause for pause_s (the swap) in pause_mode."""
+        if pause_s < 0:
+            raise ValueError(f"update_weights: pause_s must be >= 0; got {pause_s}")
+        pause_ns = round(pause_s * NS)
+        if self._detached is not None and any(e.heap for e in self._engines):
+            self.pauses += 1
+            if self.pause_mode == "abort":
+                self._abort_everything(self._detached[1])
+            else:
+                for engine in (e for e in self._engines if e.heap):
+                    running = [item[2] for item in engine.heap]
+                    engine.pause(self._now, pause_ns, self._base, self._per_seq)
+                    for req in running:
+                        req.spans.append((weight_version, engine.steps - req.start_step))
+                        # a request with no step since its admission still has its prefill ahead (it restarts)
+                        if self.pause_mode == "retract" and req.start_step < engine.steps:
+                            recompute = req.input_len + engine.steps - req.start_step
+                            engine.pending_prefill += self._prefill * recompute
+                            self.recomputed_prefill_tokens += recompute
+                            self.prefill_tokens += recompute
+        self._now += pause_ns
+        for engine in self._engines:
+            if not engine.heap:
+                engine.t = engine.counted = max(engine.t, self._now)
         self.weight_version = weight_version
         return {i: weight_version for i in range(self.timing.num_engines)}
 
@@ -135,7 +201,10 @@ class SimulatedEngine:
         """Cumulative counters: diff two readings to measure a stretch of virtual time."""
         return {"clock_s": self.clock_s, "engine_busy_s": sum(e.busy_ns for e in self._engines) / NS,
                 "slot_busy_s": sum(e.slot_ns for e in self._engines) / NS, "tokens_generated": self.tokens_generated,
-                "prefill_tokens": self.prefill_tokens, "requests": self.requests_done}
+                "prefill_tokens": self.prefill_tokens, "requests": self.requests_done,
+                "recomputed_prefill_tokens": self.recomputed_prefill_tokens,
+                "continued_prefill_tokens": self.continued_prefill_tokens, "detached_tokens": self.detached_tokens,
+                "pauses": self.pauses}
 
     def abort_all(self) -> None:
         """Stop the running generate() at the current virtual time (a no-op when nothing runs)."""
@@ -143,27 +212,46 @@ class SimulatedEngine:
             self._abort_requested = True
 
     # ---- generation ---------------------------------------------------------------------------------
-    def generate(self, requests: list[dict], on_result: Callable[[int, dict], None] | None = None) -> list[dict]:
+    def generate(self, requests: list[dict], on_result: Callable[[int, dict], None] | None = None,
+                 detach: bool = False) -> list[dict | None]:
         """SGLang /generate answers for `requests` (input_ids, sampling_params.max_new_tokens, rid?,
-        return_logprob?), in input order; on_result(index, answer) as each one ends, in virtual-time order."""
+        return_logprob?), in input order; on_result(index, answer) as each one ends, in virtual-time order.
+        detach: on_result returning True returns at once, the unanswered requests (None here) run on."""
         if self._running:
             raise RuntimeError("SimulatedEngine.generate is not re-entrant (call abort_all() from a callback)")
+        if self._detached is not None:
+            raise RuntimeError("SimulatedEngine.generate: a detached call still runs; collect_detached() first")
         self._running, self._abort_requested = True, False
-        self._results: list = [None] * len(requests)
+        self._results = [None] * len(requests)
         self._on_result = on_result
+        left_running = False
         try:
             queue = deque(self._parse(i, item) for i, item in enumerate(requests))
             for req in [r for r in queue if r.budget == 0]:  # nothing to generate: answered at once
                 self._deliver(req, 0, "length")
             queue = deque(r for r in queue if r.budget > 0)
-            self._run(queue)
+            left_running = self._run(queue, detach)
         finally:
-            for engine in self._engines:  # after an error in a callback: drop what was running
-                engine.account(self._now)
-                engine.heap.clear()
-                engine.pending_prefill = 0
             self._running, self._on_result = False, None
-        return self._results
+            if not left_running:
+                for engine in self._engines:  # after an error in a callback: drop what was running
+                    engine.account(self._now)
+                    engine.heap.clear()
+                    engine.pending_prefill = 0
+        return list(self._results)
+
+    def collect_detached(self) -> dict[int, dict]:
+        """The answers of every request the last detached call left unanswered (index -> answer); what still runs
+        is aborted now with its tokens so far. {} when nothing is detached."""
+        if self._detached is None:
+            return {}
+        _, queue, pending = self._detached
+        if any(e.heap for e in self._engines) or queue:
+            self._abort_everything(queue)
+        self._detached = None
+        for engine in self._engines:
+            engine.account(self._now)
+        return {i: self._results[i] for i in pending}
 
     def _parse(self, index: int, item: dict) -> _Request:
         ids = item["input_ids"]
@@ -173,31 +261,34 @@ class SimulatedEngine:
         return _Request(index, item.get("rid") or f"sim-{index}", len(ids), group, j, len(ids) - plen, budget,
                         bool(item.get("return_logprob", False)), self._now, None if engine is None else int(engine))
 
-    def _run(self, queue: deque) -> None:
+    def _run(self, queue: deque, detach: bool) -> bool:
+        """-> True when the call detached with requests left running."""
         engines, size = self._engines, self.timing.slots_per_engine
         if any(r.engine is not None for r in queue):
-            return self._run_assigned(queue)
-        for k in range(min(len(queue), len(engines) * size)):  # first fill: round robin
-            self._admit(engines[k % len(engines)], queue.popleft())
-        if self._loop(lambda engine: queue):
-            self._abort_everything(queue)
+            queues = [deque() for _ in engines]
+            for k, req in enumerate(queue):  # "engine_index" (RolloutManager's per-engine dispatch): FIFO per engine
+                queues[(req.engine if req.engine is not None else k) % len(engines)].append(req)
+            for engine, own in zip(engines, queues):
+                while own and len(engine.heap) < size:
+                    self._admit(engine, own.popleft())
+            index = {id(e): i for i, e in enumerate(engines)}
+            queue_of, queued = (lambda engine: queues[index[id(engine)]]), _Queues(queues)
+        else:
+            for k in range(min(len(queue), len(engines) * size)):  # first fill: round robin
+                self._admit(engines[k % len(engines)], queue.popleft())
+            queue_of, queued = (lambda engine: queue), queue
+        if not self._loop(queue_of):
+            return False
+        if detach and (queued or any(e.heap for e in engines)):
+            self._detached = (queue_of, queued, [i for i, r in enumerate(self._results) if r is None])
+            self._abort_requested = False
+            return True
+        self._abort_everything(queued)
+        return False
 
-    def _run_assigned(self, queue: deque) -> None:
-        """Requests that name their engine ("engine_index", as RolloutManager's per-engine dispatch sends them)
-        queue there (FIFO per engine); the others go round robin."""
-        engines = self._engines
-        queues = [deque() for _ in engines]
-        for k, req in enumerate(queue):
-            queues[(req.engine if req.engine is not None else k) % len(engines)].append(req)
-        for engine, own in zip(engines, queues):
-            while own and len(engine.heap) < self.timing.slots_per_engine:
-                self._admit(engine, own.popleft())
-        index = {id(e): i for i, e in enumerate(engines)}
-        if self._loop(lambda engine: queues[index[id(engine)]]):
-            self._abort_everything(deque(req for own in queues for req in own))
-
-    def _loop(self, queue_of) -> bool:
-        """Run events until every engine is idle (-> False) or an abort is requested (-> True)."""
+    def _loop(self, queue_of, until: int | None = None) -> bool:
+        """Run events until every engine is idle or the next event lies past `until` (-> False), or a stop is
+        requested (-> True)."""
         engines, size = self._engines, self.timing.slots_per_engine
         while not self._abort_requested:
             busy = [e for e in engines if e.heap]
@@ -205,6 +296,8 @@ class SimulatedEngine:
                 return False
             engine = min(busy, key=lambda e: e.next_event(self._base, self._per_seq))  # ties: lowest index
             now = engine.next_event(self._base, self._per_seq)
+            if until is not None and now > until:
+                return False
             engine.account(now)
             self._now = now
             engine.steps, engine.pending_prefill = engine.heap[0][0], 0
@@ -236,9 +329,12 @@ class SimulatedEngine:
         req.eos = remaining <= req.budget
         req.produce = min(remaining, req.budget)
         req.start_step = engine.steps
+        req.spans = [(self.weight_version, 0)]
         heapq.heappush(engine.heap, (engine.steps + req.produce, req.index, req))
         engine.pending_prefill += self._prefill * req.input_len
         self.prefill_tokens += req.input_len
+        if req.start:
+            self.continued_prefill_tokens += req.input_len
 
     @staticmethod
     def _finish_type(req: _Request) -> str:
@@ -256,6 +352,8 @@ class SimulatedEngine:
             engine.heap.clear()
         cut += [(req, 0) for req in queue]
         queue.clear()
+        for engine in self._engines:
+            engine.t = self._now
         for req, produced in sorted(cut, key=lambda item: item[0].index):
             if req.j is not None and produced == 0 and req.start == 0:
                 heapq.heappush(self._free_j[req.group], req.j)  # no token carries its key: hand j out again
@@ -269,10 +367,32 @@ class SimulatedEngine:
         ends_with_eos = finish != "abort" and req.eos and produced == req.produce
         ids, entries = response_tokens(req.start, produced, req.j if req.j is not None else 0, ends_with_eos,
                                        self.eos)
+        spans = [(v, start, end) for (v, start), end in zip(req.spans, [s for _, s in req.spans[1:]] + [produced])
+                 if end > start] if len(req.spans) > 1 else None
         response = answer(req.rid, req.input_len, ids, entries if req.return_logprob else None, finish, self.eos,
-                          self.weight_version, (self._now - req.received_ns) / NS)
+                          self.weight_version, (self._now - req.received_ns) / NS, spans)
         self.tokens_generated += produced
+        if not self._running:
+            self.detached_tokens += produced
         self.requests_done += 1
         self._results[req.index] = response
         if self._on_result is not None and self._on_result(req.index, response) is True:
-            self.abort_all()
+            self._abort_requested = True
+
+
+class _Queues:
+    """The per-engine queues of a detached call as one: empty when all are, clear() empties all, iteration yields
+    their requests (what _abort_everything needs)."""
+
+    def __init__(self, queues: list[deque]):
+        self.queues = queues
+
+    def __bool__(self) -> bool:
+        return any(self.queues)
+
+    def __iter__(self):
+        return (req for own in self.queues for req in own)
+
+    def clear(self) -> None:
+        for own in self.queues:
+            own.clear()

@@ -100,8 +100,9 @@ def response_tokens(start: int, count: int, j: int, ends_with_eos: bool, eos: in
 
 
 def answer(rid: str, prompt_tokens: int, ids: list[int], entries: list[list] | None, finish: str, eos: int,
-           weight_version, latency_s: float) -> dict:
-    """One SGLang /generate answer (spillover.rollout.sglang.protocol.GenerateResponse)."""
+           weight_version, latency_s: float, spans: list[tuple[int, int, int]] | None = None) -> dict:
+    """One SGLang /generate answer (spillover.rollout.sglang.protocol.GenerateResponse); spans (version, start, end)
+    over output positions: the request lived through a weight update (meta_info.weight_versions)."""
     reason: dict = {"type": finish}
     if finish == "stop":
         reason["matched"] = eos
@@ -109,6 +110,8 @@ def answer(rid: str, prompt_tokens: int, ids: list[int], entries: list[list] | N
         reason["length"] = len(ids)
     else:
         reason["message"] = "aborted (abort_all)"
-    return {"output_ids": ids, "meta_info": {
-        "id": rid, "finish_reason": reason, "prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
-        "weight_version": weight_version, "output_token_logprobs": entries, "e2e_latency": latency_s}}
+    meta = {"id": rid, "finish_reason": reason, "prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
+            "weight_version": weight_version, "output_token_logprobs": entries, "e2e_latency": latency_s}
+    if spans:
+        meta["weight_versions"] = [{"version": str(v), "start": start, "end": end} for v, start, end in spans]
+    return {"output_ids": ids, "meta_info": meta}
