@@ -48,10 +48,10 @@ from spillover.infra.config.rollout import RolloutConfig  # noqa: E402
 from spillover.rollout.dock.transfer_dock import TransferDock  # noqa: E402
 from bench.simulator.engine import EngineTiming, SimulatedEngine  # noqa: E402
 from bench.simulator.workload import DEFAULT_EOS, LognormalLengths, simulated_prompt  # noqa: E402
-from spillover.rollout.drivers.rounds import generate_rounds  # noqa: E402
+from spillover.rollout.drivers.rounds import DetachedRows, generate_rounds  # noqa: E402
 from spillover.rollout.drivers.requests import SamplingSettings  # noqa: E402
 from spillover.rollout.prompt_data import groups_for_iteration  # noqa: E402
-from bench.longtail_modes import MODES, Workload  # noqa: E402
+from bench.longtail_modes import DISAGGREGATED_MODES, MODES, TODAY_MODES, Workload, pause_mode  # noqa: E402
 
 log = logging.getLogger("longtail")
 ENDLESS = 10**9  # iterations of the run as groups_for_iteration sees it: never the last, never draining
@@ -61,9 +61,11 @@ def build_dock(cfg: RolloutConfig, eos_ids: list[int]) -> TransferDock:
     return TransferDock.from_config(cfg, eos_ids)  # the staleness bound as a run has it (rollout.require_max_age_all_finished)
 
 
-def generate_and_select(dock: TransferDock, engine, cfg: RolloutConfig, eos_ids: list[int], version: int) -> dict:
+def generate_and_select(dock: TransferDock, engine, cfg: RolloutConfig, eos_ids: list[int], version: int,
+                        detached: DetachedRows | None = None) -> dict:
     """What the flow's generate step does: the driver loop's rounds (cfg.mode) until the dock is ready, then the batch."""
-    stats = generate_rounds(dock, engine, cfg, SamplingSettings.from_rollout(cfg, eos_ids), version, drain=False)
+    stats = generate_rounds(dock, engine, cfg, SamplingSettings.from_rollout(cfg, eos_ids), version, drain=False,
+                            detached=detached)
     dock.select_batch()
     return stats.as_dict()
 
@@ -80,6 +82,7 @@ class ModeRun:
         self.clock, self.update, self.eos_ids, self.usage, self.prepare = clock, update, eos_ids, usage, prepare
         self.cfg = work.rollout_config(mode)
         self.dock = build_dock(self.cfg, eos_ids)
+        self.detached = DetachedRows() if self.cfg.overlap else None
         self.rows: list[dict] = []
         self.next_id, self.wall_s = 0, 0.0
 
@@ -92,24 +95,37 @@ class ModeRun:
         if self.prepare:
             self.prepare(it)
         before, start = self.usage() if self.usage else {}, self.clock()
-        stats = generate_and_select(dock, self.engine, self.cfg, self.eos_ids, it)
+        stats = generate_and_select(dock, self.engine, self.cfg, self.eos_ids, it, self.detached)
         rollout_s = self.clock() - start
         after = self.usage() if self.usage else {}
         batch = dock.batch_arrays()
         versions = batch["weight_versions"]
         row = {"rollout_s": rollout_s, "rounds": stats["rounds"], "trained": int(batch["response_lengths"].sum()),
                "stale": int((versions < it).sum()), "max_lag": int(it - versions.min()) if len(versions) else 0,
-               "generated": stats["tokens_generated"], **{k: after[k] - before[k] for k in after if k != "clock_s"}}
-        dock.clear()
+               "generated": stats["tokens_generated"], "detached": stats["detached_tokens"],
+               **{k: after[k] - before[k] for k in after if k != "clock_s"}}
+        dock.clear(keep_generating=self.cfg.overlap)
         row["update_s"] = self.update(it + 1)
+        if "recomputed_prefill_tokens" in after:  # over the whole iteration: pauses fall in the update
+            end = self.usage()
+            row["update_busy_s"] = end["engine_busy_s"] - after["engine_busy_s"]  # overlap: detached requests
+            row["recomputed_prefill"] = (end["recomputed_prefill_tokens"] + end["continued_prefill_tokens"]
+                                         - before["recomputed_prefill_tokens"] - before["continued_prefill_tokens"])
         self.rows.append(row)
         self.wall_s += time.perf_counter() - wall0
         log.info("%s iteration %d: %s", self.mode, it, {k: round(v, 3) if isinstance(v, float) else v
                                                        for k, v in row.items()})
 
     def result(self, warmup: int) -> dict:
-        return summarize(self.mode, self.cfg, self.rows[warmup:], self.wall_s, getattr(self.engine, "slots", None),
-                         self.work.token_scale)
+        out = summarize(self.mode, self.cfg, self.rows[warmup:], self.wall_s, getattr(self.engine, "slots", None),
+                        self.work.token_scale)
+        if self.usage and "tokens_generated" in self.usage():
+            # every token the engines made either reached the dock, waits in a detached answer, or was lost
+            waiting = sum(len(a.get("output_ids") or []) for a in self.engine.collect_detached().values()) \
+                if self.detached is not None else 0
+            lost = self.usage()["tokens_generated"] - sum(r["generated"] for r in self.rows) - waiting
+            out["discarded_tokens_per_update"] = round(lost * self.work.token_scale / len(self.rows))
+        return out
 
 
 def run_mode(mode: str, work: Workload, engine, prompt_for, clock, update, iterations: int, warmup: int,
@@ -121,7 +137,7 @@ def run_mode(mode: str, work: Workload, engine, prompt_for, clock, update, itera
     return run.result(warmup)
 
 
-TOKEN_KEYS = ("trained", "stale", "generated", "tokens_generated", "prefill_tokens")
+TOKEN_KEYS = ("trained", "stale", "generated", "tokens_generated", "prefill_tokens", "detached", "recomputed_prefill")
 
 
 def summarize(mode: str, cfg: RolloutConfig, rows: list[dict], wall_s: float, slots: tuple[int, int] | None,
@@ -142,13 +158,20 @@ def summarize(mode: str, cfg: RolloutConfig, rows: list[dict], wall_s: float, sl
            "trained_tokens_per_iteration": round(trained / len(rows)),
            "token_scale": token_scale, "max_split": cfg.max_split, "max_age": cfg.effective_max_age, "driver": cfg.mode,
            "over_sampling_groups": cfg.over_sampling_groups, "measured_iterations": len(rows),
-           "wall_s": round(wall_s, 1)}
+           "wall_s": round(wall_s, 1), "overlap": cfg.overlap, "pause_mode": pause_mode(mode),
+           "detached_tokens_per_iteration": round(total("detached") / len(rows))}
     if slots and "engine_busy_s" in rows[0]:
         engines, per_engine = slots
         out["engine_idle_share"] = round(max(0.0, 1 - total("engine_busy_s") / (engines * rollout)), 4)
         out["slot_idle_share"] = round(max(0.0, 1 - total("slot_busy_s") / (engines * per_engine * rollout)), 4)
     if "prefill_tokens" in rows[0]:
         out["prefill_tokens_per_iteration"] = round(total("prefill_tokens") / len(rows))
+    if "recomputed_prefill" in rows[0]:
+        # prefill done again because a request stopped (abort at the ready point, at a pause, or collected) or its
+        # KV was dropped (retract): what partial rollout pays instead of discarding tokens
+        out["recomputed_prefill_tokens_per_update"] = round(total("recomputed_prefill") / len(rows))
+        if slots and total("update_s"):
+            out["update_engine_busy_share"] = round(total("update_busy_s") / (slots[0] * total("update_s")), 4)
     return out
 
 
@@ -183,30 +206,39 @@ class SimulatedRun:
         self.args = args
 
     def run(self, mode: str, work: Workload) -> dict:
-        engine = SimulatedEngine(self.timing, self.lengths, eos_token_id=DEFAULT_EOS)
+        overlap = pause_mode(mode) is not None
+        engine = SimulatedEngine(self.timing, self.lengths, eos_token_id=DEFAULT_EOS,
+                                 **({"pause_mode": pause_mode(mode)} if overlap else {}))
         engine.slots = (self.timing.num_engines, self.timing.slots_per_engine)
         engine.shared_queue = not mode.endswith("_pinned")  # pinned: every row queues on the engine dispatch chose
 
         def update(version: int) -> float:
-            engine.update_weights(None, version)
-            engine.advance(work.update_s)
+            if overlap:  # the learner trains while detached requests decode; the engines pause only for the swap
+                engine.advance(work.update_s - work.swap_s)
+                engine.update_weights(None, version, pause_s=work.swap_s)
+            else:
+                engine.update_weights(None, version)
+                engine.advance(work.update_s)
             return work.update_s
 
         prompt = work.prompt_tokens // work.token_scale
         result = run_mode(mode, work, engine, lambda g: simulated_prompt(g, prompt), lambda: engine.clock_s,
                           update, self.args.iterations, self.args.warmup, [DEFAULT_EOS], engine.usage)
         result["tokens_per_s_bound"] = round(self.bound(result["trained_tokens_per_iteration"],
-                                                        result["generated_tokens_per_iteration"], work), 1)
+                                                        result["generated_tokens_per_iteration"], work, overlap), 1)
         return result
 
-    def bound(self, trained: float, generated: float, work: Workload) -> float:
+    def bound(self, trained: float, generated: float, work: Workload, overlap: bool = False) -> float:
         """The most trained tokens/s the iterations' token counts allow on this timing model: the generated tokens
         with every slot of every engine decoding all the time (step_base + step_per_seq x slots per step), each
-        prompt prefilled once, the update serial. Re-prefill of continued rows, idle slots and waiting for a tail
-        only lower it."""
+        prompt prefilled once, the update serial; with overlap the update hidden behind generation except for the
+        swap (an iteration lasts at least the update, and the engines work all of it but the swap). Re-prefill of
+        continued rows, idle slots and waiting for a tail only lower it."""
         a = self.args
         decode_rate = a.engines * a.slots / (a.step_base_ms / 1e3 + a.step_per_seq_ms / 1e3 * a.slots)
         prefill_s = work.gbs * work.n * work.prompt_tokens * a.prefill_us_per_token / 1e6 / a.engines
+        if overlap:
+            return trained / max(work.update_s, generated / decode_rate + prefill_s + work.swap_s)
         return trained / (generated / decode_rate + prefill_s + work.update_s)
 
 
@@ -216,7 +248,11 @@ def parse_args(argv=None):
     p.add_argument("--local", action="store_true", help="with --real: engines in this process, no Ray or router "
                    "(bench/local_engines.py; the GPU machine has neither)")
     p.add_argument("--device", default=None, help="with --real --local: the engines' device (cuda, cpu)")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    p.add_argument("--workload", choices=("colocated", "disaggregated"), default="colocated",
+                   help="colocated (default): a short update, independent lengths, today's modes; disaggregated: "
+                   "learner on its own GPUs, the update about half of no_partial's rollout (--update-s 450, "
+                   "--swap-s 5), --group-share 0.5, and the overlap modes")
+    p.add_argument("--modes", default=None, help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--iterations", type=int, default=None, help="measured iterations per mode (sim 3, real 5)")
     p.add_argument("--warmup", type=int, default=None, help="iterations run before measuring (default 2)")
     p.add_argument("--gbs", type=int, default=None, help="groups per batch (sim 512, real 32)")
@@ -224,14 +260,18 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=None, help="response token limit (sim 32768, real 512)")
     p.add_argument("--median", type=float, default=None, help="median natural length (sim 2000, real 32)")
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of natural lengths")
-    p.add_argument("--group-share", type=float, default=0.0,
-                   help="share of the log-length variance shared by a group's samples (0: independent samples)")
+    p.add_argument("--group-share", type=float, default=None,
+                   help="share of the log-length variance shared by a group's samples (0, disaggregated 0.5: "
+                   "independent samples)")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="sim: prompt length (256); real: room left for the prompt in max_model_len (16)")
     p.add_argument("--async-max-age", type=int, default=4,
                    help="max_age of the async and over_sampling modes (rows at max age finish before a batch)")
     p.add_argument("--over-sampling-groups", type=int, default=None, help="extra groups (default GBS / 2)")
-    p.add_argument("--update-s", type=float, default=30.0, help="sim: virtual seconds of the learner update")
+    p.add_argument("--update-s", type=float, default=None,
+                   help="sim: virtual seconds of the learner update (30; disaggregated 450)")
+    p.add_argument("--swap-s", type=float, default=None,
+                   help="sim: of --update-s, the weight swap, when overlap modes pause generation (disaggregated 5)")
     p.add_argument("--engines", type=int, default=None, help="engines (sim 8, real 2 CPU engines)")
     p.add_argument("--slots", type=int, default=None, help="slots per engine (sim 256, real 16)")
     p.add_argument("--step-base-ms", type=float, default=15.0)
@@ -245,9 +285,15 @@ def parse_args(argv=None):
     defaults = {"iterations": 3 if sim else 5, "warmup": 2, "token_scale": 8 if sim else 1, "gbs": 512 if sim else 32,
                 "n": 16 if sim else 4, "max_tokens": 32768 if sim else 512, "median": 2000.0 if sim else 32.0,
                 "prompt_tokens": 256 if sim else 16, "slots": 256 if sim else 16, "engines": 8 if sim else 2}
+    disaggregated = args.workload == "disaggregated"
+    defaults.update({"update_s": 450.0 if disaggregated else 30.0, "swap_s": 5.0 if disaggregated else 0.0,
+                     "group_share": 0.5 if disaggregated else 0.0,
+                     "modes": ",".join(DISAGGREGATED_MODES if disaggregated else TODAY_MODES)})
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if not 0 <= args.swap_s <= args.update_s:
+        p.error(f"--swap-s ({args.swap_s}) must lie in [0, --update-s ({args.update_s})]")
     if args.over_sampling_groups is None:
         args.over_sampling_groups = args.gbs // 2
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -271,7 +317,7 @@ def main(argv=None) -> list[dict]:
     for name in ("longtail", "longtail.real"):  # importing Prefect (via the engines) disables existing loggers
         logging.getLogger(name).disabled = False
     work = Workload(args.gbs, args.n, args.max_tokens, args.prompt_tokens, args.async_max_age,
-                    args.over_sampling_groups, args.update_s, args.token_scale)
+                    args.over_sampling_groups, args.update_s, args.token_scale, args.swap_s)
     results = []
     try:
         if args.real:  # one iteration of each mode in turn: load on the shared CPUs hits every mode alike

@@ -30,7 +30,22 @@ MODE_SPECS = {
     "async_tail_engine_pinned": (2, "async", "async", 0, "length_aware", 4.0, 1),
     "no_partial_tail_engine_pinned": (1, "sync", None, 0, "length_aware", 4.0, 1),
 }
-MODES = tuple(MODE_SPECS)
+# rollout.overlap (issue 31): mode -> (the MODE_SPECS mode it runs, the engines' pause mode at a weight update)
+OVERLAP_MODES = {
+    "overlap_abort": ("async_la", "abort"),
+    "overlap_retract": ("async_la", "retract"),
+    "overlap_in_place": ("async_la", "in_place"),
+    "overlap_age2_abort": ("async_age2_la", "abort"),
+    "overlap_age2_in_place": ("async_age2_la", "in_place"),
+}
+MODES = tuple(MODE_SPECS) + tuple(OVERLAP_MODES)
+TODAY_MODES = tuple(MODE_SPECS)  # the default workload's modes
+DISAGGREGATED_MODES = ("no_partial", "async_la", "async_age2_la", "over_sampling_la") + tuple(OVERLAP_MODES)
+
+
+def pause_mode(mode: str) -> str | None:
+    """The pause mode of an overlap mode; None for the others."""
+    return OVERLAP_MODES[mode][1] if mode in OVERLAP_MODES else None
 
 
 @dataclass
@@ -43,15 +58,18 @@ class Workload:
     over_sampling_groups: int
     update_s: float
     token_scale: int = 1  # tokens the dock and engine see = real tokens / token_scale
+    swap_s: float = 0.0   # of update_s: the weight swap, when the engines pause (overlap modes generate through the rest)
 
     def rollout_config(self, mode: str) -> RolloutConfig:
-        if mode not in MODE_SPECS:
+        if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-        split, driver, age, extra, scheduling, tail, *tail_engines = MODE_SPECS[mode]
+        overlap = mode in OVERLAP_MODES
+        split, driver, age, extra, scheduling, tail, *tail_engines = MODE_SPECS[OVERLAP_MODES[mode][0] if overlap
+                                                                                else mode]
         age = self.async_max_age if age == "async" else age
         extra = self.over_sampling_groups if extra == "os" else extra
         max_tokens, prompt = self.max_tokens // self.token_scale, self.prompt_tokens // self.token_scale
         return RolloutConfig(global_batch_size=self.gbs, n_samples_per_prompt=self.n, max_tokens=max_tokens,
                              max_model_len=max_tokens + prompt, max_split=split, mode=driver,
                              max_age=age, over_sampling_groups=extra, scheduling=scheduling, tail_factor=tail,
-                             tail_engines=tail_engines[0] if tail_engines else 0)
+                             tail_engines=tail_engines[0] if tail_engines else 0, overlap=overlap)
