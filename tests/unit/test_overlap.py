@@ -1,0 +1,139 @@
+"""rollout.overlap through the real driver and dock on the simulated engine (the fake stands in for SGLang, which
+cannot run here): requests left running when the dock is ready decode on through the update, pause for the swap in
+each pause mode, and land in the dock at the next generate; the dock invariant holds as
+tests/unit/test_scheduling_invariant.py checks it (every group trained once with its whole natural response, no
+token lost, token_staleness_max <= max_age - 1)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from bench.simulator.engine import EngineTiming, SimulatedEngine
+from bench.simulator.workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths, TableLengths,
+                                      simulated_prompt)
+from spillover.infra.config.rollout import RolloutConfig
+from spillover.rollout.dock.staleness import token_staleness_max
+from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.drivers.default_rollout import generate_training_batch
+from spillover.rollout.drivers.rounds import DetachedRows
+from spillover.rollout.prompt_data import groups_for_iteration
+
+PROMPT = 4
+ITERATIONS = 8
+
+
+def _check_group(dock: TransferDock, g: int, natural: np.ndarray, max_tokens: int) -> int:
+    """The batch group g holds exactly its natural responses (capped) -> its tokens."""
+    slot = int(np.flatnonzero(dock.group_ids == g)[0])
+    got, total = [], 0
+    for row in range(slot * dock.n, slot * dock.n + dock.n):
+        tokens = dock.responses.gather(np.array([row]), "tokens").tolist()
+        stops = bool(dock.stopped[row])
+        assert dock.complete[row] and (stops or len(tokens) == max_tokens)
+        if len(tokens) > 1 or not stops:  # a 1-token sample is only its EOS (it overwrites the key)
+            j = tokens[0] - SAMPLE_KEY_BASE
+            assert tokens == [SAMPLE_KEY_BASE + j] + [FILL_TOKEN] * (len(tokens) - 1 - stops) + [DEFAULT_EOS] * stops
+            assert len(tokens) == min(int(natural[j]), max_tokens)
+        got.append(len(tokens))
+        total += len(tokens)
+    assert sorted(got) == sorted(np.minimum(natural, max_tokens).tolist())
+    return total
+
+
+@pytest.mark.parametrize("pause_mode", ["abort", "retract", "in_place"])
+@pytest.mark.parametrize("max_age", [2, 3])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_overlap_keeps_the_dock_invariant(pause_mode, max_age, seed):
+    cfg = RolloutConfig(global_batch_size=3, n_samples_per_prompt=3, max_tokens=48, max_model_len=48 + PROMPT,
+                        max_split=2, mode="async", max_age=max_age, scheduling="length_aware", overlap=True)
+    lengths = LognormalLengths(n=3, median=8, sigma=1.2, seed=seed, group_share=0.5)
+    engine = SimulatedEngine(EngineTiming(2, 3, 0.01, 0.001, 0.0001), lengths, eos_token_id=DEFAULT_EOS,
+                             pause_mode=pause_mode)
+    dock, detached = TransferDock.from_config(cfg, [DEFAULT_EOS]), DetachedRows()
+    loaded, trained, tokens_trained, next_id, detached_tokens, mixed = [], Counter(), 0, 0, 0, 0
+    for it in range(ITERATIONS):
+        count = groups_for_iteration(dock, it, ITERATIONS)
+        ids = list(range(next_id, next_id + count))
+        next_id += count
+        if count:
+            dock.load_groups(ids, [simulated_prompt(g, PROMPT) for g in ids], [None] * count)
+        loaded += ids
+        stats = generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], it, drain=it == ITERATIONS - 1,
+                                        detached=detached)
+        detached_tokens += stats.detached_tokens
+        batch = dock.batch_arrays()
+        assert token_staleness_max(batch["weight_versions"], it) <= max_age - 1
+        for g in dock.batch_group_ids().tolist():
+            trained[g] += 1
+            tokens_trained += _check_group(dock, g, lengths.group_lengths(g), cfg.max_tokens)
+        versions, offsets = batch["weight_versions"], np.cumsum(batch["response_lengths"])[:-1]
+        mixed += sum(len(set(v.tolist())) > 1 for v in np.split(versions, offsets))
+        dock.clear(keep_generating=True)
+        engine.advance(0.08)  # the learner's update: detached requests decode on ...
+        engine.update_weights(None, it + 1, pause_s=0.02)  # ... and pause for the swap
+    assert not dock.in_flight.any() and dock.stats()["loaded_groups"] == 0
+    assert sorted(trained) == sorted(loaded) and set(trained.values()) == {1}
+    assert engine.tokens_generated == tokens_trained  # no token lost, none twice
+    assert detached_tokens > 0  # tokens were generated while the update ran
+    if pause_mode == "in_place":
+        assert mixed > 0  # some trained samples lived through an update: tokens of two versions
+
+
+@pytest.mark.parametrize("pause_mode", ["abort", "retract", "in_place"])
+def test_detached_answers_land_at_the_next_generate(pause_mode):
+    """Group 0 finishes first and is trained; group 1's rows run on through the update and are written, with the
+    version of each token, when the next generate starts: that call needs no round."""
+    cfg = RolloutConfig(global_batch_size=1, n_samples_per_prompt=2, max_tokens=40, max_model_len=40 + PROMPT,
+                        max_split=2, mode="async", max_age=3, overlap=True)
+    engine = SimulatedEngine(EngineTiming(1, 4, 0.01, 0.0, 0.0), TableLengths({0: [2, 3], 1: [20, 20]}),
+                             eos_token_id=DEFAULT_EOS, pause_mode=pause_mode)
+    dock, detached = TransferDock.from_config(cfg, [DEFAULT_EOS]), DetachedRows()
+    dock.load_groups([0, 1], [simulated_prompt(g, PROMPT) for g in (0, 1)], [None, None])
+    first = generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], 0, drain=False, detached=detached)
+    assert dock.batch_group_ids().tolist() == [0] and first.tokens_generated == 5
+    assert dock.in_flight[2:4].all() and dock.responses.length[2:4].tolist() == [0, 0]
+    dock.clear(keep_generating=True)
+    engine.advance(0.05)                                # 5 more steps: 8 tokens each by now
+    engine.update_weights(None, 1, pause_s=0.5)          # the swap: nothing decodes
+    engine.advance(0.2)                                  # clear and checkpoint: 20 more steps
+    second = generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], 1, drain=False, detached=detached)
+    versions = dock.batch_arrays()["weight_versions"].reshape(2, 20).tolist()
+    if pause_mode == "abort":  # cut at the swap with 8 tokens each; the rest is generated by version 1 in a round
+        assert second.detached_tokens == 16 and second.rounds == 1
+        assert versions == [[0] * 8 + [1] * 12] * 2
+    else:  # they finished during the clear: no round needed
+        assert second.detached_tokens == 40 and second.rounds == 0
+        assert versions == [[0] * 8 + [1] * 12] * 2
+    assert dock.batch_group_ids().tolist() == [1]
+
+
+def test_retract_recomputes_the_kv_and_in_place_does_not():
+    def run(mode: str) -> SimulatedEngine:
+        engine = SimulatedEngine(EngineTiming(1, 4, 0.01, 0.0, 0.001), TableLengths({0: [2, 30]}),
+                                 eos_token_id=DEFAULT_EOS, pause_mode=mode)
+        requests = [{"input_ids": simulated_prompt(0, PROMPT), "sampling_params": {"max_new_tokens": 40}}] * 2
+        answers = engine.generate(requests, on_result=lambda i, a: True, detach=True)
+        assert answers[1] is None and answers[0]["meta_info"]["finish_reason"]["type"] == "stop"
+        engine.advance(0.1)
+        engine.update_weights(None, 1, pause_s=1.0)
+        engine.advance(1.0)
+        late = engine.collect_detached()
+        assert list(late) == [1] and late[1]["meta_info"]["finish_reason"]["type"] == "stop"
+        assert late[1]["meta_info"]["weight_versions"][-1]["version"] == "1"
+        assert engine.collect_detached() == {}
+        return engine
+
+    retract, in_place = run("retract"), run("in_place")
+    assert in_place.recomputed_prefill_tokens == 0
+    assert retract.recomputed_prefill_tokens == PROMPT + 12  # prompt + the 12 tokens made before the pause
+    assert retract.clock_s == in_place.clock_s  # the answers wait for collect either way
+
+
+def test_a_new_generate_before_collecting_is_refused():
+    engine = SimulatedEngine(EngineTiming(1, 4, 0.01, 0.0, 0.0), TableLengths({0: [2, 30]}), eos_token_id=DEFAULT_EOS)
+    requests = [{"input_ids": simulated_prompt(0, PROMPT), "sampling_params": {"max_new_tokens": 40}}] * 2
+    engine.generate(requests, on_result=lambda i, a: True, detach=True)
+    with pytest.raises(RuntimeError, match="collect_detached"):
+        engine.generate(requests)
