@@ -18,7 +18,10 @@ request to the first free slot), *_pinned with every row pinned to an engine as 
 expected tokens, a group's rows spread), tail_batching (over-sampled, rows expected > 4x the median wait for
 the long round every 2nd iteration), *_tail_engine_pinned (those rows on one reserved engine every round),
 async_age2* (max_age 2: no trained token more than one version old); with --real, *_router orders rows
-length-aware but sends them all through the router (no pinning). --group-share gives a group's samples
+length-aware but sends them all through the router (no pinning). Issue 31 (rollout.overlap, --workload
+disaggregated): overlap_{abort,retract,in_place} (async_la's rows, max_age 3: the requests running when the dock is
+ready decode on through the update and pause only for the --swap-s weight swap, in that pause mode),
+overlap_age2_* (max_age 2), overlap_os_age4_in_place (over-sampled, max_age 4). --group-share gives a group's samples
 correlated lengths (hard prompts); at 0, the default, they are independent and siblings predict nothing.
 
 Keys (one JSON line per mode on stdout; logs on stderr):
@@ -30,7 +33,14 @@ Keys (one JSON line per mode on stdout; logs on stderr):
   token_staleness_max  the most versions any trained token lagged the weights it was trained from
   speedup            tokens_per_s over no_partial's; rollout_speedup the same on generation time only
   speedup_bound      (simulated) the ceiling of speedup for the mode's trained tokens: every slot decoding all the
-                     time, prompts prefilled once, the update serial (SimulatedRun.bound); no dispatch beats it
+                     time, prompts prefilled once, the update serial (overlap: hidden but for the swap;
+                     SimulatedRun.bound); no dispatch beats it
+  overlap, pause_mode  rollout.overlap and the engines' pause mode at a weight update (overlap modes)
+  discarded_tokens_per_update  tokens the engines generated that never reached the dock (made - kept - waiting)
+  recomputed_prefill_tokens_per_update  prefill done again per iteration: continued rows re-sent after an abort
+                     (ready point, pause, collect) and retract's KV recompute; what partial rollout pays instead
+  detached_tokens_per_iteration  tokens generated after the round detached (through the update), written next call
+  update_engine_busy_share  share of engine time during the update with a request running
 """
 from __future__ import annotations
 

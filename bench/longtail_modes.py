@@ -30,13 +30,17 @@ MODE_SPECS = {
     "async_tail_engine_pinned": (2, "async", "async", 0, "length_aware", 4.0, 1),
     "no_partial_tail_engine_pinned": (1, "sync", None, 0, "length_aware", 4.0, 1),
 }
-# rollout.overlap (issue 31): mode -> (the MODE_SPECS mode it runs, the engines' pause mode at a weight update)
+# rollout.overlap (issue 31): mode -> (its MODE_SPECS-shaped spec, the engines' pause mode at a weight update);
+# max_age 3 (no trained token more than 2 versions old) or 2; overlap_os_age4 over-samples and allows 3 versions
+_OVERLAP = (2, "async", 3, 0, "length_aware", 0.0)
+_OVERLAP_AGE2 = (2, "async", 2, 0, "length_aware", 0.0)
 OVERLAP_MODES = {
-    "overlap_abort": ("async_la", "abort"),
-    "overlap_retract": ("async_la", "retract"),
-    "overlap_in_place": ("async_la", "in_place"),
-    "overlap_age2_abort": ("async_age2_la", "abort"),
-    "overlap_age2_in_place": ("async_age2_la", "in_place"),
+    "overlap_abort": (_OVERLAP, "abort"),
+    "overlap_retract": (_OVERLAP, "retract"),
+    "overlap_in_place": (_OVERLAP, "in_place"),
+    "overlap_age2_abort": (_OVERLAP_AGE2, "abort"),
+    "overlap_age2_in_place": (_OVERLAP_AGE2, "in_place"),
+    "overlap_os_age4_in_place": ((2, "async", 4, "os", "length_aware", 0.0), "in_place"),
 }
 MODES = tuple(MODE_SPECS) + tuple(OVERLAP_MODES)
 TODAY_MODES = tuple(MODE_SPECS)  # the default workload's modes
@@ -64,8 +68,8 @@ class Workload:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         overlap = mode in OVERLAP_MODES
-        split, driver, age, extra, scheduling, tail, *tail_engines = MODE_SPECS[OVERLAP_MODES[mode][0] if overlap
-                                                                                else mode]
+        spec = OVERLAP_MODES[mode][0] if overlap else MODE_SPECS[mode]
+        split, driver, age, extra, scheduling, tail, *tail_engines = spec
         age = self.async_max_age if age == "async" else age
         extra = self.over_sampling_groups if extra == "os" else extra
         max_tokens, prompt = self.max_tokens // self.token_scale, self.prompt_tokens // self.token_scale
