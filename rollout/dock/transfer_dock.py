@@ -184,12 +184,14 @@ class TransferDock:
         return TokenRows(self.prompts, rows // self.n, self.responses, rows), self.max_new_tokens(rows, round_tokens)
 
     def put_generation(self, rows, tokens, logprobs, weight_version: int | np.ndarray,
-                       finished_by_stop: np.ndarray | Sequence[bool]) -> None:
+                       finished_by_stop: np.ndarray | Sequence[bool], current_version: int | None = None) -> None:
         """Append generated tokens/logprobs/version to in-flight rows; they leave the in-flight state.
 
         tokens and logprobs: list of per-row lists, or (flat, lengths). A row is complete on a stop
         (finished_by_stop, or its last new token is an EOS id), on prompt+response >= max_model_len, or
-        on response >= max_tokens. Any inconsistency raises before anything changes.
+        on response >= max_tokens. Any inconsistency raises before anything changes. current_version (the
+        weights being trained now; rollout.overlap): tokens made by older weights (they generated through an
+        update, outside the dock) age their group to at least current_version - their version.
         """
         rows = check_in_flight(check_rows(rows, self.capacity_rows, "put_generation"), self.in_flight, "put_generation")
         k = len(rows)
@@ -206,6 +208,11 @@ class TransferDock:
         self.responses.append(rows, lengths, {  # one version for every token (the common case) broadcasts
             "tokens": flat, "logprobs": flat_lp, "mask": 1,  # (a mask column exists in multi_turn docks only)
             "versions": versions[0] if one_version and len(versions) else versions.astype(np.int32)})
+        if current_version is not None and len(versions):
+            row_of_token = np.repeat(rows, lengths)
+            lag = np.zeros(self.capacity_groups, dtype=np.int64)
+            np.maximum.at(lag, row_of_token // self.n, int(current_version) - versions.astype(np.int64))
+            self.age[:] = np.maximum(self.age, np.repeat(lag, self.n)).astype(self.age.dtype)
         self.complete[rows] = complete
         self.stopped[rows] = stopped
         self.generated[rows] = True
@@ -278,16 +285,14 @@ class TransferDock:
         """Batch groups leave; every other generated row ages by one. -> small stats.
 
         keep_generating (rollout.overlap): rows outside the batch may still be in flight (their requests run on
-        through the update); they stay so, and their groups age as started ones."""
+        through the update); they stay so. Tokens they make outside the dock age their group when they arrive
+        (put_generation's current_version)."""
         batch = self._require_batch("clear")
         rows = (batch[:, None] * self.n + np.arange(self.n)).reshape(-1)
         flying = int(self.in_flight[rows].sum()) if keep_generating else int(self.in_flight.sum())
         if flying:
             raise DockError(f"clear: {flying} {'batch ' if keep_generating else ''}rows are in flight; "
                             "put_generation() or release() them first")
-        # rows still in flight here are generating through the update (rollout.overlap): their group's clock runs
-        # from now, as their next tokens come from these weights
-        generating = self.in_flight.reshape(self.capacity_groups, self.n).any(axis=1)
         self.group_ids[batch] = -1
         for slot in batch.tolist():
             self.labels[slot] = self.metadata[slot] = None
@@ -299,7 +304,7 @@ class TransferDock:
         self.env_reward[rows] = np.nan
         self.prompts.free(batch)
         self.responses.free(rows)
-        self.age += np.repeat(self.started_groups() | generating, self.n)  # a group ages as one, from its first token
+        self.age += np.repeat(self.started_groups(), self.n)  # a group ages as one, from its first token
         self.batch, self._batch_arrays = None, None
         carried = self.occupied_rows() & self.generated
         return {"trained_groups": int(len(batch)), "carried_rows": int(carried.sum()),

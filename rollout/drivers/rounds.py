@@ -102,7 +102,7 @@ class RoundHooks:
     def on_answers(self, rows: np.ndarray, answers: list[dict], stopping: bool) -> int:
         """Write the rows' answers into the dock (stopping: an earlier answer stopped the round) -> new tokens kept."""
         tokens, logprobs, stopped, version = parse_responses(answers, self.weight_version)
-        self.dock.put_generation(rows, tokens, logprobs, version, stopped)
+        self.dock.put_generation(rows, tokens, logprobs, version, stopped, current_version=self.weight_version)
         return sum(len(t) for t in tokens)
 
     def wait_for_rows(self) -> bool:

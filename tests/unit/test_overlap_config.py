@@ -42,14 +42,18 @@ def test_a_span_outside_the_output_is_refused():
         token_versions([{"version": "1", "start": 2, "end": 9}], 4, 1)
 
 
-def test_clear_keeps_rows_generating_through_the_update_and_ages_their_group():
-    dock = make_dock(gbs=1, n=2)
+def test_clear_keeps_rows_generating_and_their_older_tokens_age_the_group_when_they_arrive():
+    dock = make_dock(gbs=1, n=2, max_split=2, max_age=3)
     load(dock, [0, 1])
     finish_groups(dock, [0])
     dock.take_rows()  # group 1's rows: no token yet, still running when the batch is chosen
     dock.select_batch()
     dock.clear(keep_generating=True)
-    assert dock.in_flight[2:4].tolist() == [True, True] and dock.age[2:4].tolist() == [1, 1]
+    assert dock.in_flight[2:4].tolist() == [True, True] and dock.age[2:4].tolist() == [0, 0]
+    # made through the update by version 0 (and one token by version 1), written while version 1 trains
+    dock.put_generation(np.array([2, 3]), [[5, 6], [7]], [[-1.0, -1.0], [-1.0]], [[0, 1], [1]], [False, False],
+                        current_version=1)
+    assert dock.age[2:4].tolist() == [1, 1]
 
 
 def test_clear_refuses_batch_rows_in_flight_even_when_keeping_others():
