@@ -49,6 +49,21 @@ def aborted_response(body: dict, message: str) -> dict:
         "output_token_logprobs": [] if body.get("return_logprob") else None}}
 
 
+@dataclass(eq=False)
+class DetachedRound:
+    """A round whose caller returned while requests still ran (rollout.overlap): `runs` finishes once they have all
+    answered; `pending` are the indices the caller got no answer for."""
+
+    round: Round
+    runs: asyncio.Future
+    results: list
+    pending: list[int]
+
+    def tokens(self) -> int:
+        """Output tokens of the pending requests that have answered so far."""
+        return sum(len(self.results[i].get("output_ids") or []) for i in self.pending if self.results[i] is not None)
+
+
 class BatchGenerator:
     """Runs on the manager's loop. `recover()` is awaited after a failed attempt (a shared health check)."""
 
@@ -58,27 +73,50 @@ class BatchGenerator:
         self.router, self.engine_urls, self.client_for, self.recover = router, engine_urls, client_for, recover
         self.max_attempts, self.max_in_flight = max_attempts, max_in_flight
         self.rounds: set[Round] = set()
+        self.detached: DetachedRound | None = None
 
-    async def generate_round(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
+    async def generate_round(self, batch: list[dict], on_result: OnResult | None = None,
+                             detach: bool = False) -> list[dict | None]:
         """Answers in input order; on_result(index, answer) as each finishes. An on_result that returns True
         stops every running round and aborts every engine (abort_all); the call returns once they are idle.
+        With detach, it returns at once instead: the requests not answered yet run on (None in the answers) and
+        collect_detached hands their answers over; on_result is not called again after that True.
         A bad item raises after the others have finished (so no request is left running on an engine)."""
+        if self.detached is not None:
+            raise RuntimeError("a detached round still waits: collect_detached() before the next generate")
         round_ = Round()
         self.rounds.add(round_)
         limit = asyncio.Semaphore(self.max_in_flight)
         results: list[Any] = [None] * len(batch)
+        reported = [False] * len(batch)
         abort: asyncio.Future | None = None
+        detached = asyncio.Event()
 
         async def run(index: int, item: dict) -> None:
             nonlocal abort
             async with limit:
                 results[index] = await self.generate_one(item, round_)
-            if on_result is not None and on_result(index, results[index]) is True and abort is None:
-                self.stop_rounds()  # at once: nothing more is sent while the abort starts
-                abort = asyncio.ensure_future(self.abort_all())
+            if detached.is_set():  # the caller has gone on: collect_detached hands this answer over
+                return
+            reported[index] = True
+            if on_result is not None and on_result(index, results[index]) is True:
+                if detach:
+                    detached.set()
+                elif abort is None:
+                    self.stop_rounds()  # at once: nothing more is sent while the abort starts
+                    abort = asyncio.ensure_future(self.abort_all())
 
+        runs = asyncio.ensure_future(asyncio.gather(*(run(i, item) for i, item in enumerate(batch)),
+                                                    return_exceptions=True))
+        if detach:
+            stopped = asyncio.ensure_future(detached.wait())
+            await asyncio.wait({runs, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not runs.done():
+                self.detached = DetachedRound(round_, runs, results, [i for i, r in enumerate(reported) if not r])
+                return [r if done else None for r, done in zip(results, reported)]
         try:
-            outcomes = await asyncio.gather(*(run(i, item) for i, item in enumerate(batch)), return_exceptions=True)
+            outcomes = list(await runs)
             if abort is not None:
                 outcomes += await asyncio.gather(abort, return_exceptions=True)
         finally:
@@ -89,6 +127,23 @@ class BatchGenerator:
         if errors:
             raise errors[0]
         return results
+
+    async def collect_detached(self) -> dict[int, dict]:
+        """The detached round's unanswered requests: what still runs is aborted (its tokens so far come back), then
+        index -> answer for each; {} when no round is detached."""
+        detached, self.detached = self.detached, None
+        if detached is None:
+            return {}
+        try:
+            if not detached.runs.done():
+                await self.abort_all()
+            outcomes = await detached.runs
+        finally:
+            self.rounds.discard(detached.round)
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:
+            raise errors[0]
+        return {i: detached.results[i] for i in detached.pending}
 
     async def generate_one(self, item: dict, round_: Round) -> dict:
         body = request_body(item)

@@ -15,6 +15,7 @@ is released (offload) are never probed: they cannot generate, so they would fail
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -59,6 +60,7 @@ class RolloutManager:
         self.router: Router | None = None
         self.weights: FleetWeights | None = None  # what the engines serve, how updates reach them
         self.restarts = 0
+        self.overlap_counts = {"detached_tokens": 0, "updates_while_generating": 0}
         self._offloaded = False
         self._clients: dict[str, EngineClient] = {}
         self._engine_lock = asyncio.Lock()  # weight updates, offload/onload, health checks and restarts
@@ -135,13 +137,34 @@ class RolloutManager:
         return self._clients[url]
 
     # ---- generation (see rollout/fleet/generation.py) ------------------------------------------------------
-    def generate(self, batch: list[dict], on_result: OnResult | None = None) -> list[dict]:
+    def generate(self, batch: list[dict], on_result: OnResult | None = None, detach: bool = False) -> list[dict | None]:
         """SGLang /generate answers for `batch` (dicts of input_ids, sampling_params, rid?, return_logprob?),
         in input order, through the router. on_result(index, answer) runs on the manager's loop as each one
         finishes; returning True stops the round: every engine aborts (running requests come back with their
         tokens so far, unsent ones with none) and generate returns once the engines are idle. An item with an
-        "engine_index" goes to that engine, not through the router (rollout/fleet/pinned_router.py)."""
-        return self._call(self._gen.router.run, self._gen.generate_round, batch, on_result)
+        "engine_index" goes to that engine, not through the router (rollout/fleet/pinned_router.py).
+        detach=True (rollout.overlap): that True returns at once instead; the unanswered requests (None) run on,
+        through weight updates (paused in engines.pause_mode), until collect_detached."""
+        return self._call(self._gen.router.run, functools.partial(self._gen.generate_round, detach=detach), batch,
+                          on_result)
+
+    def collect_detached(self) -> dict[int, dict]:
+        """The last detached call's unanswered requests, what still runs aborted first: index -> answer."""
+        answers = self._call(self._gen.collect_detached)
+        self.overlap_counts["detached_tokens"] += sum(len(a.get("output_ids") or []) for a in answers.values())
+        return answers
+
+    @property
+    def detached_running(self) -> bool:
+        """Requests of a detached round still run on the engines (rollout.overlap)."""
+        detached = self._gen.detached
+        return detached is not None and not detached.runs.done()
+
+    def overlap_stats(self) -> dict[str, int]:
+        """Counters since the manager started: detached_tokens (tokens answered by requests left running past
+        their round) and updates_while_generating. No generated token is discarded by an update: retract keeps the
+        requests' tokens and recomputes their KV, abort returns them (the dock keeps them)."""
+        return dict(self.overlap_counts)
 
     @property
     def num_engines(self) -> int:  # what length-aware dispatch pins rows to (spillover.rollout.drivers.dispatch)
@@ -163,7 +186,20 @@ class RolloutManager:
         if update.kind == "colocated" and self._offloaded:
             await self._memory(False, None, restore=False)  # the weights come next, from the learner
         async with self._engine_lock:
-            await self.weights.update(update)
+            if not self.detached_running:
+                await self.weights.update(update)
+                return self.weight_versions
+            # rollout.overlap: requests run on through the update; the engines pause them, load, and continue
+            self.overlap_counts["updates_while_generating"] += 1
+            mode = self.cfg.pause_mode
+            await asyncio.gather(*(self._client(u).post(sgl.ENDPOINTS["pause_generation"],
+                                                        json=sgl.pause_generation_payload(mode)) for u in self.urls))
+            try:
+                await self.weights.update(update)
+            finally:
+                await asyncio.gather(*(self._client(u).post(sgl.ENDPOINTS["continue_generation"],
+                                                            json=sgl.continue_generation_payload())
+                                       for u in self.urls))
         return self.weight_versions
 
     def reset(self, model_path: str | Path, engines_cfg: EnginesConfig | None = None, seed: int | None = None) -> None:
@@ -179,6 +215,7 @@ class RolloutManager:
             self.start_health_monitor(self.cfg.health_interval_s)
 
     async def _reset(self, model_path: str, engines_cfg: EnginesConfig, seed: int | None) -> None:
+        await self._gen.collect_detached()  # a new run starts with no request of the last one running
         async with self._engine_lock:
             await self.weights.leave()
             self.cfg = self.pool.cfg = engines_cfg

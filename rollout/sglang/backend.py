@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from spillover.rollout.sglang.protocol import ContinueGenerationRequest, PauseGenerationRequest
+
 # Route names of SGLang's native HTTP server (http_server.py).
 ENDPOINTS = {
     "health_generate": "/health_generate",
@@ -33,6 +35,8 @@ ENDPOINTS = {
     "model_info": "/model_info",  # /get_model_info answers too, with a deprecation warning (0.5.23)
     "abort": "/abort_request",
     "flush_cache": "/flush_cache",
+    "pause_generation": "/pause_generation",
+    "continue_generation": "/continue_generation",
 }
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # torch_memory_saver regions SGLang can release
 WEIGHT_SELECTORS = ("all", "target", "draft")  # which model a weight-update session covers (draft: speculative)
@@ -108,6 +112,16 @@ def release_memory_payload(tags: Sequence[str] | None = None) -> dict[str, Any]:
 def resume_memory_payload(tags: Sequence[str] | None = None) -> dict[str, Any]:
     """ResumeMemoryOccupationReqInput; tags None resumes everything."""
     return {"tags": _tags(tags)}
+
+
+def pause_generation_payload(mode: str) -> dict[str, Any]:
+    """PauseGenerationReqInput (rollout/sglang/protocol.py: PauseGenerationRequest)."""
+    return PauseGenerationRequest(mode=mode).model_dump()
+
+
+def continue_generation_payload() -> dict[str, Any]:
+    """ContinueGenerationReqInput."""
+    return ContinueGenerationRequest().model_dump()
 
 
 def begin_weight_update_payload(selector: str = "all") -> dict[str, Any]:

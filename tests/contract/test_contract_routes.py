@@ -5,7 +5,7 @@ the project sends is one SGLang drops.
 Bodies come from the project's builders (rollout/sglang/backend.py) with the arguments their callers pass,
 and from the callers themselves where they build a body inline: DistributedWeights (rollout/fleet/weights.py) driven
 through a whole sync with recording clients, EngineClient (abort, update from disk) with its transport
-recorded. The project sends no /pause_generation, /continue_generation, /open_session or /close_session."""
+recorded. The project sends no /open_session or /close_session."""
 from __future__ import annotations
 
 import asyncio
@@ -84,6 +84,14 @@ def test_abort_bodies(sglang):
     for call in (lambda c: c.abort(abort_all=True), lambda c: c.abort(rid="a3f09c")):
         for body in recorded_client_bodies(call)["/abort_request"]:
             check(sglang, "/abort_request", body)
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract"])
+def test_pause_and_continue_bodies(sglang, mode):
+    """RolloutManager.update_weights while detached requests run (rollout.overlap): engines.pause_mode's body."""
+    answer = check(sglang, "/pause_generation", sgl.pause_generation_payload(mode))
+    assert answer["parsed"] is None or answer["parsed"]["mode"] == mode
+    check(sglang, "/continue_generation", sgl.continue_generation_payload())
 
 
 def recorded_client_bodies(call) -> dict[str, list[dict]]:

@@ -1,0 +1,60 @@
+"""rollout.overlap on the real fleet (the session's two torch engines as Ray actors behind the real sglang-router):
+a round detached by its on_result returns at once while its other requests run on; a weight update meanwhile pauses
+them in engines.pause_mode, loads and continues; collect_detached hands every one of them over. retract: the requests
+live through the update and report SGLang's meta_info.weight_versions spans (tokens of both versions, none lost);
+abort: they end at the pause with their tokens so far (kept: the dock continues them next iteration)."""
+from __future__ import annotations
+
+import pytest
+
+from waiting import wait_for
+
+from spillover.rollout.drivers.requests import parse_responses
+from spillover.rollout.fleet.weight_update import WeightUpdate
+
+LONG = {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
+SHORT = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+
+
+def requests(count: int) -> list[dict]:
+    """One short request (its answer detaches the round) and count - 1 long ones (still running then)."""
+    return [{"input_ids": [5, 6, 7, 8 + i], "sampling_params": dict(SHORT if i == 0 else LONG)} for i in range(count)]
+
+
+@pytest.mark.parametrize("pause_mode", ["retract", "abort"])
+def test_detached_requests_run_through_an_update_and_are_collected(rollout_manager, varied_model_dir, pause_mode):
+    m = rollout_manager
+    shared_cfg = m.cfg
+    m.cfg = shared_cfg.model_copy(update={"pause_mode": pause_mode})
+    before = m.overlap_stats()
+    try:
+        answers = m.generate(requests(16), on_result=lambda index, answer: index == 0, detach=True)
+        assert answers[0] is not None and len(answers[0]["output_ids"]) == 1
+        pending = [i for i, a in enumerate(answers) if a is None]
+        assert pending, "every request had finished before the round detached"
+        assert m.update_weights(WeightUpdate("disk", varied_model_dir, 3)) == {0: 3, 1: 3}
+        if pause_mode == "retract":
+            wait_for(lambda: not m.detached_running, 120, "the detached requests finishing after the update")
+        collected = m.collect_detached()
+        assert sorted(collected) == pending  # every detached request is handed over, once
+        assert m.collect_detached() == {}
+        tokens, _, _, versions = parse_responses([collected[i] for i in pending], default_version=0)
+        kinds = {collected[i]["meta_info"]["finish_reason"]["type"] for i in pending}
+        if pause_mode == "retract":
+            # they lived through the update: every token kept, the ones after it made by version 3
+            assert all(len(t) == LONG["max_new_tokens"] for t in tokens), [len(t) for t in tokens]
+            spanned = [v for v in versions if len(set(v.tolist())) > 1]
+            assert spanned, "no request reports tokens of two versions"
+            assert all(v[0] == 0 and v[-1] == 3 and (v[1:] >= v[:-1]).all() for v in spanned)
+            assert kinds == {"length"}
+        else:
+            # they ended at the pause with their tokens so far (an aborted request keeps them)
+            assert "abort" in kinds and all(len(t) < LONG["max_new_tokens"] for t, i in zip(tokens, pending)
+                                            if collected[i]["meta_info"]["finish_reason"]["type"] == "abort")
+        after = m.overlap_stats()
+        assert after["updates_while_generating"] == before["updates_while_generating"] + 1
+        assert after["detached_tokens"] - before["detached_tokens"] == sum(len(t) for t in tokens)
+    finally:
+        m.collect_detached()
+        m.update_weights(WeightUpdate("disk", varied_model_dir, 0))
+        m.cfg = shared_cfg
