@@ -24,6 +24,7 @@ from spillover.rollout.context import EvalSets, RolloutContext
 from spillover.rollout.controller import RolloutController
 from spillover.rollout.prompt_data import PromptCursor, read_prompt_file
 from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.drivers.rounds import DetachedRows
 from spillover.rollout.tools.env_pool import EnvPool
 from spillover.rollout.scoring.reward_models import start_reward_models
 from spillover.tasks.reward import REWARD_KEYWORDS, RewardSetup
@@ -154,7 +155,8 @@ def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunPa
     builtin = cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD
     context = RolloutContext(dock=dock, engine=engine, tokenizer=tokenizer, prompts=prompts, cursor=cursor,
                              stop_token_ids=stop_ids, reward_fn=reward_fn,
-                             eval_data=EvalSets(cfg, tokenizer) if cfg.data.eval_paths else None, envs=envs)
+                             eval_data=EvalSets(cfg, tokenizer) if cfg.data.eval_paths else None, envs=envs,
+                             detached=DetachedRows() if cfg.rollout.overlap else None)
     reward = RewardSetup(tokenizer, stop_ids, reward_fn, cfg.grpo.reward_function_path, cfg.grpo.rule_reward_weight,
                          exact_match=toy_task.exact_match if builtin else None,
                          prompt_texts=lambda ids: [prompts.texts[i] for i in cursor.dataset_indices(ids).tolist()],

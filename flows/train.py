@@ -98,7 +98,7 @@ def run_iteration(run: Run, iteration: int, version: int, wandb_run_id: str | No
     if interval and (iteration + 1) % interval == 0:
         metrics = timed(run.controller.eval, "eval")(iteration, run.context.for_iteration(version), version)
         stages.append(Evaluated(metrics=metrics))
-    stages.append(timed(clear_and_age_sort)(run.dock, run.cursor, rollout))
+    stages.append(timed(clear_and_age_sort)(run.dock, run.cursor, rollout, cfg.rollout.overlap))
     row = iteration_row(iteration, stages, clock.task_s)  # also the checkpoint's copy (restored on resume)
     saved = timed(save_run_checkpoint)(store if run.policy is not None else None, run.policy, run.dock, run.cursor,
                                        cfg, iteration, version, row, wandb_run_id)  # no learner: no checkpoint

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable
 
+from spillover.rollout.drivers.rounds import DetachedRows
 from spillover.rollout.prompt_data import PromptCursor, PromptSet, read_prompt_file
 
 
@@ -39,6 +40,7 @@ class RolloutContext:
     weight_version: int = 0
     on_round: Callable[[dict], None] | None = None
     envs: Any = None               # spillover.rollout.tools.env_pool.EnvPool with rollout.env_path set (lives as long as the run)
+    detached: DetachedRows | None = None  # rollout.overlap: the requests left running between iterations (the run's)
 
     @property
     def eval_sets(self) -> dict[str, PromptSet]:

@@ -30,9 +30,11 @@ def update(policy: LearnerGroup, engine: RolloutManager | None, scored: Scored, 
     out = {k: metrics[k] for k in LOGGED if k in metrics}
     out["old_logprob_source"] = old.source  # "computed" by the learner, or "rollout" logprobs
     if engine is not None:
-        start = time.perf_counter()
+        start, overlapped = time.perf_counter(), engine.overlap_stats()["updates_while_generating"]
         engine.update_weights(policy_update(policy, version, engine.cfg, engine.model_path, engine.colocated))
         out["weight_sync_s"] = time.perf_counter() - start
+        # rollout.overlap: 1 when requests generated through this update (paused and continued, not aborted)
+        out["update_while_generating"] = engine.overlap_stats()["updates_while_generating"] - overlapped
         if engine.colocated:  # what the hosting process did this iteration, in order
             out["colocation_events"] = engine.take_colocation_log()
     return Updated(metrics=out, weight_version=version)

@@ -156,6 +156,10 @@ class RunConfig(Section):
                              f"and grpo.kl_horizon above 1/5 of the samples of one update ({rows * steps}; got "
                              f"{self.grpo.kl_horizon}), so that one update changes the coefficient by under 100%")
         check_placement(self)
+        if self.rollout.overlap and self.placement.colocate:
+            raise ValueError("rollout.overlap=true cannot run with placement.colocate=true: colocated engines release "
+                             "their memory to the learner for the update, so nothing can generate through it; set "
+                             "one of them to false")
         if self.schedule.debug_train_only and not self.storage.load_debug_rollout_data:
             raise ValueError("schedule.debug_train_only needs storage.load_debug_rollout_data (a path template)")
         return self

@@ -42,7 +42,8 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     drain = rollout_id == args.schedule.num_iterations - 1
     tools = _tool_turns(args, rollout_id, data_source) if args.rollout.env_path else None
     stats = generate_training_batch(dock, data_source.engine, args.rollout, data_source.stop_token_ids,
-                                    data_source.weight_version, drain, data_source.on_round, args.model.seed, tools)
+                                    data_source.weight_version, drain, data_source.on_round, args.model.seed, tools,
+                                    data_source.detached)
     batch = dock.rollout_batch()
     if tools is None:
         return RolloutOutput(batch, stats.as_dict())

@@ -82,8 +82,8 @@ class BatchGenerator:
         With detach, it returns at once instead: the requests not answered yet run on (None in the answers) and
         collect_detached hands their answers over; on_result is not called again after that True.
         A bad item raises after the others have finished (so no request is left running on an engine)."""
-        if self.detached is not None:
-            raise RuntimeError("a detached round still waits: collect_detached() before the next generate")
+        if detach and self.detached is not None:  # (a plain round may run beside it: an eval's)
+            raise RuntimeError("a detached round still waits: collect_detached() before the next detached generate")
         round_ = Round()
         self.rounds.add(round_)
         limit = asyncio.Semaphore(self.max_in_flight)

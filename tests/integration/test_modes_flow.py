@@ -37,6 +37,25 @@ def test_async_mode_aborts_and_trains_the_cut_tokens_in_a_later_iteration(tmp_pa
 
 
 @pytest.mark.usefixtures(*FLOW)
+def test_overlap_generates_through_the_update_and_keeps_the_bound(tmp_path, warm_parts):
+    """rollout.overlap=true (async): the requests running when the dock is ready are not aborted; they generate on
+    through reward, logprobs and the update, and their tokens reach the dock at the next generate step (ignored: no
+    detached token would arrive). On the tiny model they mostly finish before the update starts; a request living
+    through an update (paused and continued) is shown on the fleet itself: tests/integration/test_overlap_manager.py."""
+    from spillover.flows.train import grpo_train
+
+    gbs, n = 16, 4
+    grpo_train(small_config(tmp_path / "run", iterations=3, **{"rollout.mode": "async", "rollout.overlap": True,
+                                                              "rollout.global_batch_size": gbs,
+                                                              "grpo.micro_batch_size": 32}), parts=warm_parts)
+    got = rows(tmp_path / "run")
+    assert all(r["update_while_generating"] in (0, 1) for r in got), [r["update_while_generating"] for r in got]
+    assert sum(r["detached_tokens"] for r in got[1:]) > 0, [r["detached_tokens"] for r in got]
+    assert max(r["token_staleness_max"] for r in got) <= 1  # async max_age 2: the bound holds through overlap
+    assert sorted(g for r in got for g in r["trained_stream_ids"]) == list(range(3 * gbs))
+
+
+@pytest.mark.usefixtures(*FLOW)
 def test_over_sampled_surplus_groups_are_generated_and_trained_the_next_iteration(tmp_path, warm_parts):
     """rollout.over_sampling_groups=2 without partial rollout (max_split 1): iteration 0 loads and generates GBS + 2
     groups in one round, trains GBS of them, and the two surplus groups (complete, made by weight version 0) are
