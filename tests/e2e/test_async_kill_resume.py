@@ -1,7 +1,9 @@
 """Kill -9 in async mode, then resume: `spillover train` with rollout.mode=async SIGKILLs itself at the start of
 iteration 1's update (kill point "update:1"): iteration 1's rollout already aborted its engines once GBS groups were
 ready, so the dock in memory holds rows cut mid-response that no checkpoint has. `resume` (in process, on the session's
-warm parts) goes on from checkpoint 0, whose dock holds iteration 0's cut rows.
+warm parts) goes on from checkpoint 0, whose dock holds iteration 0's cut rows. With rollout.overlap the kill falls
+while the requests left running past iteration 1's batch choice may still generate: their tokens never reached a
+checkpoint and are generated again.
 
 Async mode is not compared with an uninterrupted run: which groups are ready first depends on timing, so two
 runs train different batches. What must hold is what async promises: every loaded prompt group trained exactly once
@@ -20,17 +22,18 @@ from spillover_runs import ROUTER, assert_joined_runs_left_nothing, metrics_rows
 ITERATIONS, GBS, N = 3, 16, 4
 
 
-def async_args(run_dir) -> list[str]:
+def async_args(run_dir, overlap: bool) -> list[str]:
     return ["train", "--config", "configs/tiny.yaml", f"run_dir={run_dir}", f"schedule.num_iterations={ITERATIONS}",
-            *SMALL_RUN, "rollout.mode=async", f"rollout.global_batch_size={GBS}", f"rollout.n_samples_per_prompt={N}",
+            *SMALL_RUN, "rollout.mode=async", f"rollout.overlap={str(overlap).lower()}", f"rollout.global_batch_size={GBS}", f"rollout.n_samples_per_prompt={N}",
             "grpo.micro_batch_size=32", "engines.rollout_num_gpus=1", "tracking.wandb_mode=disabled",
             "tracking.progress=false", "rollout.deterministic_sampling=true",
             f"storage.save_debug_rollout_data={run_dir}/debug/rollout_{{rollout_id}}.parquet"]
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("overlap", [False, True], ids=["async", "overlap"])
 def test_kill_9_at_an_async_update_then_resume_trains_every_group_once(spillover, prefect_harness, ray_session,
-                                                                       warm_parts, tmp_path):
+                                                                       warm_parts, tmp_path, overlap):
     from spillover.flows.setup import load_run_config
     from spillover.flows.train import grpo_train
     from spillover.infra.storage.checkpoint import load_latest_checkpoint
@@ -38,14 +41,15 @@ def test_kill_9_at_an_async_update_then_resume_trains_every_group_once(spillover
 
     run_dir = tmp_path / "async"
     ray_address = ray_session.get_runtime_context().gcs_address
-    killed = spillover.run(async_args(run_dir), SPILLOVER_KILL_AT="update:1", RAY_ADDRESS=ray_address)
+    killed = spillover.run(async_args(run_dir, overlap), SPILLOVER_KILL_AT="update:1", RAY_ADDRESS=ray_address)
     assert killed.returncode == -signal.SIGKILL, spillover.output(killed)
     assert killed.saw(ROUTER)
     store = open_store(str(run_dir / "checkpoints"))
     assert load_latest_checkpoint(store).iteration == 0
-    # iteration 0's abort cut rows mid-response (and some before their first token); checkpoint 0 carries them
+    # iteration 0's abort cut rows mid-response (and some before their first token); checkpoint 0 carries them.
+    # With overlap nothing is cut: the rows still generating went on, and checkpoint 0 holds them as sent
     cut = [row for row in cut_rows(store, 0) if row.tokens]
-    assert cut and all(len(row.tokens) < 16 for row in cut), cut
+    assert (not cut if overlap else cut and all(len(row.tokens) < 16 for row in cut)), cut
 
     cfg = load_run_config(run_dir, ["engines.rollout_num_gpus=2"])  # the warm parts of the suite's small runs
     grpo_train(cfg, resume=True, parts=warm_parts)
@@ -57,6 +61,10 @@ def test_kill_9_at_an_async_update_then_resume_trains_every_group_once(spillover
     assert rows[0]["rounds"] == 1, rows[0]  # async: one round, stopped once ready (sync takes several)
     trained = [g for r in rows for g in r["trained_stream_ids"]]
     assert sorted(trained) == list(range(ITERATIONS * GBS)), trained  # each group once, none lost to the kill
+    if overlap:  # rows are not cut but keep generating: tokens past a batch choice arrive, within the bound
+        assert sum(r["detached_tokens"] for r in rows[1:]) > 0, [r["detached_tokens"] for r in rows]
+        assert max(r["token_staleness_max"] for r in rows) <= cfg.rollout.effective_max_age - 1
+        return
     assert_partial_rollout_happened(rows, cfg.rollout.effective_max_age)
     # async max_age 2: a group started in iteration 0 is trained in iteration 1 at the latest, cut rows included
     assert_cut_rows_trained(cut, trained_samples(str(run_dir / "debug" / "rollout_{rollout_id}.parquet"), 1),
