@@ -27,11 +27,14 @@ class EnginesConfig(Section):
         "tensor", description="How new weights reach the engines: distributed = SGLang's weight-update group (the "
         "learner's rank 0 broadcasts bucket by bucket; NCCL on GPUs, gloo on CPU); tensor = the whole state dict "
         "through Ray's object store; disk = an HF folder the learner writes (engines.weight_sync_dir).")
-    pause_mode: Literal["abort", "retract"] = Field(
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "retract", description="rollout.overlap: how a weight update treats the requests still running (SGLang's "
-        "/pause_generation mode). retract: they wait, their KV cache is freed and recomputed from prompt + output "
-        "after the new weights load, and go on (no token lost; later tokens carry the new version); abort: they end "
-        "at the pause with their tokens so far, kept in the dock and continued next iteration.")
+        "/pause_generation mode). retract (the default: no token lost, and every token after the update is sampled "
+        "from the new weights alone, so its recorded version is exact): they wait, their KV cache is freed and "
+        "recomputed from prompt + output after the new weights load, and go on. in_place: they keep their KV cache "
+        "(no recompute: the cheapest pause; the update skips its cache flush), so tokens after the update attend to "
+        "keys and values the old weights computed while recorded as the new version. abort: they end at the pause "
+        "with their tokens so far, kept in the dock and continued next iteration (their KV recomputed then).")
     weight_bucket_bytes: int = Field(
         512 * 2**20, gt=0, description="Bytes per weight-update bucket (whole tensors; a larger tensor goes alone): a "
         "broadcast (distributed) or one /update_weights_from_tensor call (tensor, colocated). Neither end holds more "

@@ -129,12 +129,13 @@ class EngineActor:
         return WeightPoster(self.url, self.backend, self.tp_size, self.base_gpu_id, f"engine {self.engine_index}")
 
     def update_weights(self, state_dict: dict[str, Any], weight_version: int,
-                       bucket_bytes: int | None = None) -> int | None:
+                       bucket_bytes: int | None = None, flush_cache: bool = True) -> int | None:
         """Apply HF-named tensors (Ray resolves an ObjectRef argument) by /update_weights_from_tensor, in buckets of
-        about bucket_bytes (None: one), inside one weight-update session; returns the version the engine reports."""
+        about bucket_bytes (None: one), inside one weight-update session; returns the version the engine reports.
+        flush_cache=False while requests paused in_place hold their KV cache."""
         if self.node_rank > 0:
             return None
-        return self.poster().update(state_dict, weight_version, bucket_bytes)
+        return self.poster().update(state_dict, weight_version, bucket_bytes, flush_cache)
 
     def take_weight_update_events(self) -> list[str]:
         """Torch backend: the engine's session and update route outcomes since the last take, in order

@@ -144,8 +144,9 @@ class EngineClient:
         return (await self.model_info()).weight_version
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,
-                                       abort_all_requests: bool = False) -> UpdateWeightsResponse:
-        body = {"model_path": model_path, "abort_all_requests": abort_all_requests}
+                                       abort_all_requests: bool = False,
+                                       flush_cache: bool = True) -> UpdateWeightsResponse:
+        body = {"model_path": model_path, "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         return UpdateWeightsResponse.model_validate(await self._json("POST", "/update_weights_from_disk", body))

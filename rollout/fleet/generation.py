@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -52,16 +52,29 @@ def aborted_response(body: dict, message: str) -> dict:
 @dataclass(eq=False)
 class DetachedRound:
     """A round whose caller returned while requests still ran (rollout.overlap): `runs` finishes once they have all
-    answered; `pending` are the indices the caller got no answer for."""
+    answered; `pending` are the indices the caller got no answer for. `cut_by_pause`: the indices unanswered when an
+    abort-mode pause (a weight update) ended every request on the engines; `cut_tokens`: the output tokens those
+    requests came back with, counted when the round is collected."""
 
     round: Round
     runs: asyncio.Future
     results: list
     pending: list[int]
+    cut_by_pause: set[int] = field(default_factory=set)
+    cut_tokens: int = 0
 
-    def tokens(self) -> int:
-        """Output tokens of the pending requests that have answered so far."""
-        return sum(len(self.results[i].get("output_ids") or []) for i in self.pending if self.results[i] is not None)
+    def note_abort_pause(self) -> None:
+        self.cut_by_pause |= {i for i in self.pending if self.results[i] is None}
+
+    def tokens_cut_by_pause(self) -> int:
+        """Output tokens of the requests an abort-mode pause ended (answered with finish_reason abort by now; one
+        still unsent at the pause was sent after it and is not counted)."""
+        cut = (self.results[i] for i in self.cut_by_pause if self.results[i] is not None)
+        return sum(len(a.get("output_ids") or []) for a in cut if finish_type(a) == "abort")
+
+
+def finish_type(answer: dict) -> str | None:
+    return ((answer.get("meta_info") or {}).get("finish_reason") or {}).get("type")
 
 
 class BatchGenerator:
@@ -134,6 +147,7 @@ class BatchGenerator:
         detached, self.detached = self.detached, None
         if detached is None:
             return {}
+        detached.cut_tokens = detached.tokens_cut_by_pause()  # before our own abort ends the others the same way
         try:
             if not detached.runs.done():
                 await self.abort_all()

@@ -60,7 +60,7 @@ class RolloutManager:
         self.router: Router | None = None
         self.weights: FleetWeights | None = None  # what the engines serve, how updates reach them
         self.restarts = 0
-        self.overlap_counts = {"detached_tokens": 0, "updates_while_generating": 0}
+        self.overlap_counts = {"detached_tokens": 0, "updates_while_generating": 0, "tokens_cut_by_updates": 0}
         self._offloaded = False
         self._clients: dict[str, EngineClient] = {}
         self._engine_lock = asyncio.Lock()  # weight updates, offload/onload, health checks and restarts
@@ -144,14 +144,18 @@ class RolloutManager:
         tokens so far, unsent ones with none) and generate returns once the engines are idle. An item with an
         "engine_index" goes to that engine, not through the router (rollout/fleet/pinned_router.py).
         detach=True (rollout.overlap): that True returns at once instead; the unanswered requests (None) run on,
-        through weight updates (paused in engines.pause_mode), until collect_detached."""
+        through weight updates (paused in engines.pause_mode; no cache flush under in_place), until
+        collect_detached."""
         return self._call(self._gen.router.run, functools.partial(self._gen.generate_round, detach=detach), batch,
                           on_result)
 
     def collect_detached(self) -> dict[int, dict]:
         """The last detached call's unanswered requests, what still runs aborted first: index -> answer."""
+        detached = self._gen.detached
         answers = self._call(self._gen.collect_detached)
         self.overlap_counts["detached_tokens"] += sum(len(a.get("output_ids") or []) for a in answers.values())
+        if detached is not None:
+            self.overlap_counts["tokens_cut_by_updates"] += detached.cut_tokens
         return answers
 
     @property
@@ -162,8 +166,11 @@ class RolloutManager:
 
     def overlap_stats(self) -> dict[str, int]:
         """Counters since the manager started: detached_tokens (tokens answered by requests left running past
-        their round) and updates_while_generating. No generated token is discarded by an update: retract keeps the
-        requests' tokens and recomputes their KV, abort returns them (the dock keeps them)."""
+        their round), updates_while_generating, and tokens_cut_by_updates (tokens of the requests an abort-mode pause
+        ended: their answers keep them and the dock continues them next iteration, their KV recomputed then as
+        prefill; 0 with in_place and retract, where the requests live through the update). No generated token is
+        discarded by an update in any mode: in_place keeps the requests' KV, retract recomputes it, abort returns
+        the tokens."""
         return dict(self.overlap_counts)
 
     @property
@@ -183,6 +190,10 @@ class RolloutManager:
         return self._call(self._update_weights, update)
 
     async def _update_weights(self, update: WeightUpdate) -> dict[int, int | None]:
+        if update.kind == "colocated" and self.detached_running:
+            raise ValueError("a colocated weight update needs idle engines (they release their memory for training), "
+                             "but detached requests still run: collect_detached() first (rollout.overlap needs "
+                             "placement.colocate=false)")
         if update.kind == "colocated" and self._offloaded:
             await self._memory(False, None, restore=False)  # the weights come next, from the learner
         async with self._engine_lock:
@@ -194,8 +205,10 @@ class RolloutManager:
             mode = self.cfg.pause_mode
             await asyncio.gather(*(self._client(u).post(sgl.ENDPOINTS["pause_generation"],
                                                         json=sgl.pause_generation_payload(mode)) for u in self.urls))
-            try:
-                await self.weights.update(update)
+            if mode == "abort" and self._gen.detached is not None:
+                self._gen.detached.note_abort_pause()
+            try:  # in_place: the paused requests keep their KV cache, which a flush would need gone
+                await self.weights.update(update, flush_cache=mode != "in_place")
             finally:
                 await asyncio.gather(*(self._client(u).post(sgl.ENDPOINTS["continue_generation"],
                                                             json=sgl.continue_generation_payload())

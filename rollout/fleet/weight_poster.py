@@ -29,9 +29,11 @@ class WeightPoster:
     base_gpu_id: int = 0
     label: str = "engine"  # for error messages, e.g. "engine 3"
 
-    def update(self, state_dict: dict[str, Any], weight_version: int, bucket_bytes: int | None = None) -> int:
+    def update(self, state_dict: dict[str, Any], weight_version: int, bucket_bytes: int | None = None,
+               flush_cache: bool = True) -> int:
         """HF-named tensors in buckets of about bucket_bytes (None: one) inside one session; the last bucket sets
-        weight_version and flushes the cache. Returns the version the engine reports."""
+        weight_version and flushes the cache (flush_cache=False: not, as requests paused in_place hold theirs).
+        Returns the version the engine reports."""
         from spillover.rollout.sglang.update_group import dtype_name, plan_buckets
 
         specs = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in state_dict.items()]
@@ -40,7 +42,7 @@ class WeightPoster:
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
                 self.post_bucket({name: state_dict[name] for name, _, _ in bucket},
-                                 weight_version if last else None, flush_cache=last)
+                                 weight_version if last else None, flush_cache=last and flush_cache)
         return self.reported_version()
 
     @contextmanager

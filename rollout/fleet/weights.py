@@ -1,8 +1,11 @@
 """How a WeightUpdate reaches the engines: one strategy per kind, and `FleetWeights`, the manager's weight component
 (the update every engine serves, what a restarted engine loads, what comes back after a resume).
 
-Every strategy has `load(update, engines)` (load it on those engines; each handle then holds the version its engine
-reports) and `update(update, engines, restart)` (load it on the whole fleet, restarting engines that die meanwhile).
+Every strategy has `load(update, engines, flush_cache)` (load it on those engines; each handle then holds the version
+its engine reports) and `update(update, engines, restart, flush_cache)` (load it on the whole fleet, restarting engines
+that die meanwhile). flush_cache=False while requests paused in_place keep their KV cache (rollout.overlap,
+engines.pause_mode=in_place): SGLang reports an update whose cache flush fails as failed. A restarted engine always
+flushes (nothing runs on it).
 Disk and tensor load each engine on its own; distributed and colocated load every engine at once (one
 weight-update group, every learner rank), and a restarted engine alone.
 
@@ -44,9 +47,10 @@ Restart = Callable[[int], Awaitable[None]]  # replace engine i; it loads the lat
 
 
 class WeightStrategy(Protocol):
-    async def load(self, update: WeightUpdate, engines: list[EngineHandle]) -> None: ...
+    async def load(self, update: WeightUpdate, engines: list[EngineHandle], flush_cache: bool = True) -> None: ...
 
-    async def update(self, update: WeightUpdate, engines: Engines, restart: Restart) -> None: ...
+    async def update(self, update: WeightUpdate, engines: Engines, restart: Restart,
+                     flush_cache: bool = True) -> None: ...
 
 
 async def note_reported(client: Client, engines: list[EngineHandle]) -> None:
@@ -55,11 +59,12 @@ async def note_reported(client: Client, engines: list[EngineHandle]) -> None:
 
 
 async def update_each_engine(strategy: WeightStrategy, update: WeightUpdate, engines: Engines,
-                             restart: Restart) -> None:
+                             restart: Restart, flush_cache: bool = True) -> None:
     """Load on every engine at once, each on its own: one that died meanwhile is restarted (and loads the update
     itself); an update an engine refused raises once the others are done."""
     current = engines()
-    outcomes = await asyncio.gather(*(strategy.load(update, [h]) for h in current), return_exceptions=True)
+    outcomes = await asyncio.gather(*(strategy.load(update, [h], flush_cache) for h in current),
+                                    return_exceptions=True)
     for handle, outcome in zip(current, outcomes):
         if isinstance(outcome, ENGINE_GONE):
             log.warning("engine %d died during the weight update (%r): restarting it", handle.index, outcome)
@@ -75,13 +80,15 @@ class DiskWeights:
     def __init__(self, client: Client):
         self.client = client
 
-    async def load(self, update: WeightUpdate, engines: list[EngineHandle]) -> None:
-        await asyncio.gather(*(self.client(h.url).update_weights_from_disk(update.source, update.version)
+    async def load(self, update: WeightUpdate, engines: list[EngineHandle], flush_cache: bool = True) -> None:
+        await asyncio.gather(*(self.client(h.url).update_weights_from_disk(update.source, update.version,
+                                                                           flush_cache=flush_cache)
                                for h in engines))
         await note_reported(self.client, engines)
 
-    async def update(self, update: WeightUpdate, engines: Engines, restart: Restart) -> None:
-        await update_each_engine(self, update, engines, restart)
+    async def update(self, update: WeightUpdate, engines: Engines, restart: Restart,
+                     flush_cache: bool = True) -> None:
+        await update_each_engine(self, update, engines, restart, flush_cache)
 
 
 class TensorWeights:
@@ -91,29 +98,36 @@ class TensorWeights:
     def __init__(self, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
 
-    async def load(self, update: WeightUpdate, engines: list[EngineHandle]) -> None:
+    async def load(self, update: WeightUpdate, engines: list[EngineHandle], flush_cache: bool = True) -> None:
         reported = await asyncio.gather(*(h.actors[0].update_weights.remote(update.source, update.version,
-                                                                            self.bucket_bytes) for h in engines))
+                                                                            self.bucket_bytes, flush_cache)
+                                          for h in engines))
         for handle, version in zip(engines, reported):
             handle.weight_version = reported_version(version, f"engine {handle.index}")
 
-    async def update(self, update: WeightUpdate, engines: Engines, restart: Restart) -> None:
-        await update_each_engine(self, update, engines, restart)
+    async def update(self, update: WeightUpdate, engines: Engines, restart: Restart,
+                     flush_cache: bool = True) -> None:
+        await update_each_engine(self, update, engines, restart, flush_cache)
 
 
 class ColocatedWeights:
     """Every policy rank takes part (FSDP gathers each bucket); each loads the engine it hosts
-    (tasks/learner/engine_host.py), so a restarted engine is loaded by every rank too."""
+    (tasks/learner/engine_host.py), so a restarted engine is loaded by every rank too. Colocated engines are idle at
+    an update (they release their memory for training), so it always flushes their cache."""
 
     def __init__(self, client: Client, bucket_bytes: int):
         self.client, self.bucket_bytes = client, bucket_bytes
 
-    async def load(self, update: WeightUpdate, engines: list[EngineHandle]) -> None:
+    async def load(self, update: WeightUpdate, engines: list[EngineHandle], flush_cache: bool = True) -> None:
+        if not flush_cache:
+            raise ValueError("colocated engines cannot keep requests through a weight update (they release their "
+                             "memory for training): rollout.overlap needs placement.colocate=false")
         await asyncio.gather(*update.source.each("load_colocated_weights", update.version, self.bucket_bytes))
         await note_reported(self.client, engines)
 
-    async def update(self, update: WeightUpdate, engines: Engines, restart: Restart) -> None:
-        await self.load(update, engines())
+    async def update(self, update: WeightUpdate, engines: Engines, restart: Restart,
+                     flush_cache: bool = True) -> None:
+        await self.load(update, engines(), flush_cache)
 
 
 class DistributedWeights:
@@ -131,14 +145,15 @@ class DistributedWeights:
         self.epoch = 0
         self.last: dict[str, int | float] = {}  # the last sync's numbers (buckets, bytes, sender's report)
 
-    async def load(self, update: WeightUpdate, engines: list[EngineHandle]) -> None:
+    async def load(self, update: WeightUpdate, engines: list[EngineHandle], flush_cache: bool = True) -> None:
         """All engines in one group, or a restarted one alone (in a group of its own, so the others go on)."""
-        await self.sync(update.source, [h.url for h in engines], update.version)
+        await self.sync(update.source, [h.url for h in engines], update.version, flush_cache)
         await note_reported(self.client, engines)
 
-    async def update(self, update: WeightUpdate, engines: Engines, restart: Restart) -> None:
+    async def update(self, update: WeightUpdate, engines: Engines, restart: Restart,
+                     flush_cache: bool = True) -> None:
         try:
-            await self.load(update, engines())
+            await self.load(update, engines(), flush_cache)
         except (*ENGINE_GONE, EngineError):
             current = engines()
             alive = await asyncio.gather(*(self.client(h.url).health() for h in current))
@@ -146,10 +161,11 @@ class DistributedWeights:
                 raise
             for handle in [h for h, ok in zip(current, alive) if not ok]:
                 await restart(handle.index)  # joins a new group and gets the current weights
-            await self.load(update, engines())  # the survivors that missed this version
+            await self.load(update, engines(), flush_cache)  # the survivors that missed this version
 
-    async def sync(self, policy: LearnerHandle, urls: list[str], version: int) -> None:
-        """Send the policy's current weights to every engine at `urls` as `version` (forms the group if needed)."""
+    async def sync(self, policy: LearnerHandle, urls: list[str], version: int, flush_cache: bool = True) -> None:
+        """Send the policy's current weights to every engine at `urls` as `version` (forms the group if needed);
+        flush_cache=False: no bucket flushes the engines' cache (requests paused in_place keep theirs)."""
         if not self._usable or self._members != (policy, tuple(urls)):
             await self.form(policy, urls)
         client = self.client
@@ -164,7 +180,7 @@ class DistributedWeights:
             for bucket in buckets:
                 names, dtypes, shapes = zip(*bucket)
                 payload = sgl.update_from_distributed_payload(list(names), list(dtypes), list(shapes), version,
-                                                              group_name=name)
+                                                              group_name=name, flush_cache=flush_cache)
                 await _unless_sender_fails(asyncio.gather(*(
                     client(u).post(sgl.ENDPOINTS["update_from_distributed"], json=payload, timeout=self.timeout_s)
                     for u in urls)), sending)
@@ -251,11 +267,12 @@ class FleetWeights:
         return {"disk": self.disk, "tensor": self.tensor, "distributed": self.distributed,
                 "colocated": self.colocated}[kind]
 
-    async def update(self, update: WeightUpdate) -> None:
+    async def update(self, update: WeightUpdate, flush_cache: bool = True) -> None:
+        """flush_cache=False while requests paused in_place hold their KV cache."""
         if update.kind == "tensor" and isinstance(update.source, dict):  # in the object store once, for every engine
             update = replace(update, source=await asyncio.to_thread(ray.put, update.source))
         self.latest = update
-        await self.strategy(update.kind).update(update, self.engines, self.restart)
+        await self.strategy(update.kind).update(update, self.engines, self.restart, flush_cache)
 
     async def reload(self, handle: EngineHandle) -> None:
         """A restarted engine: the latest update (its start already loaded the model folder)."""

@@ -200,6 +200,7 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     load_format: str | None = None
     weight_version: int | str | None = None
     abort_all_requests: bool = False
+    flush_cache: bool = True  # false while requests paused in_place keep their KV cache
 
     @field_validator("weight_version", mode="before")
     @classmethod

@@ -243,6 +243,12 @@ def build_app(server: "TorchEngineServer") -> FastAPI:
         except (OSError, ValueError) as failure:
             return JSONResponse({"success": False, "message": f"Failed to update weights: {failure}",
                                  "num_paused_requests": 0}, status_code=400)
+        # as SGLang: the weights are loaded, but the flush fails while requests paused in_place hold KV cache
+        if body.flush_cache and await asyncio.wrap_future(batcher.call(lambda: batcher.paused and
+                                                                       len(batcher.running) > 0)):
+            return JSONResponse({"success": False, "num_paused_requests": 0, "message": (
+                "update_weights_from_disk: weights loaded, but flush_cache failed: requests paused in_place hold KV "
+                "cache; send flush_cache=false with pause mode in_place")}, status_code=400)
         message = "Succeeded to update model weights."
         if body.weight_version is not None:
             message += f" Weight version updated to {body.weight_version}."

@@ -29,7 +29,7 @@ def test_overrides_parse_yaml_values():
     (["schedule.debug_train_only=true"], "storage.load_debug_rollout_data"),
     (["rollout.mode=async", "rollout.overlap=true", "placement.colocate=true", "engines.rollout_num_gpus=1"],
      "rollout.overlap=true cannot run with placement.colocate"),
-    (["engines.pause_mode=in_place"], "engines.pause_mode"),
+    (["engines.pause_mode=paused"], "engines.pause_mode"),
 ])
 def test_impossible_values_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:
