@@ -5,7 +5,8 @@ the project sends is one SGLang drops.
 Bodies come from the project's builders (rollout/sglang/backend.py) with the arguments their callers pass,
 and from the callers themselves where they build a body inline: DistributedWeights (rollout/fleet/weights.py) driven
 through a whole sync with recording clients, EngineClient (abort, update from disk) with its transport
-recorded. The project sends no /open_session or /close_session."""
+recorded; each weight kind's body also as it goes out under engines.pause_mode=in_place (flush_cache false). The project
+sends no /open_session or /close_session."""
 from __future__ import annotations
 
 import asyncio
@@ -74,9 +75,13 @@ def test_update_from_tensor_bodies(sglang, version, backend):
         assert answer["parsed"]["weight_version"] == (None if version is None else str(version))
 
 
-def test_update_from_disk_bodies(sglang):
-    bodies = recorded_client_bodies(lambda c: c.update_weights_from_disk("/models/step-3", weight_version=3))
-    check(sglang, "/update_weights_from_disk", bodies["/update_weights_from_disk"][0])
+@pytest.mark.parametrize("flush_cache", [True, False])
+def test_update_from_disk_bodies(sglang, flush_cache):
+    """DiskWeights.load; flush_cache=False under engines.pause_mode=in_place (requests keep their KV cache)."""
+    bodies = recorded_client_bodies(lambda c: c.update_weights_from_disk("/models/step-3", weight_version=3,
+                                                                         flush_cache=flush_cache))
+    answer = check(sglang, "/update_weights_from_disk", bodies["/update_weights_from_disk"][0])
+    assert answer["parsed"] is None or answer["parsed"]["flush_cache"] is flush_cache
 
 
 def test_abort_bodies(sglang):
@@ -86,7 +91,7 @@ def test_abort_bodies(sglang):
             check(sglang, "/abort_request", body)
 
 
-@pytest.mark.parametrize("mode", ["abort", "retract"])
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
 def test_pause_and_continue_bodies(sglang, mode):
     """RolloutManager.update_weights while detached requests run (rollout.overlap): engines.pause_mode's body."""
     answer = check(sglang, "/pause_generation", sgl.pause_generation_payload(mode))
@@ -143,14 +148,16 @@ class RecordingEngine:
         return True
 
 
-def test_distributed_sync_bodies(sglang):
-    """A whole DistributedWeights sync: group formed (init), one session of buckets, group left (destroy)."""
+@pytest.mark.parametrize("flush_cache", [True, False])
+def test_distributed_sync_bodies(sglang, flush_cache):
+    """A whole DistributedWeights sync: group formed (init), one session of buckets, group left (destroy);
+    flush_cache=False (engines.pause_mode=in_place) reaches every bucket."""
     sent: list[tuple[str, dict]] = []
     sync = DistributedWeights(lambda url: RecordingEngine(sent), bucket_bytes=80, ranks_per_engine=2, backend="nccl")
     urls = ["http://e0", "http://e1"]
 
     async def run():
-        await sync.sync(FakePolicy(), urls, version=5)
+        await sync.sync(FakePolicy(), urls, version=5, flush_cache=flush_cache)
         await sync.leave()
 
     asyncio.run(run())
@@ -158,6 +165,7 @@ def test_distributed_sync_bodies(sglang):
     assert {"/init_weights_update_group", "/begin_weight_update", "/update_weights_from_distributed",
             "/end_weight_update", "/destroy_weights_update_group"} <= set(paths), paths
     assert paths.count("/update_weights_from_distributed") > len(urls), "expected several buckets"
+    assert all(body["flush_cache"] is flush_cache for path, body in sent if path == "/update_weights_from_distributed")
     for path, body in sent:
         check(sglang, path, body)
 
@@ -227,10 +235,11 @@ class CaptureServer:
         self.server.server_close()
 
 
-def test_engine_actor_tensor_update_bodies(sglang):
+@pytest.mark.parametrize("flush_cache", [True, False])
+def test_engine_actor_tensor_update_bodies(sglang, flush_cache):
     """EngineActor.update_weights (engines.weight_sync=tensor, the recipes' default; its WeightPoster serves the
     colocated ranks too) over real HTTP: the session's begin, one /update_weights_from_tensor per bucket (the version
-    on the last only), end."""
+    and the cache flush on the last only; no flush at all under engines.pause_mode=in_place), end."""
     import torch
 
     from spillover.rollout.fleet.engine_actor import EngineActor
@@ -241,7 +250,7 @@ def test_engine_actor_tensor_update_bodies(sglang):
         actor.backend, actor.url, actor.tp_size, actor.node_rank = "torch", server.url, 1, 0  # WeightPoster read
         actor.engine_index, actor.base_gpu_id = 0, 0
         state = {f"layer{i}.weight": torch.full((4, 4), float(i)) for i in range(3)}
-        assert actor.update_weights(state, 9, bucket_bytes=64) == 9
+        assert actor.update_weights(state, 9, bucket_bytes=64, flush_cache=flush_cache) == 9
     finally:
         server.close()
     paths = [path for path, _ in server.sent]
@@ -249,3 +258,4 @@ def test_engine_actor_tensor_update_bodies(sglang):
     for path, body in server.sent:
         check(sglang, path, body)
     assert [body.get("weight_version") for _, body in server.sent[1:4]] == [None, None, "9"]
+    assert [body["flush_cache"] for _, body in server.sent[1:4]] == [False, False, flush_cache]
