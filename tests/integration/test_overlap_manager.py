@@ -22,8 +22,19 @@ def requests(count: int) -> list[dict]:
     return [{"input_ids": [5, 6, 7, 8 + i], "sampling_params": dict(SHORT if i == 0 else LONG)} for i in range(count)]
 
 
-@pytest.mark.parametrize("pause_mode", ["retract", "in_place", "abort"])
-def test_detached_requests_run_through_an_update_and_are_collected(rollout_manager, varied_model_dir, pause_mode):
+def weight_update(kind: str, model_dir, version: int) -> WeightUpdate:
+    """The model folder's weights as a disk update, or as a state dict (tensor: through Ray's object store)."""
+    if kind == "disk":
+        return WeightUpdate("disk", model_dir, version)
+    from safetensors.torch import load_file
+
+    return WeightUpdate("tensor", load_file(str(next(model_dir.glob("*.safetensors")))), version)
+
+
+@pytest.mark.parametrize("pause_mode, kind", [("retract", "disk"), ("in_place", "disk"), ("in_place", "tensor"),
+                                              ("abort", "disk")])
+def test_detached_requests_run_through_an_update_and_are_collected(rollout_manager, varied_model_dir, pause_mode,
+                                                                   kind):
     m = rollout_manager
     shared_cfg = m.cfg
     m.cfg = shared_cfg.model_copy(update={"pause_mode": pause_mode})
@@ -33,7 +44,7 @@ def test_detached_requests_run_through_an_update_and_are_collected(rollout_manag
         assert answers[0] is not None and len(answers[0]["output_ids"]) == 1
         pending = [i for i, a in enumerate(answers) if a is None]
         assert pending, "every request had finished before the round detached"
-        assert m.update_weights(WeightUpdate("disk", varied_model_dir, 3)) == {0: 3, 1: 3}
+        assert m.update_weights(weight_update(kind, varied_model_dir, 3)) == {0: 3, 1: 3}
         if pause_mode != "abort":
             wait_for(lambda: not m.detached_running, 120, "the detached requests finishing after the update")
         collected = m.collect_detached()
