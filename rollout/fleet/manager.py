@@ -36,7 +36,7 @@ from spillover.rollout.fleet.generation import BatchGenerator
 from spillover.rollout.fleet.pinned_router import PinnedRouter
 from spillover.rollout.drivers.requests import OnResult
 from spillover.rollout.fleet.weight_update import WeightUpdate
-from spillover.rollout.fleet.weights import FleetWeights
+from spillover.rollout.fleet.weights import ENGINE_GONE, FleetWeights
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -203,17 +203,31 @@ class RolloutManager:
             # rollout.overlap: requests run on through the update; the engines pause them, load, and continue
             self.overlap_counts["updates_while_generating"] += 1
             mode = self.cfg.pause_mode
-            await asyncio.gather(*(self._client(u).post(sgl.ENDPOINTS["pause_generation"],
-                                                        json=sgl.pause_generation_payload(mode)) for u in self.urls))
-            if mode == "abort" and self._gen.detached is not None:
-                self._gen.detached.note_abort_pause()
-            try:  # in_place: the paused requests keep their KV cache, which a flush would need gone
+            # every engine that paused must continue, also when another one refused or died (the update restarts it)
+            refused = await self._each_engine("pause_generation", sgl.pause_generation_payload(mode))
+            try:
+                if refused is not None:
+                    raise refused
+                if mode == "abort" and self._gen.detached is not None:
+                    self._gen.detached.note_abort_pause()
+                # in_place: the paused requests keep their KV cache, which a flush would need gone
                 await self.weights.update(update, flush_cache=mode != "in_place")
             finally:
-                await asyncio.gather(*(self._client(u).post(sgl.ENDPOINTS["continue_generation"],
-                                                            json=sgl.continue_generation_payload())
-                                       for u in self.urls))
+                refused = await self._each_engine("continue_generation", sgl.continue_generation_payload())
+            if refused is not None:
+                raise refused
         return self.weight_versions
+
+    async def _each_engine(self, route: str, payload: dict) -> BaseException | None:
+        """POST route to every engine at once; returns the first refusal. A dead engine's transport error is only
+        logged: the weight update restarts it, and a restarted engine was never paused."""
+        urls = self.urls
+        outcomes = await asyncio.gather(*(self._client(u).post(sgl.ENDPOINTS[route], json=payload) for u in urls),
+                                        return_exceptions=True)
+        for url, outcome in zip(urls, outcomes):
+            if isinstance(outcome, ENGINE_GONE):
+                log.warning("/%s on %s failed: %r (the update restarts a dead engine)", route, url, outcome)
+        return next((o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, ENGINE_GONE)), None)
 
     def reset(self, model_path: str | Path, engines_cfg: EnginesConfig | None = None, seed: int | None = None) -> None:
         """Serve model_path's weights as version 0, as a newly started manager would (a run reusing these engines,

@@ -6,6 +6,9 @@ none lost; in_place loads without a cache flush, which the engine would refuse w
 they end at the pause with their tokens so far (kept: the dock continues them next iteration)."""
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from waiting import wait_for
@@ -76,3 +79,27 @@ def test_detached_requests_run_through_an_update_and_are_collected(rollout_manag
         m.collect_detached()
         m.update_weights(WeightUpdate("disk", varied_model_dir, 0))
         m.cfg = shared_cfg
+
+
+def test_an_engine_killed_while_detached_requests_run_is_restarted_by_the_update(rollout_manager, varied_model_dir):
+    """kill -9 of one engine while a detached round runs: the update's pause skips the dead engine, the update restarts
+    it (it loads the new version), the living engine continues; collect_detached then hands every request over at once
+    (those of the dead engine were sent again or end as aborts) instead of waiting for them."""
+    m = rollout_manager
+    restarts = m.restarts
+    try:
+        answers = m.generate(requests(16), on_result=lambda index, answer: index == 0, detach=True)
+        pending = [i for i, a in enumerate(answers) if a is None]
+        victim = m.engines[1]
+        os.kill(victim.pids[0], signal.SIGKILL)
+        assert m.update_weights(WeightUpdate("disk", varied_model_dir, 3)) == {0: 3, 1: 3}
+        assert m.restarts == restarts + 1 and m.engines[1].url != victim.url
+        collected = m.collect_detached()
+        assert sorted(collected) == pending
+        for i in pending:
+            meta = collected[i]["meta_info"]
+            assert meta["finish_reason"]["type"] == "abort" or len(collected[i]["output_ids"]) == LONG["max_new_tokens"]
+        assert sorted(m.router.workers()) == sorted(m.urls)
+    finally:
+        m.collect_detached()
+        m.update_weights(WeightUpdate("disk", varied_model_dir, 0))
