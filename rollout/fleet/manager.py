@@ -62,6 +62,8 @@ class RolloutManager:
         self.restarts = 0
         self.overlap_counts = {"detached_tokens": 0, "updates_while_generating": 0, "tokens_cut_by_updates": 0}
         self._offloaded = False
+        # an in_place update skipped its cache flush: prefixes cached under the old weights are flushed once idle
+        self._stale_prefix_cache = False
         self._clients: dict[str, EngineClient] = {}
         self._engine_lock = asyncio.Lock()  # weight updates, offload/onload, health checks and restarts
         self._health_task: asyncio.Future | None = None  # the health check shared by every failed request
@@ -152,10 +154,21 @@ class RolloutManager:
     def collect_detached(self) -> dict[int, dict]:
         """The last detached call's unanswered requests, what still runs aborted first: index -> answer."""
         detached = self._gen.detached
-        answers = self._call(self._gen.collect_detached)
+        answers = self._call(self._collect_detached)
         self.overlap_counts["detached_tokens"] += sum(len(a.get("output_ids") or []) for a in answers.values())
         if detached is not None:
             self.overlap_counts["tokens_cut_by_updates"] += detached.cut_tokens
+        return answers
+
+    async def _collect_detached(self) -> dict[int, dict]:
+        answers = await self._gen.collect_detached()
+        if self._stale_prefix_cache:  # the engines are idle now (what ran is aborted): flush what in_place kept
+            async with self._engine_lock:
+                refused = await self._each_engine("flush_cache", None)
+            if refused is None:
+                self._stale_prefix_cache = False
+            else:  # another round (an eval's) still runs: the next update flushes instead
+                log.warning("flush after an in_place update refused: %r", refused)
         return answers
 
     @property
@@ -199,6 +212,7 @@ class RolloutManager:
         async with self._engine_lock:
             if not self.detached_running:
                 await self.weights.update(update)
+                self._stale_prefix_cache = False
                 return self.weight_versions
             # rollout.overlap: requests run on through the update; the engines pause them, load, and continue
             self.overlap_counts["updates_while_generating"] += 1
@@ -210,8 +224,10 @@ class RolloutManager:
                     raise refused
                 if mode == "abort" and self._gen.detached is not None:
                     self._gen.detached.note_abort_pause()
-                # in_place: the paused requests keep their KV cache, which a flush would need gone
+                # in_place: the paused requests keep their KV cache, which a flush would need gone; prefixes cached
+                # under the old weights stay until collect_detached flushes them
                 await self.weights.update(update, flush_cache=mode != "in_place")
+                self._stale_prefix_cache = mode == "in_place"
             finally:
                 refused = await self._each_engine("continue_generation", sgl.continue_generation_payload())
             if refused is not None:
@@ -220,7 +236,7 @@ class RolloutManager:
 
     async def _each_engine(self, route: str, payload: dict) -> BaseException | None:
         """POST route to every engine at once; returns the first refusal. A dead engine's transport error is only
-        logged: the weight update restarts it, and a restarted engine was never paused."""
+        logged: a weight update (or the health check) restarts it, and a restarted engine was never paused."""
         urls = self.urls
         outcomes = await asyncio.gather(*(self._client(u).post(sgl.ENDPOINTS[route], json=payload) for u in urls),
                                         return_exceptions=True)
@@ -254,6 +270,7 @@ class RolloutManager:
                 self._offloaded = False
             self.model_path = self.pool.model_path = model_path  # what a restarted engine starts from
             await self.weights.disk.load(WeightUpdate("disk", model_path, 0), self.engines)
+            self._stale_prefix_cache = False
             self.restarts = 0
             if self.cfg.backend == "torch":  # each engine's seed at start (EnginePool.new_actors): the stream anew
                 if seed is not None:  # a restarted engine starts from it too

@@ -14,6 +14,7 @@ import pytest
 from waiting import wait_for
 
 from spillover.rollout.drivers.requests import parse_responses
+from spillover.rollout.fleet.engine_client import EngineClient
 from spillover.rollout.fleet.weight_update import WeightUpdate
 
 LONG = {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
@@ -23,6 +24,19 @@ SHORT = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
 def requests(count: int) -> list[dict]:
     """One short request (its answer detaches the round) and count - 1 long ones (still running then)."""
     return [{"input_ids": [5, 6, 7, 8 + i], "sampling_params": dict(SHORT if i == 0 else LONG)} for i in range(count)]
+
+
+def record_posts(monkeypatch) -> list[str]:
+    """The paths every EngineClient (the manager's and its router's) POSTs to from now on."""
+    posted: list[str] = []
+    post = EngineClient.post
+
+    async def recording(self, path, json=None, timeout=None):
+        posted.append(path)
+        return await post(self, path, json=json, timeout=timeout)
+
+    monkeypatch.setattr(EngineClient, "post", recording)
+    return posted
 
 
 def weight_update(kind: str, model_dir, version: int) -> WeightUpdate:
@@ -37,8 +51,9 @@ def weight_update(kind: str, model_dir, version: int) -> WeightUpdate:
 @pytest.mark.parametrize("pause_mode, kind", [("retract", "disk"), ("in_place", "disk"), ("in_place", "tensor"),
                                               ("abort", "disk")])
 def test_detached_requests_run_through_an_update_and_are_collected(rollout_manager, varied_model_dir, pause_mode,
-                                                                   kind):
+                                                                   kind, monkeypatch):
     m = rollout_manager
+    posted = record_posts(monkeypatch)
     shared_cfg = m.cfg
     m.cfg = shared_cfg.model_copy(update={"pause_mode": pause_mode})
     before = m.overlap_stats()
@@ -52,6 +67,8 @@ def test_detached_requests_run_through_an_update_and_are_collected(rollout_manag
             wait_for(lambda: not m.detached_running, 120, "the detached requests finishing after the update")
         collected = m.collect_detached()
         assert sorted(collected) == pending  # every detached request is handed over, once
+        # in_place kept the prefixes cached under the old weights: flushed once the engines are idle
+        assert posted.count("/flush_cache") == (len(m.urls) if pause_mode == "in_place" else 0)
         assert m.collect_detached() == {}
         tokens, _, _, versions = parse_responses([collected[i] for i in pending], default_version=0)
         kinds = {collected[i]["meta_info"]["finish_reason"]["type"] for i in pending}
