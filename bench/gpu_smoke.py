@@ -12,6 +12,11 @@ process; each is a function in CHECKS (args, device) -> its figures, merged into
   drives SGLang): an update outside /begin_weight_update ... /end_weight_update is refused; inside one session, bucket
   by bucket, weights and weight_version change -> "tensor_update": {refused_outside_session, version, weights_equal,
   update_s, buckets, events, greedy_changed}.
+- inflight_update (issue 31, rollout.overlap with engines.pause_mode=in_place): one request keeps running through a
+  weight update as RolloutManager.update_weights drives it: /pause_generation {mode: in_place} -> new weights bucket by
+  bucket through WeightPoster without a cache flush (the engine refuses a flush while the paused request keeps its KV)
+  -> /continue_generation. -> "inflight_update": {tokens, at_pause, spans (SGLang's meta_info.weight_versions),
+  kv_kept, flush_refused, steps_while_paused, weights_equal, update_s, paused_s}.
 - learner_precision (issues 12, 28; bench/gpu_learner.py): a random-init Qwen2 of --learner-size (0.5b on CUDA:
   Qwen2.5-0.5B's shape, no download) in spillover's LearnerActor with --recipe's precision and optimizer (bfloat16
   compute, float32 masters and AdamW state, lr 1e-6), FSDP2, three iterations of old logprobs + GRPO update ->
@@ -39,6 +44,7 @@ import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -193,6 +199,69 @@ def tensor_update_session(args, device: torch.device) -> dict:
     return {"tensor_update": out}
 
 
+def inflight_update(args, device: torch.device) -> dict:
+    """A request running through an in_place weight update on the device (rollout.overlap): every token comes back (none
+    lost to the update), the ones before the pause under version 0 and the ones after under version 1, as SGLang's
+    meta_info.weight_versions spans say; no decode step runs while paused; the KV cache stays, so a flush is refused."""
+    import httpx
+
+    from spillover.rollout.fleet.weight_poster import WeightPoster
+    from spillover.rollout.sglang.backend import continue_generation_payload, pause_generation_payload
+    from spillover.rollout.torch_engine.server import TorchEngineServer
+
+    model_path = args.model or _tiny_model()
+    server = TorchEngineServer(model_path, device=device.type, max_running_requests=8)
+    url = server.start(timeout_s=300.0)
+    poster = WeightPoster(url, "torch", label="smoke engine")
+    tokens = args.inflight_tokens or (256 if device.type == "cuda" else 48)
+    body = {"input_ids": [3, 4, 5, 6, 7, 8], "sampling_params": {"max_new_tokens": tokens, "temperature": 0.0,
+                                                                  "ignore_eos": True}}
+
+    def output_length() -> int:
+        running = list(server.batcher.running.values())
+        return len(running[0].output_ids) if running else 0
+
+    pool = ThreadPoolExecutor(1)
+    try:
+        current = {name: t.detach().to("cpu").clone() for name, t in server.batcher.decoder.weights.items()}
+        generator = torch.Generator().manual_seed(1)
+        new = {name: t + 0.5 * torch.randn(t.shape, generator=generator).to(t.dtype) for name, t in current.items()}
+        answer = pool.submit(lambda: httpx.post(url + "/generate", json=body, timeout=600.0).json())
+        deadline = time.monotonic() + 300.0
+        while output_length() < 4 and not answer.done():  # paused mid-way, not before the first tokens
+            if time.monotonic() > deadline:
+                raise CheckFailed("inflight update: the request made no 4 tokens in 300 s", {})
+            time.sleep(0.0005)
+        tic = time.perf_counter()
+        httpx.post(url + "/pause_generation", json=pause_generation_payload("in_place"), timeout=60.0).raise_for_status()
+        at_pause, kv_kept = output_length(), len(server.batcher.running)
+        flush_refused = httpx.post(url + "/flush_cache", timeout=60.0).status_code != 200
+        update_tic = time.perf_counter()
+        version = poster.update(new, 1, bucket_bytes=int(args.bucket_mb * 2**20), flush_cache=False)
+        update_s = time.perf_counter() - update_tic
+        steps_while_paused = output_length() - at_pause
+        httpx.post(url + "/continue_generation", json=continue_generation_payload(), timeout=60.0).raise_for_status()
+        paused_s = time.perf_counter() - tic
+        result = answer.result(timeout=600)
+        weights_equal = all(tensor_digest(server.batcher.decoder.weights[n]) == tensor_digest(new[n].to(device))
+                            for n in new)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        server.stop()
+    meta = result["meta_info"]
+    spans = meta.get("weight_versions", [])
+    out = {"tokens": len(result["output_ids"]), "asked": tokens, "at_pause": at_pause, "spans": spans,
+           "finish_reason": meta["finish_reason"]["type"], "kv_kept": kv_kept, "flush_refused": flush_refused,
+           "steps_while_paused": steps_while_paused, "version": version, "weights_equal": weights_equal,
+           "update_s": round(update_s, 4), "paused_s": round(paused_s, 4)}
+    expected_spans = [{"version": "0", "start": 0, "end": at_pause},
+                      {"version": "1", "start": at_pause, "end": len(result["output_ids"])}]
+    if not (0 < at_pause < len(result["output_ids"]) and out["finish_reason"] == "length" and spans == expected_spans
+            and kv_kept == 1 and flush_refused and steps_while_paused == 0 and version == 1 and weights_equal):
+        raise CheckFailed(f"inflight update: {out}", {"inflight_update": out})
+    return {"inflight_update": out}
+
+
 def _tiny_model() -> str:
     from spillover.infra.models import build_tiny_model
 
@@ -225,7 +294,7 @@ def rollout_split(args, device: torch.device) -> dict:
 
 # The checks, in the order they run: each takes (parsed args, device) and returns its figures (merged into the one
 # JSON line); a new GPU check is a function appended here (and named in --checks).
-CHECKS = [colocated_engine, tensor_update_session, learner_precision, rollout_split]
+CHECKS = [colocated_engine, tensor_update_session, inflight_update, learner_precision, rollout_split]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -239,6 +308,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-new", type=int, default=64)
+    parser.add_argument("--inflight-tokens", type=int, default=None,
+                        help="inflight_update's response length (default: 256 on CUDA, 48 on CPU); the pause comes "
+                        "after its 4th token")
     parser.add_argument("--learner-size", choices=["0.5b", "tiny", "none"], default=None,
                         help="the learner part's model (default: 0.5b on CUDA, tiny on CPU)")
     parser.add_argument("--recipe", default=str(DEFAULT_RECIPE),

@@ -116,8 +116,9 @@ GPU_SMOKE_CPU_ARGS = ["--device", "cpu", "--batch", "4", "--max-new", "8", "--bu
 
 @pytest.mark.early("gpu_smoke_dry_run", cpu_s=10)  # a subprocess: it runs in the background
 def test_gpu_smoke_dry_run_on_cpu(gpu_smoke_dry_run):
-    """bench/gpu_smoke.py (the colocated engine, the learner, max_split 1 vs 4; for the GPU machine) on CPU, in a
-    process where Ray, Prefect and the other packages that machine lacks cannot be imported, so it cannot rot."""
+    """bench/gpu_smoke.py (the colocated engine, a tensor update, an in-flight update, the learner, max_split 1 vs 4;
+    for the GPU machine) on CPU, in a process where Ray, Prefect and the other packages that machine lacks cannot be
+    imported, so it cannot rot."""
     code, stdout, stderr = gpu_smoke_dry_run.result()
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     assert code == 0 and lines, stderr[-3000:]
@@ -130,5 +131,8 @@ def test_gpu_smoke_dry_run_on_cpu(gpu_smoke_dry_run):
     update = out["tensor_update"]  # issue 28: the client path that drives SGLang, against the torch engine's HTTP server
     assert update["refused_outside_session"] and update["version"] == 1 and update["weights_equal"]
     assert update["buckets"] > 1 and update["events"] == ["begin_weight_update", "end_weight_update"]
+    inflight = out["inflight_update"]  # issue 31: a request running through an in_place weight update
+    assert [span["version"] for span in inflight["spans"]] == ["0", "1"] and inflight["tokens"] == inflight["asked"]
+    assert inflight["kv_kept"] == 1 and inflight["flush_refused"] and inflight["steps_while_paused"] == 0
     rollout = out["rollout"]  # max_split 1 vs 4 through the real dock and driver, engines in this process
     assert set(rollout) == {"no_partial", "sync_split4"} and all(r["rollout_s"] > 0 for r in rollout.values())
