@@ -26,8 +26,10 @@ def session_processes(session_id: int) -> list[tuple[int, str]]:
             if pid == me or os.getsid(pid) != session_id:
                 continue
             proc = psutil.Process(pid)
-            if proc.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-                found.append((pid, " ".join(proc.cmdline())[:300]))
+            command = " ".join(proc.cmdline())[:300]
+            # an exiting process reads as '' before it turns zombie: it would hide the title it had
+            if command and proc.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                found.append((pid, command))
         except (ProcessLookupError, PermissionError, psutil.Error):  # gone meanwhile
             pass
     return found

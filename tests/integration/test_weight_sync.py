@@ -135,8 +135,8 @@ def test_flow_trains_with_distributed_weight_sync(prefect_harness, ray_session, 
 
     syncs, real_sync = [], DistributedWeights.sync
 
-    async def spy(self, policy, urls, version):
-        await real_sync(self, policy, urls, version)
+    async def spy(self, policy, urls, version, flush_cache=True):
+        await real_sync(self, policy, urls, version, flush_cache)
         syncs.append((version, self.last["buckets"]))
 
     monkeypatch.setattr(DistributedWeights, "sync", spy)
