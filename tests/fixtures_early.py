@@ -48,6 +48,23 @@ def sharded_killed_run(background, prefect_harness, watch_until_gone, tmp_path_f
 
 
 @pytest.fixture(scope="session")
+def async_killed_runs(background, prefect_harness, watch_until_gone, tmp_path_factory):
+    """tests/e2e/test_async_kill_resume.py's `spillover train` runs (rollout.mode=async, without and with
+    rollout.overlap), each SIGKILLed at iteration 1's update -> {overlap: future of (its runner, the run, its run_dir)}."""
+    from test_async_kill_resume import async_args
+
+    def job(overlap: bool):
+        tmp = tmp_path_factory.mktemp("async-kill")
+        spillover, run_dir = Spillover(prefect_harness.api_url, tmp, nice=True), tmp / "async"
+        run = spillover.run(async_args(run_dir, overlap), SPILLOVER_KILL_AT="update:1",
+                            RAY_ADDRESS=background.ray_address())
+        watch_until_gone(run)
+        return spillover, run, run_dir
+
+    return {overlap: background.submit(job, overlap) for overlap in (False, True)}
+
+
+@pytest.fixture(scope="session")
 def placement_child(background, tiny_model_dir, s3_server, tmp_path_factory):
     """tests/integration/test_placement.py run as a script: its two-node Ray cluster's report (a dict)."""
     from spillover.infra.storage.store import open_store

@@ -8,13 +8,17 @@ checkpoint and are generated again.
 Async mode is not compared with an uninterrupted run: which groups are ready first depends on timing, so two
 runs train different batches. What must hold is what async promises: every loaded prompt group trained exactly once
 over the run, the rows checkpoint 0 carried cut trained from exactly their stored tokens, and no trained token more
-than max_age - 1 versions old. The subprocess joins the session's Ray cluster: its processes and actors must be gone."""
+than max_age - 1 versions old. The killed runs start with the session as background work (tests/fixtures_early.py) and
+join the background Ray cluster: their processes and actors must be gone.
+
+Stop strings end some responses early at seeded positions: without them almost every row of the random tiny model runs
+to max_tokens, rows finish in lockstep waves of max_running_requests, and the batch is ready exactly when a wave ends,
+so the abort could find only rows that had not made a token yet (nothing cut mid-response)."""
 from __future__ import annotations
 
 import signal
 
 import pytest
-from background_ray import actors_of
 from partial_evidence import assert_cut_rows_trained, assert_partial_rollout_happened, cut_rows, trained_samples
 from small_run import SMALL_RUN
 from spillover_runs import ROUTER, assert_joined_runs_left_nothing, metrics_rows
@@ -27,21 +31,20 @@ def async_args(run_dir, overlap: bool) -> list[str]:
             *SMALL_RUN, "rollout.mode=async", f"rollout.overlap={str(overlap).lower()}", f"rollout.global_batch_size={GBS}", f"rollout.n_samples_per_prompt={N}",
             "grpo.micro_batch_size=32", "engines.rollout_num_gpus=1", "tracking.wandb_mode=disabled",
             "tracking.progress=false", "rollout.deterministic_sampling=true",
-            f"storage.save_debug_rollout_data={run_dir}/debug/rollout_{{rollout_id}}.parquet"]
+            f"storage.save_debug_rollout_data={run_dir}/debug/rollout_{{rollout_id}}.parquet", 'rollout.stop=["x","q","z"]']
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.early("async_killed_runs", cpu_s=20)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("overlap", [False, True], ids=["async", "overlap"])
-def test_kill_9_at_an_async_update_then_resume_trains_every_group_once(spillover, prefect_harness, ray_session,
-                                                                       warm_parts, tmp_path, overlap):
+def test_kill_9_at_an_async_update_then_resume_trains_every_group_once(async_killed_runs, background, warm_parts,
+                                                                       overlap):
     from spillover.flows.setup import load_run_config
     from spillover.flows.train import grpo_train
     from spillover.infra.storage.checkpoint import load_latest_checkpoint
     from spillover.infra.storage.store import open_store
 
-    run_dir = tmp_path / "async"
-    ray_address = ray_session.get_runtime_context().gcs_address
-    killed = spillover.run(async_args(run_dir, overlap), SPILLOVER_KILL_AT="update:1", RAY_ADDRESS=ray_address)
+    spillover, killed, run_dir = async_killed_runs[overlap].result()
     assert killed.returncode == -signal.SIGKILL, spillover.output(killed)
     assert killed.saw(ROUTER)
     store = open_store(str(run_dir / "checkpoints"))
@@ -54,7 +57,7 @@ def test_kill_9_at_an_async_update_then_resume_trains_every_group_once(spillover
     cfg = load_run_config(run_dir, ["engines.rollout_num_gpus=2"])  # the warm parts of the suite's small runs
     grpo_train(cfg, resume=True, parts=warm_parts)
     spillover.check_gone(killed)
-    assert_joined_runs_left_nothing(lambda: actors_of({killed.session}))
+    assert_joined_runs_left_nothing(lambda: background.actors_of([killed.session]))
 
     rows = metrics_rows(run_dir)
     assert [r["iteration"] for r in rows] == list(range(ITERATIONS))
