@@ -51,6 +51,7 @@ def test_overlap_generates_through_the_update_and_keeps_the_bound(tmp_path, warm
     got = rows(tmp_path / "run")
     assert all(r["update_while_generating"] in (0, 1) for r in got), [r["update_while_generating"] for r in got]
     assert sum(r["detached_tokens"] for r in got[1:]) > 0, [r["detached_tokens"] for r in got]
+    assert [r["tokens_cut_by_updates"] for r in got] == [0, 0, 0]  # retract: requests live through an update
     assert max(r["token_staleness_max"] for r in got) <= 1  # async max_age 2: the bound holds through overlap
     assert sorted(g for r in got for g in r["trained_stream_ids"]) == list(range(3 * gbs))
 
