@@ -60,8 +60,8 @@ class Router:
     def launch(cls, host: str = "127.0.0.1", port: int | None = None, policy: str = "round_robin",
                worker_urls: list[str] | None = None, timeout_s: float = 120.0,
                request_timeout_s: int = 3600, extra_args: list[str] | None = None) -> "Router":
-        """Start the sglang-router (rollout/fleet/router_main.py) bound to host (router and prometheus ports free). It dies
-        with this process, even a SIGKILLed one (infra/fate_share.py: `proc` is its small wrapper process).
+        """Start the sglang-router (rollout/fleet/router_main.py) bound to host (router and prometheus ports free).
+        It dies with this process, even a SIGKILLed one (infra/fate_share.py: `proc` is its small wrapper process).
         timeout_s bounds only a start that neither answers nor exits (an exit is reported at once): a starved start
         on a loaded machine took over 30 s (a low-priority kill chain of the test suite)."""
         port = port or free_port(host)
