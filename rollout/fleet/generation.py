@@ -54,7 +54,8 @@ class DetachedRound:
     """A round whose caller returned while requests still ran (rollout.overlap): `runs` finishes once they have all
     answered; `pending` are the indices the caller got no answer for. `cut_by_pause`: the indices unanswered when an
     abort-mode pause (a weight update) ended every request on the engines; `cut_tokens`: the output tokens those
-    requests came back with, counted when the round is collected."""
+    requests came back with, counted when the round is collected. `generating_s` of `span_s` (set when collected):
+    how long requests still ran between the detach and the collection."""
 
     round: Round
     runs: asyncio.Future
@@ -62,6 +63,18 @@ class DetachedRound:
     pending: list[int]
     cut_by_pause: set[int] = field(default_factory=set)
     cut_tokens: int = 0
+    detached_at: float = field(default_factory=time.monotonic)
+    finished_at: float | None = None
+    generating_s: float = 0.0
+    span_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.runs.add_done_callback(lambda _: setattr(self, "finished_at", self.finished_at or time.monotonic()))
+
+    def note_collected(self) -> None:
+        now = time.monotonic()
+        self.span_s = now - self.detached_at
+        self.generating_s = min(self.finished_at or now, now) - self.detached_at
 
     def note_abort_pause(self) -> None:
         self.cut_by_pause |= {i for i in self.pending if self.results[i] is None}
@@ -148,6 +161,7 @@ class BatchGenerator:
         if detached is None:
             return {}
         detached.cut_tokens = detached.tokens_cut_by_pause()  # before our own abort ends the others the same way
+        detached.note_collected()  # before the abort: what it ends is not generation the overlap bought
         try:
             if not detached.runs.done():
                 await self.abort_all()

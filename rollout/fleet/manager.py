@@ -60,7 +60,8 @@ class RolloutManager:
         self.router: Router | None = None
         self.weights: FleetWeights | None = None  # what the engines serve, how updates reach them
         self.restarts = 0
-        self.overlap_counts = {"detached_tokens": 0, "updates_while_generating": 0, "tokens_cut_by_updates": 0}
+        self.overlap_counts = {"detached_tokens": 0, "updates_while_generating": 0, "tokens_cut_by_updates": 0,
+                               "detached_generating_s": 0.0, "detached_span_s": 0.0}
         self._offloaded = False
         # an in_place update skipped its cache flush: prefixes cached under the old weights are flushed once idle
         self._stale_prefix_cache = False
@@ -158,6 +159,8 @@ class RolloutManager:
         self.overlap_counts["detached_tokens"] += sum(len(a.get("output_ids") or []) for a in answers.values())
         if detached is not None:
             self.overlap_counts["tokens_cut_by_updates"] += detached.cut_tokens
+            self.overlap_counts["detached_generating_s"] += detached.generating_s
+            self.overlap_counts["detached_span_s"] += detached.span_s
         return answers
 
     async def _collect_detached(self) -> dict[int, dict]:
@@ -177,13 +180,14 @@ class RolloutManager:
         detached = self._gen.detached
         return detached is not None and not detached.runs.done()
 
-    def overlap_stats(self) -> dict[str, int]:
+    def overlap_stats(self) -> dict[str, float]:
         """Counters since the manager started: detached_tokens (tokens answered by requests left running past
-        their round), updates_while_generating, and tokens_cut_by_updates (tokens of the requests an abort-mode pause
-        ended: their answers keep them and the dock continues them next iteration, their KV recomputed then as
-        prefill; 0 with in_place and retract, where the requests live through the update). No generated token is
-        discarded by an update in any mode: in_place keeps the requests' KV, retract recomputes it, abort returns
-        the tokens."""
+        their round), updates_while_generating, detached_generating_s of detached_span_s (of the seconds from a
+        round's detach to its collection, those in which its requests still ran), and tokens_cut_by_updates (tokens
+        of the requests an abort-mode pause ended: their answers keep them and the dock continues them next
+        iteration, their KV recomputed then as prefill; 0 with in_place and retract, where the requests live through
+        the update). No generated token is discarded by an update in any mode: in_place keeps the requests' KV,
+        retract recomputes it, abort returns the tokens."""
         return dict(self.overlap_counts)
 
     @property

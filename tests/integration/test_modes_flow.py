@@ -52,6 +52,8 @@ def test_overlap_generates_through_the_update_and_keeps_the_bound(tmp_path, warm
     assert all(r["update_while_generating"] in (0, 1) for r in got), [r["update_while_generating"] for r in got]
     assert sum(r["detached_tokens"] for r in got[1:]) > 0, [r["detached_tokens"] for r in got]
     assert [r["tokens_cut_by_updates"] for r in got] == [0, 0, 0]  # retract: requests live through an update
+    shares = [r["overlap_generating_share"] for r in got]  # iteration 0 collects nothing; later, detached tokens came
+    assert shares[0] == 0 and all(0 < s <= 1 for s, r in zip(shares[1:], got[1:]) if r["detached_tokens"]), shares
     assert max(r["token_staleness_max"] for r in got) <= 1  # async max_age 2: the bound holds through overlap
     assert sorted(g for r in got for g in r["trained_stream_ids"]) == list(range(3 * gbs))
 

@@ -92,6 +92,10 @@ def test_detached_requests_run_through_an_update_and_are_collected(rollout_manag
             assert cut == 0
         assert after["updates_while_generating"] == before["updates_while_generating"] + 1
         assert after["detached_tokens"] - before["detached_tokens"] == sum(len(t) for t in tokens)
+        span = after["detached_span_s"] - before["detached_span_s"]
+        generating = after["detached_generating_s"] - before["detached_generating_s"]
+        if pause_mode != "abort":  # they ran until they finished, before the collection
+            assert 0 < generating < span, (generating, span)
     finally:
         m.collect_detached()
         m.update_weights(WeightUpdate("disk", varied_model_dir, 0))
