@@ -11,35 +11,16 @@ import numpy as np
 import pytest
 
 from bench.simulator.engine import EngineTiming, SimulatedEngine
-from bench.simulator.workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths, TableLengths,
-                                      simulated_prompt)
+from bench.simulator.workload import DEFAULT_EOS, LognormalLengths, TableLengths, simulated_prompt
 from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.dock.staleness import token_staleness_max
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.drivers.default_rollout import generate_training_batch
 from spillover.rollout.drivers.rounds import DetachedRows
-from spillover.rollout.prompt_data import groups_for_iteration
+from simulated_dock import check_trained_group, load_iteration
 
 PROMPT = 4
 ITERATIONS = 8
-
-
-def _check_group(dock: TransferDock, g: int, natural: np.ndarray, max_tokens: int) -> int:
-    """The batch group g holds exactly its natural responses (capped) -> its tokens."""
-    slot = int(np.flatnonzero(dock.group_ids == g)[0])
-    got, total = [], 0
-    for row in range(slot * dock.n, slot * dock.n + dock.n):
-        tokens = dock.responses.gather(np.array([row]), "tokens").tolist()
-        stops = bool(dock.stopped[row])
-        assert dock.complete[row] and (stops or len(tokens) == max_tokens)
-        if len(tokens) > 1 or not stops:  # a 1-token sample is only its EOS (it overwrites the key)
-            j = tokens[0] - SAMPLE_KEY_BASE
-            assert tokens == [SAMPLE_KEY_BASE + j] + [FILL_TOKEN] * (len(tokens) - 1 - stops) + [DEFAULT_EOS] * stops
-            assert len(tokens) == min(int(natural[j]), max_tokens)
-        got.append(len(tokens))
-        total += len(tokens)
-    assert sorted(got) == sorted(np.minimum(natural, max_tokens).tolist())
-    return total
 
 
 @pytest.mark.parametrize("pause_mode", ["abort", "retract", "in_place"])
@@ -54,11 +35,8 @@ def test_overlap_keeps_the_dock_invariant(pause_mode, max_age, seed):
     dock, detached = TransferDock.from_config(cfg, [DEFAULT_EOS]), DetachedRows()
     loaded, trained, tokens_trained, next_id, detached_tokens, mixed = [], Counter(), 0, 0, 0, 0
     for it in range(ITERATIONS):
-        count = groups_for_iteration(dock, it, ITERATIONS)
-        ids = list(range(next_id, next_id + count))
-        next_id += count
-        if count:
-            dock.load_groups(ids, [simulated_prompt(g, PROMPT) for g in ids], [None] * count)
+        ids = load_iteration(dock, it, ITERATIONS, next_id, PROMPT)
+        next_id += len(ids)
         loaded += ids
         stats = generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], it, drain=it == ITERATIONS - 1,
                                         detached=detached)
@@ -67,7 +45,7 @@ def test_overlap_keeps_the_dock_invariant(pause_mode, max_age, seed):
         assert token_staleness_max(batch["weight_versions"], it) <= max_age - 1
         for g in dock.batch_group_ids().tolist():
             trained[g] += 1
-            tokens_trained += _check_group(dock, g, lengths.group_lengths(g), cfg.max_tokens)
+            tokens_trained += check_trained_group(dock, g, lengths.group_lengths(g), cfg.max_tokens)
         versions, offsets = batch["weight_versions"], np.cumsum(batch["response_lengths"])[:-1]
         mixed += sum(len(set(v.tolist())) > 1 for v in np.split(versions, offsets))
         dock.clear(keep_generating=True)

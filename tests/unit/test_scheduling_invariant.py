@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 import pytest
 
 from spillover.infra.config.rollout import RolloutConfig
@@ -14,10 +13,9 @@ from spillover.rollout.drivers import dispatch
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.dock.staleness import token_staleness_max
 from bench.simulator.engine import EngineTiming, SimulatedEngine
-from bench.simulator.workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths,
-                                                 simulated_prompt)
+from bench.simulator.workload import DEFAULT_EOS, LognormalLengths
 from spillover.rollout.drivers.default_rollout import generate_training_batch
-from spillover.tasks.prompts import groups_for_iteration
+from simulated_dock import check_trained_group, load_iteration
 
 PROMPT = 4
 ITERATIONS = 7
@@ -55,34 +53,15 @@ def test_every_group_trained_once_with_its_whole_response(name, seed, monkeypatc
     dock = TransferDock.from_config(cfg, [DEFAULT_EOS])
     loaded, trained, tokens_trained, next_id = [], Counter(), 0, 0
     for it in range(ITERATIONS):
-        count = groups_for_iteration(dock, it, ITERATIONS)
-        ids = list(range(next_id, next_id + count))
-        next_id += count
-        if count:
-            dock.load_groups(ids, [simulated_prompt(g, PROMPT) for g in ids], [None] * count)
+        ids = load_iteration(dock, it, ITERATIONS, next_id, PROMPT)
+        next_id += len(ids)
         loaded += ids
         generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], it, drain=it == ITERATIONS - 1)
         batch = dock.batch_arrays()
         assert token_staleness_max(batch["weight_versions"], it) <= cfg.effective_max_age - 1
         for g in dock.batch_group_ids().tolist():
             trained[g] += 1
-            natural = lengths.group_lengths(g)
-            slot = int(np.flatnonzero(dock.group_ids == g)[0])
-            got = []
-            for row in range(slot * dock.n, slot * dock.n + dock.n):
-                tokens = dock.responses.gather(np.array([row]), "tokens").tolist()
-                stops = bool(dock.stopped[row])
-                assert dock.complete[row] and (stops or len(tokens) == cfg.max_tokens)
-                body = [FILL_TOKEN] * (len(tokens) - 1 - stops) + [DEFAULT_EOS] * stops
-                if len(tokens) > 1 or not stops:  # a 1-token sample is only its EOS (it overwrites the key)
-                    j = tokens[0] - SAMPLE_KEY_BASE  # the engine's sample index: the first response token
-                    assert tokens == [SAMPLE_KEY_BASE + j] + body
-                    assert len(tokens) == min(int(natural[j]), cfg.max_tokens)
-                else:
-                    assert tokens == [DEFAULT_EOS]
-                got.append(len(tokens))
-                tokens_trained += len(tokens)
-            assert sorted(got) == sorted(np.minimum(natural, cfg.max_tokens).tolist())
+            tokens_trained += check_trained_group(dock, g, lengths.group_lengths(g), cfg.max_tokens)
         dock.clear()
         engine.update_weights(None, it + 1)  # the engines report the version they generate with
     assert dock.stats()["loaded_groups"] == 0

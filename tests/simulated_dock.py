@@ -1,0 +1,37 @@
+"""The simulated-engine runs of tests/unit (test_scheduling_invariant.py, test_overlap.py): loading an iteration's
+groups as a run does, and checking a trained group against the lengths the simulated engine drew."""
+from __future__ import annotations
+
+import numpy as np
+
+from bench.simulator.workload import DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, simulated_prompt
+from spillover.rollout.dock.transfer_dock import TransferDock
+from spillover.rollout.prompt_data import groups_for_iteration
+
+
+def load_iteration(dock: TransferDock, iteration: int, iterations: int, next_id: int, prompt_tokens: int) -> list[int]:
+    """Load the groups a run of `iterations` loads at `iteration` (ids from next_id on) -> their ids."""
+    ids = list(range(next_id, next_id + groups_for_iteration(dock, iteration, iterations)))
+    if ids:
+        dock.load_groups(ids, [simulated_prompt(g, prompt_tokens) for g in ids], [None] * len(ids))
+    return ids
+
+
+def check_trained_group(dock: TransferDock, g: int, natural: np.ndarray, max_tokens: int) -> int:
+    """The batch's group g holds exactly its natural responses (capped at max_tokens), each as the simulated engine
+    writes it (its sample key, fill, EOS when it stopped) -> the group's tokens."""
+    slot = int(np.flatnonzero(dock.group_ids == g)[0])
+    got = []
+    for row in range(slot * dock.n, slot * dock.n + dock.n):
+        tokens = dock.responses.gather(np.array([row]), "tokens").tolist()
+        stops = bool(dock.stopped[row])
+        assert dock.complete[row] and (stops or len(tokens) == max_tokens)
+        if len(tokens) > 1 or not stops:  # a 1-token sample is only its EOS (it overwrites the key)
+            j = tokens[0] - SAMPLE_KEY_BASE  # the engine's sample index: the first response token
+            assert tokens == [SAMPLE_KEY_BASE + j] + [FILL_TOKEN] * (len(tokens) - 1 - stops) + [DEFAULT_EOS] * stops
+            assert len(tokens) == min(int(natural[j]), max_tokens)
+        else:
+            assert tokens == [DEFAULT_EOS]
+        got.append(len(tokens))
+    assert sorted(got) == sorted(np.minimum(natural, max_tokens).tolist())
+    return sum(got)
