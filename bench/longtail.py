@@ -21,7 +21,8 @@ async_age2* (max_age 2: no trained token more than one version old); with --real
 length-aware but sends them all through the router (no pinning). Issue 31 (rollout.overlap, --workload
 disaggregated): overlap_{abort,retract,in_place} (async_la's rows, max_age 3: the requests running when the dock is
 ready decode on through the update and pause only for the --swap-s weight swap, in that pause mode),
-overlap_age2_* (max_age 2), overlap_os_age4_in_place (over-sampled, max_age 4). --group-share gives a group's samples
+overlap_age2_* (max_age 2), overlap_os_age4_in_place (over-sampled, max_age 4). The pause modes print the same rows:
+the swap ends the update and the next generation collects what still runs, so none generates in between. --group-share gives a group's samples
 correlated lengths (hard prompts); at 0, the default, they are independent and siblings predict nothing.
 
 Keys (one JSON line per mode on stdout; logs on stderr):
@@ -311,6 +312,13 @@ def parse_args(argv=None):
     if bad:
         p.error(f"--modes: unknown {bad}; choose from {', '.join(MODES)}")
     args.modes = sorted(set(modes), key=MODES.index)  # no_partial first: the others' speedup needs it
+    overlapped = [m for m in args.modes if pause_mode(m) is not None]
+    if args.real and overlapped:
+        # --real interleaves the modes' iterations on one engine fleet, and a detached round must stay alone on its
+        # engines until its mode's next iteration collects it; on 2 shared cores the learner and the engines also
+        # contend, so the wall time could not show what overlap hides
+        p.error(f"--modes: {overlapped} run in the simulator only (drop --real); on the CPU engines the flow test "
+                "tests/integration/test_modes_flow.py and `spillover train ... rollout.overlap=true` run overlap")
     return args
 
 

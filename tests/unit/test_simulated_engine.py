@@ -235,3 +235,16 @@ def test_longtail_bench_prints_one_json_line_per_mode(capsys):
         assert {"tokens_per_s", "iteration_s", "engine_idle_share", "stale_token_share", "speedup"} <= set(line)
         assert line["tokens_per_s"] > 0 and 0 <= line["engine_idle_share"] <= 1
     assert lines[0]["speedup"] == 1.0 and lines[0]["stale_token_share"] == 0
+
+
+def test_longtail_bench_refuses_overlap_modes_on_real_engines(capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.longtail import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--real", "--modes", "no_partial,overlap_in_place"])
+    assert "['overlap_in_place'] run in the simulator only (drop --real)" in capsys.readouterr().err
+    assert parse_args(["--modes", "no_partial,overlap_in_place"]).modes == ["no_partial", "overlap_in_place"]
