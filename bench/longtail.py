@@ -22,8 +22,9 @@ length-aware but sends them all through the router (no pinning). Issue 31 (rollo
 disaggregated): overlap_{abort,retract,in_place} (async_la's rows, max_age 3: the requests running when the dock is
 ready decode on through the update and pause only for the --swap-s weight swap, in that pause mode),
 overlap_age2_* (max_age 2), overlap_os_age4_in_place (over-sampled, max_age 4). The pause modes print the same rows:
-the swap ends the update and the next generation collects what still runs, so none generates in between. --group-share gives a group's samples
-correlated lengths (hard prompts); at 0, the default, they are independent and siblings predict nothing.
+the swap ends the update and the next generation collects what still runs, so none generates in between.
+--group-share gives a group's samples correlated lengths (hard prompts); at 0, the default, they are independent and
+siblings predict nothing.
 
 Keys (one JSON line per mode on stdout; logs on stderr):
   tokens_per_s       trained (completed) response tokens per second of iteration (generation + update)
