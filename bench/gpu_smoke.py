@@ -236,6 +236,8 @@ def inflight_update(args, device: torch.device) -> dict:
             if not answer.done():
                 break
             answer.result()
+        else:
+            raise CheckFailed("inflight update: the request finished before the poller saw it, 3 times", {})
         tic = time.perf_counter()
         httpx.post(url + "/pause_generation", json=pause_generation_payload("in_place"), timeout=60.0).raise_for_status()
         at_pause, kv_kept = output_length(), len(server.batcher.running)

@@ -74,7 +74,7 @@ class DetachedRound:
     def note_collected(self) -> None:
         now = time.monotonic()
         self.span_s = now - self.detached_at
-        self.generating_s = min(self.finished_at or now, now) - self.detached_at
+        self.generating_s = (self.finished_at or now) - self.detached_at
 
     def note_abort_pause(self) -> None:
         self.cut_by_pause |= {i for i in self.pending if self.results[i] is None}

@@ -18,19 +18,16 @@ def rows(run_dir):
 
 def record_dispatch(monkeypatch) -> list[dict]:
     """Every round the drivers dispatch (spillover.rollout.drivers.dispatch.DispatchPlanner.next_rows, wrapped): its
-    planner's index (one planner per iteration), whether the iteration is a long round, the rows in dispatch order with
+    planner (one per iteration), whether the iteration is a long round, the rows in dispatch order with
     their engine, group age, load order and generated length, and the rows held back for the long round after it."""
     from spillover.rollout.drivers.dispatch import DispatchPlanner
 
     seen, next_rows = [], DispatchPlanner.next_rows
-    planners = []  # held, so that a freed planner's id() cannot come back as the next iteration's
 
     def spy(self, dock, limit=None):
         rows_, engines = next_rows(self, dock, limit)
-        if not any(p is self for p in planners):
-            planners.append(self)
-        planner = next(i for i, p in enumerate(planners) if p is self)
-        seen.append({"planner": planner, "long": self.long_round, "rows": rows_.tolist(),
+        # the planner itself, not its id(): held here, a freed planner's address cannot come back as the next one's
+        seen.append({"planner": self, "long": self.long_round, "rows": rows_.tolist(),
                      "engines": None if engines is None else engines.tolist(), "age": dock.age[rows_].tolist(),
                      "load": dock.load_seq[rows_ // dock.n].tolist(), "length": dock.responses.length[rows_].tolist(),
                      "held": self.held.tolist()})
