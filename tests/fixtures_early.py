@@ -53,15 +53,15 @@ def async_killed_runs(background, prefect_harness, watch_until_gone, tmp_path_fa
     rollout.overlap), each SIGKILLed at iteration 1's update -> {overlap: future of (its runner, the run, its run_dir)}."""
     from test_async_kill_resume import async_args
 
-    def job(overlap: bool):
-        tmp = tmp_path_factory.mktemp("async-kill")
+    def job(overlap: bool, tmp):
         spillover, run_dir = Spillover(prefect_harness.api_url, tmp, nice=True), tmp / "async"
         run = spillover.run(async_args(run_dir, overlap), SPILLOVER_KILL_AT="update:1",
                             RAY_ADDRESS=background.ray_address())
         watch_until_gone(run)
         return spillover, run, run_dir
 
-    return {overlap: background.submit(job, overlap) for overlap in (False, True)}
+    # the folders are made here: tmp_path_factory is not safe to call from two of background's threads at once
+    return {overlap: background.submit(job, overlap, tmp_path_factory.mktemp("async-kill")) for overlap in (False, True)}
 
 
 @pytest.fixture(scope="session")

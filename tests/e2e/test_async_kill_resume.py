@@ -11,11 +11,14 @@ over the run, the rows checkpoint 0 carried cut trained from exactly their store
 than max_age - 1 versions old. The killed runs start with the session as background work (tests/fixtures_early.py) and
 join the background Ray cluster: their processes and actors must be gone.
 
-A stop string ends responses at seeded positions: without it almost every row of the random tiny model runs to
+Stop strings end responses at seeded positions: without them almost every row of the random tiny model runs to
 max_tokens, rows finish in lockstep waves of max_running_requests, and the batch is ready exactly when a wave ends,
-so the abort could find only rows that had not made a token yet (nothing cut mid-response). max_tokens is 64, not the
-small runs' 16, for the same reason: the killed run is niced, and its driver, starved for a while after the batch is
-ready, can find every row it had sent already finished; the longer the rows, the longer a starved spell that takes."""
+so the abort could find only rows that had not made a token yet (nothing cut mid-response). Without overlap the rows
+run to 64 tokens (one stop string), not the small runs' 16, for the same reason: the killed run is niced, and its
+driver, starved for a while after the batch is ready, can find every row it had sent already finished; the longer the
+rows, the longer a starved spell that takes. With overlap they stay short: under max_age 2 the rows carried into an
+iteration must finish in it, long ones finish last, and by then every other row is done too, so nothing would be left
+running past the batch choice."""
 from __future__ import annotations
 
 import signal
@@ -25,16 +28,18 @@ from partial_evidence import assert_cut_rows_trained, assert_partial_rollout_hap
 from small_run import SMALL_RUN
 from spillover_runs import ROUTER, assert_joined_runs_left_nothing, metrics_rows
 
-ITERATIONS, GBS, N, MAX_TOKENS = 3, 16, 4, 64
+ITERATIONS, GBS, N = 3, 16, 4
+ROWS = {False: (64, '["x"]'), True: (16, '["x","q","z"]')}  # overlap -> (rollout.max_tokens, rollout.stop): why above
 
 
 def async_args(run_dir, overlap: bool) -> list[str]:
-    return ["train", "--config", "configs/tiny.yaml", f"run_dir={run_dir}", f"schedule.num_iterations={ITERATIONS}",
+    args = ["train", "--config", "configs/tiny.yaml", f"run_dir={run_dir}", f"schedule.num_iterations={ITERATIONS}",
             *SMALL_RUN, "rollout.mode=async", f"rollout.overlap={str(overlap).lower()}", f"rollout.global_batch_size={GBS}", f"rollout.n_samples_per_prompt={N}",
             "grpo.micro_batch_size=32", "engines.rollout_num_gpus=1", "tracking.wandb_mode=disabled",
             "tracking.progress=false", "rollout.deterministic_sampling=true",
-            f"storage.save_debug_rollout_data={run_dir}/debug/rollout_{{rollout_id}}.parquet", 'rollout.stop=["x"]',
-            f"rollout.max_tokens={MAX_TOKENS}", f"rollout.max_model_len={MAX_TOKENS + 16}"]
+            f"storage.save_debug_rollout_data={run_dir}/debug/rollout_{{rollout_id}}.parquet"]
+    max_tokens, stop = ROWS[overlap]
+    return [*args, f"rollout.max_tokens={max_tokens}", f"rollout.max_model_len={max_tokens + 16}", f"rollout.stop={stop}"]
 
 
 @pytest.mark.early("async_killed_runs", cpu_s=20)
@@ -55,7 +60,7 @@ def test_kill_9_at_an_async_update_then_resume_trains_every_group_once(async_kil
     # iteration 0's abort cut rows mid-response (and some before their first token); checkpoint 0 carries them.
     # With overlap nothing is cut: the rows still generating went on, and checkpoint 0 holds them as sent
     cut = [row for row in cut_rows(store, 0) if row.tokens]
-    assert (not cut if overlap else cut and all(len(row.tokens) < MAX_TOKENS for row in cut)), cut
+    assert (not cut if overlap else cut and all(len(row.tokens) < ROWS[False][0] for row in cut)), cut
 
     cfg = load_run_config(run_dir, ["engines.rollout_num_gpus=2"])  # the warm parts of the suite's small runs
     grpo_train(cfg, resume=True, parts=warm_parts)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 
+import httpx
 import pytest
 
 from waiting import wait_for
@@ -24,6 +25,13 @@ SHORT = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
 def requests(count: int) -> list[dict]:
     """One short request (its answer detaches the round) and count - 1 long ones (still running then)."""
     return [{"input_ids": [5, 6, 7, 8 + i], "sampling_params": dict(SHORT if i == 0 else LONG)} for i in range(count)]
+
+
+def output_tokens(urls: list[str]) -> int:
+    """Tokens the engines' running requests have generated so far: SGLang's /v1/loads counts prompt and output tokens
+    of the running requests, and every prompt here is 4 tokens."""
+    loads = [httpx.get(url + "/v1/loads", timeout=10).json()["aggregate"] for url in urls]
+    return sum(load["total_used_tokens"] - 4 * load["total_running_reqs"] for load in loads)
 
 
 def record_posts(monkeypatch) -> list[str]:
@@ -62,6 +70,8 @@ def test_detached_requests_run_through_an_update_and_are_collected(rollout_manag
         assert answers[0] is not None and len(answers[0]["output_ids"]) == 1
         pending = [i for i, a in enumerate(answers) if a is None]
         assert pending, "every request had finished before the round detached"
+        # paused mid-way: on a busy machine the update could otherwise reach requests that made no token yet
+        wait_for(lambda: output_tokens(m.urls), 60, "the detached requests' first tokens")
         assert m.update_weights(weight_update(kind, varied_model_dir, 3)) == {0: 3, 1: 3}
         if pause_mode != "abort":
             wait_for(lambda: not m.detached_running, 120, "the detached requests finishing after the update")
