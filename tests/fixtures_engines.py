@@ -40,12 +40,13 @@ def varied_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def torch_engines(tiny_model_dir):
     """Two torch engine servers (in this process, background threads) on free 127.0.0.1 ports."""
+    from spillover.rollout.sglang.backend import ENGINE_ENV  # the fleet's engines' environment
     from spillover.rollout.torch_engine.server import TorchEngineServer
 
     servers = []
     try:
         for i in range(2):
-            server = TorchEngineServer(str(tiny_model_dir), port=0, max_running_requests=32, seed=i)
+            server = TorchEngineServer(str(tiny_model_dir), port=0, max_running_requests=32, seed=i, env=ENGINE_ENV)
             server.start()
             servers.append(server)
         yield servers

@@ -67,7 +67,7 @@ def stats(dock: "TransferDock") -> dict[str, Any]:
     return {
         "loaded_groups": int(np.count_nonzero(dock.group_ids >= 0)), "ready_groups": dock.ready_group_count(),
         "complete_rows": int((occupied & dock.complete).sum()),
-        "partial_rows": int((occupied & dock.generated & ~dock.complete).sum()),
+        "partial_rows": int((occupied & ~dock.complete & (dock.responses.length > 0)).sum()),
         "waiting_rows": int((occupied & ~dock.complete & ~dock.in_flight).sum()),
         "in_flight_rows": int(dock.in_flight.sum()), "awaiting_tool_rows": int((occupied & dock.awaiting_tool).sum()),
         "age_histogram": age_histogram(dock),

@@ -308,7 +308,8 @@ class TransferDock:
         self.batch, self._batch_arrays = None, None
         carried = self.occupied_rows() & self.generated
         return {"trained_groups": int(len(batch)), "carried_rows": int(carried.sum()),
-                "partial_rows": int((carried & ~self.complete).sum()), "age_histogram": dock_export.age_histogram(self)}
+                "partial_rows": int((carried & ~self.complete & (self.responses.length > 0)).sum()),
+                "age_histogram": dock_export.age_histogram(self)}
 
     # ---- state ---------------------------------------------------------------------------------
     def stats(self) -> dict:

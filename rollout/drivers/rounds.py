@@ -151,8 +151,10 @@ class _Round:
         self.write(np.asarray([index]))
         stop = self.budget.stop_when_ready and not self.stopping and bool(self.dock.update_ready())
         self.stopping |= stop
-        if self.budget.stop_when_ready:
-            self.progress.report(force=self.stopping)
+        if self.budget.stop_when_ready and not self.stopping:
+            self.progress.report(force=False)
+        # the stopping answer reports after the round (generate_rounds): every millisecond spent here before the
+        # engines hear the abort lets the rows still decoding finish instead of being cut
         return stop
 
     def write(self, indices: np.ndarray) -> None:
@@ -215,8 +217,9 @@ def generate_rounds(dock: TransferDock, engine: Generator, rollout_cfg: RolloutC
             keep = hooks.before_round(rows)
             rows, engines = rows[keep], None if engines is None else engines[keep]
             if len(rows):
-                _run_round(dock, engine, rows, engines, planner, sampling, budget, hooks, stats, progress, detached)
-                progress.report(force=not budget.stop_when_ready)
+                stopped = _run_round(dock, engine, rows, engines, planner, sampling, budget, hooks, stats, progress,
+                                     detached)
+                progress.report(force=stopped or not budget.stop_when_ready)
     finally:
         try:
             planner.release_held(dock)
@@ -229,7 +232,8 @@ def generate_rounds(dock: TransferDock, engine: Generator, rollout_cfg: RolloutC
 
 def _run_round(dock: TransferDock, engine: Generator, rows: np.ndarray, engines: np.ndarray | None,
                planner: DispatchPlanner, sampling: SamplingSettings, budget: RoundBudget, hooks: RoundHooks,
-               stats: GenerationStats, progress: _Progress, detached: DetachedRows | None) -> None:
+               stats: GenerationStats, progress: _Progress, detached: DetachedRows | None) -> bool:
+    """One engine call over `rows` -> whether an answer found the dock ready and stopped it."""
     inputs, max_new = dock.generation_inputs(rows, budget.tokens)
     requests = planner.route(build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling)), engines)
     round_ = _Round(dock, rows, hooks, budget, stats, progress)
@@ -249,6 +253,7 @@ def _run_round(dock: TransferDock, engine: Generator, rows: np.ndarray, engines:
             round_.detach(detached)
     finally:
         round_.release_unanswered()
+    return round_.stopping
 
 
 def _collect_detached(dock: TransferDock, engine: Generator, detached: DetachedRows, hooks: RoundHooks,

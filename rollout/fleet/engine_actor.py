@@ -87,7 +87,7 @@ class EngineActor:
             self._server = TorchEngineServer(
                 self.model_path, host=self.host, port=port, max_running_requests=self.max_running_requests,
                 seed=self.seed, weight_version=self.weight_version, torch_threads=self.torch_threads,
-                max_model_len=self.max_model_len)
+                max_model_len=self.max_model_len, env=sgl.ENGINE_ENV)
             self.url = self._server.start(timeout_s=min(timeout_s, 120.0))
             return self.url
         self.base_gpu_id = base_gpu_id

@@ -10,7 +10,7 @@ Failures: a request that fails in transport or with a 5xx (the router has alread
 workers) triggers one shared health check; an engine that does not answer /health_generate within
 engines.health_timeout_s is taken off the router and killed (so its requests fail over), restarted in its
 own bundles with the latest weights, and registered again; the request is then sent again. Engines whose memory
-is released (offload) are never probed: they cannot generate, so they would fail SGLang's /health.
+is released (offload) are never probed: they cannot generate (SGLang's probe would run on freed memory).
 """
 from __future__ import annotations
 
@@ -309,8 +309,8 @@ class RolloutManager:
     # ---- health -------------------------------------------------------------------------------------
     def health_check(self) -> dict[int, str]:
         """Probe every engine's /health_generate; restart dead or hung ones. Engines whose memory is released
-        (offload) are not probed: they cannot generate, so SGLang fails them (its /health generates a token too), and
-        a restart would cut into the colocated update. Returns index -> ok | restarted | released."""
+        (offload) are not probed: they cannot generate (SGLang's probe would run on freed memory and kill the server),
+        and a restart would cut into the colocated update. Returns index -> ok | restarted | released."""
         return self._call(self._health_check)
 
     def start_health_monitor(self, interval_s: float) -> None:

@@ -38,6 +38,13 @@ ENDPOINTS = {
     "pause_generation": "/pause_generation",
     "continue_generation": "/continue_generation",
 }
+# The environment every engine we start runs with. SGLang's /health runs a 1-token generation by default: a paused
+# engine parks it (no answer for 20 s, then 503) and a released one runs it on freed memory (the server dies). Our
+# weight-group forming and the router probe /health while an update pauses engines or colocation releases them, so
+# /health must say only "the server is up"; /health_generate stays the generation probe (the manager's health check,
+# which never runs during a pause and skips released engines). slime starts its engines the same way.
+ENGINE_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # torch_memory_saver regions SGLang can release
 WEIGHT_SELECTORS = ("all", "target", "draft")  # which model a weight-update session covers (draft: speculative)
 
@@ -199,12 +206,13 @@ class SGLangProcess:
     and its scheduler children go too."""
 
     def __init__(self, spec: SGLangLaunch, env: dict[str, str] | None = None):
+        """env: added to this process's environment (ENGINE_ENV first, which env may override)."""
         from spillover.infra.fate_share import fate_shared
 
         self.spec = spec
         self.url = f"http://{spec.host}:{spec.port}"
         self.proc = subprocess.Popen(fate_shared(launch_command(spec), whole_group=True),
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env={**os.environ, **ENGINE_ENV, **(env or {})}, start_new_session=True)
 
     def wait_healthy(self, timeout_s: float = 600.0) -> None:
         """Block until /health_generate answers 200 (node 0 only: other nodes serve no HTTP)."""

@@ -25,8 +25,8 @@ from spillover.rollout.sglang.protocol import SamplingParams
 from spillover.rollout.torch_engine.slot_runner import SlotRunner
 
 log = logging.getLogger(__name__)
-# An idle loop wakes only to advance its heartbeat (/health_generate while paused); work wakes it at once. At 20 Hz
-# the ticks cost an idle engine ~2.5 ms of CPU per second (measured), as much as everything else it does idle.
+# An idle loop wakes only to see a stop; work wakes it at once. At 20 Hz the ticks cost an idle engine ~2.5 ms of
+# CPU per second (measured), as much as everything else it does idle.
 IDLE_TICK_S = 0.25
 ADMIT_BATCH_DIVISOR = 8
 ADMIT_MAX_WAIT_STEPS = 8
@@ -150,7 +150,6 @@ class ContinuousBatcher:
     def _loop(self) -> None:
         while not self._stopping:
             self._wake.clear()
-            self.heartbeat = time.monotonic()
             self._drain_inbox()
             if self._pending_drain and not self.running:
                 self._run_drain_calls()
@@ -164,6 +163,8 @@ class ContinuousBatcher:
                     self._prefill()
                 if self.running:
                     self._decode()
+                # the health probe's sign of life, as SGLang's last output received: none while paused or idle
+                self.heartbeat = time.monotonic()
             except Exception as err:  # a failed step fails its requests, not the engine
                 log.exception("engine step failed")
                 for req in list(self.running.values()):

@@ -5,7 +5,6 @@ Errors follow SGLang's shape: HTTP 400 with {"object": "error", "message", "type
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -104,7 +103,9 @@ def build_app(server: "TorchEngineServer") -> FastAPI:
 
     async def probe_generation() -> Response:
         """SGLang's health handler: 200 when the engine can generate a token (a 1-token generation when idle, else
-        a loop heartbeat), 503 otherwise: dead, or memory released (nothing to generate with)."""
+        a step of the requests it runs), 503 otherwise: dead, or memory released (SGLang would run the probe on
+        freed memory and die). A paused engine makes no step: the probe waits HEALTH_TIMEOUT_S and fails, as
+        SGLang's (its probe request is parked with the others)."""
         if not batcher.alive or batcher.released:
             return Response(status_code=503)
         tic = time.monotonic()
@@ -127,8 +128,8 @@ def build_app(server: "TorchEngineServer") -> FastAPI:
     @app.get("/health")
     async def health():
         """As SGLang's /health: the generation probe, unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 (then 200
-        while the engine runs, released or not)."""
-        if os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1") in ("0", "false", "False"):
+        while the engine runs, paused or released or not)."""
+        if not server.health_generation:
             return Response(status_code=200 if batcher.alive else 503)
         return await probe_generation()
 

@@ -14,8 +14,10 @@ import signal
 import socket
 import sys
 import threading
+import os
 import time
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -29,6 +31,7 @@ from spillover.rollout.sglang.protocol import (BadRequest, GenerateRequest, Init
                                       UpdateWeightsFromDistributedRequest, new_rid)
 from spillover.rollout.sglang.update_group import destroy_group, init_group, receive_bucket
 
+FALSE_WORDS = ("false", "0", "no", "n")  # what SGLang's boolean variables read as false (srt/environ.py)
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,13 +66,18 @@ class TorchEngineServer:
     def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 0, max_running_requests: int = 128,
                  device: str | None = None, seed: int = 0, weight_version: int = 0,
                  torch_threads: int | None = None, max_model_len: int | None = None,
-                 max_kv_cache_gb: float = 8.0):
+                 max_kv_cache_gb: float = 8.0, env: Mapping[str, str] | None = None):
+        """env: the SGLang variables this server reads, as SGLang reads its process environment (default
+        os.environ); the fleet passes spillover.rollout.sglang.backend.ENGINE_ENV."""
         self.model_path, self.host, self.port = str(model_path), host, port
         self.max_running_requests, self.seed = max_running_requests, seed
         self.device = pick_device(device)
         self.initial_weight_version = weight_version
         self.torch_threads, self.max_model_len = torch_threads, max_model_len
         self.max_kv_cache_gb = max_kv_cache_gb
+        env = os.environ if env is None else env
+        # SGLang's /health: a generation probe unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false
+        self.health_generation = env.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1").lower() not in FALSE_WORDS
         self.url = ""
         self.batcher: ContinuousBatcher | None = None
         self.tokenizer = None

@@ -14,9 +14,11 @@ join the background Ray cluster: their processes and actors must be gone.
 Stop strings end responses at seeded positions: without them almost every row of the random tiny model runs to
 max_tokens, rows finish in lockstep waves of max_running_requests, and the batch is ready exactly when a wave ends,
 so the abort could find only rows that had not made a token yet (nothing cut mid-response). Without overlap the rows
-run to 64 tokens (one stop string), not the small runs' 16, for the same reason: the killed run is niced, and its
-driver, starved for a while after the batch is ready, can find every row it had sent already finished; the longer the
-rows, the longer a starved spell that takes. With overlap they stay short: under max_age 2 the rows carried into an
+may run to 128 tokens (one stop string), not the small runs' 16, for the same reason: the killed run is niced, and its
+driver, starved for a while after the batch is ready, can find every row it had sent already finished. The seeded
+stop positions fix when the batch is ready (checkpoint 0's cut rows held 20-53 tokens in every run measured) while the
+longest rows in flight then run on to ~100 tokens: a miss needs a stall of ~50 decode steps between the answer that
+makes the batch and the abort, in which the driver does nothing else (the progress report waits for the abort). With overlap they stay short: under max_age 2 the rows carried into an
 iteration must finish in it, long ones finish last, and by then every other row is done too, so nothing would be left
 running past the batch choice."""
 from __future__ import annotations
@@ -29,7 +31,7 @@ from small_run import SMALL_RUN
 from spillover_runs import ROUTER, assert_joined_runs_left_nothing, metrics_rows
 
 ITERATIONS, GBS, N = 3, 16, 4
-ROWS = {False: (64, '["x"]'), True: (16, '["x","q","z"]')}  # overlap -> (rollout.max_tokens, rollout.stop): why above
+ROWS = {False: (128, '["x"]'), True: (16, '["x","q","z"]')}  # overlap -> (rollout.max_tokens, rollout.stop): why above
 
 
 def async_args(run_dir, overlap: bool) -> list[str]:

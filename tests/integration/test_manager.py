@@ -5,6 +5,7 @@ starts its own one-engine manager, with the health monitor on from its config.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -269,8 +270,10 @@ def test_bad_request_raises_clearly_and_manager_keeps_working(rollout_manager):
 
 
 def test_offload_then_onload_brings_back_the_served_weights(rollout_manager, monkeypatch):
-    """Released engines fail /health (SGLang's /health generates a token, which they cannot), so neither a health
-    check nor the background monitor probes them: nothing is restarted in the middle of a colocated update."""
+    """Released engines cannot generate: /health_generate fails (SGLang's would run on freed memory and kill the
+    server), so neither a health check nor the background monitor probes them, and nothing is restarted in the middle
+    of a colocated update. /health says only that the server is up (the fleet starts engines with
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0), so the router's own probes keep them registered."""
     m = rollout_manager
     before = [a["output_ids"] for a in m.generate(batch(GREEDY, PROMPTS[:2]))]
     restarts, checks = m.restarts, []
@@ -283,7 +286,8 @@ def test_offload_then_onload_brings_back_the_served_weights(rollout_manager, mon
     monkeypatch.setattr(m, "_health_check", counted_check)
     m.offload()  # weights and KV cache: the torch engine frees them for real (tests/integration/test_colocate.py)
     try:
-        assert all(httpx.get(url + "/health", timeout=30).status_code == 503 for url in m.urls)
+        assert all(httpx.get(url + "/health_generate", timeout=30).status_code == 503 for url in m.urls)
+        assert all(httpx.get(url + "/health", timeout=30).status_code == 200 for url in m.urls)
         assert m.health_check() == {0: "released", 1: "released"}
         m.start_health_monitor(0.02)
         wait_for(lambda: len(checks), 30, "4 monitor checks", every=0.02, until=lambda n: n >= 4)
@@ -293,6 +297,29 @@ def test_offload_then_onload_brings_back_the_served_weights(rollout_manager, mon
     assert all(c == {0: "released", 1: "released"} for c in checks) and m.restarts == restarts
     assert m.health_check() == {0: "ok", 1: "ok"}
     assert [a["output_ids"] for a in m.generate(batch(GREEDY, PROMPTS[:2]))] == before
+
+
+def test_paused_engines_answer_the_liveness_probe_that_forming_a_weight_group_and_the_router_make(rollout_manager):
+    """An update pauses the engines (rollout.overlap) and, with engines.weight_sync=distributed, forms its weight group
+    after probing each engine's /health; the router probes /health too. SGLang's default /health is a 1-token
+    generation, which a paused engine parks (the torch engine does the same: /health_generate gets no answer), so the
+    fleet starts every engine with that probe off: its /health answers at once, paused or not."""
+    from spillover.rollout.sglang import backend as sgl
+
+    m = rollout_manager
+    assert m._call(m._each_engine, "pause_generation", sgl.pause_generation_payload("retract")) is None
+    try:
+        for url in m.urls:
+            assert httpx.get(url + "/health", timeout=5).status_code == 200
+            with pytest.raises(httpx.TimeoutException):  # the generation probe waits for a step that never comes
+                httpx.get(url + "/health_generate", timeout=1.5)
+        async def form_probe():  # what forming a weight group asks (rollout/fleet/weights.py)
+            return await asyncio.gather(*(m._client(u).health() for u in m.urls))
+
+        assert m._call(form_probe) == [True] * len(m.urls)
+    finally:
+        assert m._call(m._each_engine, "continue_generation", sgl.continue_generation_payload()) is None
+    assert m.health_check() == {0: "ok", 1: "ok"}
 
 
 def test_shutdown_leaves_no_process_and_stops_the_monitor_started_from_config(ray_session, varied_model_dir):

@@ -16,21 +16,38 @@ def rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+# Rows of varied, seeded lengths for the async test, so that the abort finds rows mid-response. Without a stop
+# string almost every row of the random tiny model runs to max_tokens, rows finish in lockstep waves of the engines'
+# slots, and the batch is ready exactly when a wave ends: the abort then finds only rows without a token. With one
+# stop string at seeded positions the batch is ready at a fixed point of the seeded lengths (checkpoint 0's cut rows
+# held 20-53 tokens in every run measured) while the longest rows in flight run on to ~100 tokens: the abort misses
+# them all only if the driver stalls for ~50 decode steps between the answer that makes the batch and the abort
+# (nothing runs in between: the progress report waits until the engines are aborted, rollout/drivers/rounds.py).
+ASYNC_ROWS = {"rollout.max_tokens": 128, "rollout.max_model_len": 144, "rollout.stop": '["x"]',
+              "rollout.deterministic_sampling": "true"}
+
+
 @pytest.mark.usefixtures(*FLOW)
 def test_async_mode_aborts_and_trains_the_cut_tokens_in_a_later_iteration(tmp_path, warm_parts):
     """rollout.mode=async: every open row goes out at once with its whole budget (one round, 2 x GBS x n requests;
     sync would need rounds of max_tokens // max_split tokens and at most GBS x n rows each), the engines abort once
     GBS groups are ready (128 rows for 64 slots: rows still decoding are cut), and the cut rows' tokens are trained
-    after an update: one trained sample holds tokens of two weight versions."""
+    after an update: checkpoint 0 holds rows cut mid-response, and iteration 1 trains each of them continued from
+    exactly those tokens, one weight version older than the rest."""
     from spillover.flows.train import grpo_train
+    from spillover.infra.storage.store import open_store
+    from partial_evidence import assert_cut_rows_trained, cut_rows, trained_samples
 
-    gbs, n = 16, 4
-    grpo_train(small_config(tmp_path / "run", iterations=3, **{"rollout.mode": "async",
-                                                              "rollout.global_batch_size": gbs,
-                                                              "grpo.micro_batch_size": 32}), parts=warm_parts)
-    got = rows(tmp_path / "run")
+    gbs, n, run_dir = 16, 4, tmp_path / "run"
+    debug = f"{run_dir}/debug/{{rollout_id}}.parquet"
+    grpo_train(small_config(run_dir, iterations=3, **ASYNC_ROWS, **{
+        "rollout.mode": "async", "rollout.global_batch_size": gbs, "grpo.micro_batch_size": 32,
+        "storage.keep_checkpoints": 3, "storage.save_debug_rollout_data": debug}), parts=warm_parts)
+    got = rows(run_dir)
     assert (got[0]["rounds"], got[0]["requests"]) == (1, 2 * gbs * n), got[0]
-    assert any(r["partial_rows"] > 0 for r in got[:-1]), [r["partial_rows"] for r in got]  # an abort cut rows
+    cut = [row for row in cut_rows(open_store(str(run_dir / "checkpoints")), 0) if row.tokens]
+    assert cut and got[0]["partial_rows"] == len(cut), (got[0]["partial_rows"], cut)  # rows with tokens only
+    assert_cut_rows_trained(cut, trained_samples(debug, 1), trained_version=1)
     assert max(r["version_span_max"] for r in got[1:]) >= 1, [r["version_span_max"] for r in got]
     assert max(r["token_staleness_max"] for r in got) == 1  # async max_age 2: cut tokens trained one update late
     assert sorted(g for r in got for g in r["trained_stream_ids"]) == list(range(3 * gbs))

@@ -344,16 +344,42 @@ def test_unknown_sampling_keys_are_refused_as_sglang_does(varied_engine):
 
 def test_a_released_engine_fails_health_as_sglang(varied_engine, monkeypatch):
     """SGLang's /health and /health_generate run a 1-token generation, which a released engine cannot do: both
-    answer 503 until resume (with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0, /health answers 200 at once)."""
+    fail until resume (SGLang's server dies; ours answers 503). With SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 in
+    the server's environment, /health answers 200 at once."""
     url = varied_engine.url
     assert httpx.post(url + "/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
     try:
         assert httpx.get(url + "/health", timeout=30).status_code == 503
         assert httpx.get(url + "/health_generate", timeout=30).status_code == 503
-        monkeypatch.setenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
+        monkeypatch.setattr(varied_engine, "health_generation", False)
         assert httpx.get(url + "/health", timeout=30).status_code == 200
-        monkeypatch.delenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION")
+        monkeypatch.undo()
     finally:
         assert httpx.post(url + "/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
     assert httpx.get(url + "/health", timeout=30).status_code == 200
     assert httpx.get(url + "/health_generate", timeout=30).status_code == 200
+
+
+def test_a_paused_engine_answers_no_generation_probe_as_sglang(varied_engine, monkeypatch):
+    """SGLang's probe is a request like any other: a paused engine parks it, and /health (by default) and
+    /health_generate get no answer (SGLang's gives up after 20 s with 503). With the generation probe off, /health
+    answers at once; after continue, both answer."""
+    from spillover.rollout.sglang.backend import ENGINE_ENV
+    from spillover.rollout.torch_engine.server import TorchEngineServer
+
+    url = varied_engine.url
+    assert httpx.post(url + "/pause_generation", json={"mode": "retract"}).status_code == 200
+    try:
+        for route in ("/health", "/health_generate"):
+            with pytest.raises(httpx.TimeoutException):
+                httpx.get(url + route, timeout=1.5)
+        monkeypatch.setattr(varied_engine, "health_generation", False)
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        monkeypatch.undo()
+    finally:
+        assert httpx.post(url + "/continue_generation", json={}).status_code == 200
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    assert httpx.get(url + "/health_generate", timeout=30).status_code == 200
+    # the server reads the variable as SGLang does, from the environment it is given (the fleet's: ENGINE_ENV)
+    assert not TorchEngineServer(varied_engine.model_path, env=ENGINE_ENV).health_generation
+    assert TorchEngineServer(varied_engine.model_path, env={}).health_generation

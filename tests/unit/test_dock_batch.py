@@ -34,6 +34,19 @@ def test_ready_groups_update_ready_and_batch_chosen_once():
     assert arrays["weight_versions"].tolist() == [1, 1, 1, 1]
 
 
+def test_partial_rows_count_rows_cut_with_tokens_not_rows_aborted_before_their_first_token():
+    """An abort answers the rows still queued with no tokens: they were generated (carried_rows) but hold nothing to
+    continue, so they are not partial rows (counting them made a run that cut nothing look like partial rollout)."""
+    dock = make_dock(gbs=1, n=2, max_split=4)
+    load(dock, [0, 1])
+    rows = dock.take_rows()
+    put(dock, rows, [3, 3, 2, 0], eos=[True, True, False, False])
+    assert dock.stats()["partial_rows"] == 1
+    dock.select_batch()
+    stats = dock.clear()
+    assert (stats["carried_rows"], stats["partial_rows"]) == (2, 1)
+
+
 def test_select_batch_needs_gbs_ready_groups_and_consumers_need_a_batch():
     dock = make_dock(gbs=2)
     load(dock, [0, 1])
