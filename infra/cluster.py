@@ -8,10 +8,11 @@ import ray
 from spillover.infra.ray_env import set_loopback_env
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> dict:
+def init_ray(address: str | None = None, num_cpus: int | None = None, system_config: dict | None = None) -> dict:
     """Connect to `address` / RAY_ADDRESS, or start a local Ray on 127.0.0.1. Idempotent.
 
-    Never uses address="auto": other Ray instances may run on the same machine.
+    Never uses address="auto": other Ray instances may run on the same machine. system_config: Ray's internal
+    settings for a local start (ray.init's _system_config; a cluster that is joined keeps its own).
     """
     if ray.is_initialized():
         return {"address": "existing"}
@@ -25,7 +26,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> dict:
         # to keep fractional-CPU actors from starving plain tasks.
         # address="local": always a new local instance, never one that another process started on this machine
         info = ray.init(address="local", num_cpus=num_cpus or max(4, 2 * (os.cpu_count() or 1)),
-                        include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+                        include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+                        _system_config=system_config)
     return {"address": info.address_info.get("address") if hasattr(info, "address_info") else str(info)}
 
 

@@ -36,9 +36,8 @@ def ray_session():
 
     from spillover.infra.cluster import init_ray
 
-    # A SIGSTOPped (hung) actor that ray.kill cannot stop gracefully is SIGKILLed after this (Ray's default: 5 s);
-    # the raylet reads it at start.
-    os.environ.setdefault("RAY_kill_worker_timeout_milliseconds", "500")
-    init_ray(num_cpus=8)
+    # A SIGSTOPped (hung) actor that ray.kill cannot stop gracefully is SIGKILLed after this (Ray's default: 5 s).
+    # Given to this Ray instance only: an environment variable would reach every `spillover` process tests start.
+    init_ray(num_cpus=8, system_config={"kill_worker_timeout_milliseconds": 500})
     yield ray
     ray.shutdown()

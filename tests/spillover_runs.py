@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,20 +150,10 @@ def metrics_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def other_jobs_actors() -> list[dict]:
-    """The actors of this Ray cluster that other drivers (the `spillover` subprocesses that joined it) created:
-    JobID, State, Pid, ActorClassName (read from the GCS, as `ray list actors` does without a dashboard)."""
-    import ray
-    from ray._private.state import actors
-
-    mine = ray.get_runtime_context().get_job_id()
-    return [a for a in actors().values() if a["JobID"] != mine]
-
-
-def assert_joined_runs_left_nothing(list_actors=other_jobs_actors, grace_s: float = LEFTOVER_GRACE_S) -> None:
-    """Every actor the joined runs created (list_actors: those of the session's cluster by default; for background
-    runs, `lambda: background.actors_of(pids)`) is dead and its worker process gone within grace_s: Ray ends a
-    driver's job when the driver dies (SIGKILL included) and kills the job's actors."""
+def assert_joined_runs_left_nothing(list_actors: Callable[[], list[dict]], grace_s: float = LEFTOVER_GRACE_S) -> None:
+    """Every actor the joined runs created is dead and its worker process gone within grace_s: Ray ends a driver's job
+    when the driver dies (SIGKILL included) and kills the job's actors. list_actors: those runs' actors and no others
+    (e.g. `lambda: background.actors_of(pids)`): other tests' runs in the same cluster may still be running."""
     seen = list_actors()
     assert seen, "no run joined the Ray cluster"
 

@@ -79,9 +79,8 @@ def router_generate_requests(metrics_url: str) -> float:
 @pytest.fixture
 def external_router(tmp_path):
     """A real sglang-router on 127.0.0.1 that no run starts or stops: (url, its Prometheus metrics URL)."""
-    import time
-
     from spillover.rollout.fleet.router import free_port, stop_process
+    from waiting import wait_for
 
     port, metrics_port = free_port(), free_port()
     url, log = f"http://127.0.0.1:{port}", tmp_path / "router.log"
@@ -91,16 +90,11 @@ def external_router(tmp_path):
                                  "--prometheus-port", str(metrics_port), "--log-level", "warn"], stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while True:
+        def ready() -> bool:
             assert proc.poll() is None, f"sglang-router exited: {log.read_text()[-2000:]}"
-            try:
-                if httpx.get(url + "/workers", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"sglang-router not ready in 60 s: {log.read_text()[-2000:]}"
-            time.sleep(0.1)
+            return httpx.get(url + "/workers", timeout=1).status_code == 200
+
+        wait_for(ready, 60, "the external sglang-router answering /workers", not_yet=(httpx.HTTPError,))
         yield url, f"http://127.0.0.1:{metrics_port}/metrics"
     finally:
         stop_process(proc)
