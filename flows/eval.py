@@ -149,7 +149,7 @@ def evaluate(target: EvalTarget, data_path: str | Path, name: str | None = None,
     greedy and k sampled responses per prompt of `data_path`, write <out_dir>/eval/<name>.json -> (result, its path)."""
     from spillover.infra.cluster import init_ray
     from spillover.infra.imports import load_function
-    from spillover.infra.models import load_tokenizer
+    from spillover.infra.models import end_token_ids, load_tokenizer
     from spillover.rollout.prompt_data import read_prompt_file
     from spillover.rollout.scoring.evaluation import run_eval
     from spillover.tasks.reward import REWARD_KEYWORDS
@@ -161,7 +161,7 @@ def evaluate(target: EvalTarget, data_path: str | Path, name: str | None = None,
     tokenizer = load_tokenizer(target.model_dir)
     max_prompt = cfg.rollout.max_model_len - cfg.rollout.max_tokens
     prompts = read_prompt_file(data_path, tokenizer, cfg.data, max_prompt)
-    stop_ids = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
+    stop_ids = list(end_token_ids(target.model_dir, tokenizer))
     common = dict(tokenizer=tokenizer, stop_token_ids=stop_ids, max_new_tokens=cfg.rollout.max_tokens,
                   max_model_len=cfg.rollout.max_model_len, reward_fn_path=cfg.grpo.reward_function_path,
                   stop=cfg.rollout.stop)

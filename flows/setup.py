@@ -18,7 +18,7 @@ from spillover.infra.config.run_config import RunConfig
 from spillover.infra.config.placement_plan import needs_engines as plan_needs_engines, placement_plan, plan_problems
 from spillover.infra.imports import load_function
 from spillover.infra.storage.model_staging import is_remote_model, stage_on_other_nodes
-from spillover.infra.models import load_tokenizer, resolve_model_path
+from spillover.infra.models import end_token_ids, load_tokenizer, resolve_model_path
 from spillover.rollout.builtin import toy_task
 from spillover.rollout.context import EvalSets, RolloutContext
 from spillover.rollout.controller import RolloutController
@@ -133,7 +133,7 @@ def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunPa
     needed = cfg.schedule.num_iterations * cfg.rollout.global_batch_size
     if needed > len(prompts):
         log.warning("%d prompts for %d groups: the run goes over the data more than once", len(prompts), needed)
-    stop_ids = tuple(sorted({int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()))
+    stop_ids = end_token_ids(model_path, tokenizer)
     if saved is not None:
         from spillover.tasks.checkpoint import restore_dock_and_cursor
 

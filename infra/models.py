@@ -88,6 +88,20 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return AutoTokenizer.from_pretrained(p, local_files_only=True)
 
 
+def end_token_ids(path: str | Path, tokenizer) -> tuple[int, ...]:
+    """Every token id that ends a response, as SGLang's scheduler counts them: the tokenizer's EOS and the
+    eos_token_id (an id or a list) of the folder's config.json and generation_config.json. Qwen2.5-Instruct ends
+    on 151645 (<|im_end|>) and also on 151643 (<|endoftext|>): a row whose answer ends on either is complete, also
+    when an abort returned that token as its last."""
+    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    for name in ("config.json", "generation_config.json"):
+        file = Path(path) / name
+        if file.is_file():
+            eos = json.loads(file.read_text()).get("eos_token_id")
+            ids |= {int(e) for e in (eos if isinstance(eos, list) else [] if eos is None else [eos])}
+    return tuple(sorted(ids))
+
+
 def load_causal_lm(path: str | Path, dtype: str = "float32", device: str | None = None):
     """Load any HF causal LM from a local folder (eager attention: fastest for tiny models on CPU)."""
     p = Path(path)

@@ -13,18 +13,21 @@ from spillover.rollout.drivers.requests import GenerationStats, Generator, Sampl
 from spillover.rollout.drivers.rounds import DetachedRows, OnRound, RoundHooks, generate_rounds
 from spillover.rollout.drivers.tool_turns import ToolTurns, turn_metrics
 from spillover.rollout.functions import RolloutOutput
+from spillover.rollout.stop_strings import Decode
 from spillover.rollout.scoring.evaluation import run_eval
 
 
 def generate_training_batch(dock: TransferDock, engine: Generator, rollout_cfg: RolloutConfig,
                             stop_token_ids: Sequence[int], weight_version: int, drain: bool,
                             on_round: OnRound | None = None, seed: int | None = None,
-                            hooks: RoundHooks | None = None, detached: DetachedRows | None = None) -> GenerationStats:
+                            hooks: RoundHooks | None = None, detached: DetachedRows | None = None,
+                            decode: Decode | None = None) -> GenerationStats:
     """Generate until the dock is ready (rollout.mode's rounds, with the hooks given), then choose the training batch
     once. seed: model.seed, used with rollout.deterministic_sampling; detached: the run's DetachedRows
-    (rollout.overlap)."""
+    (rollout.overlap); decode: the tokenizer's (rollout.stop strings are matched across partial-rollout cuts)."""
     sampling = SamplingSettings.from_rollout(rollout_cfg, stop_token_ids, seed)
-    stats = generate_rounds(dock, engine, rollout_cfg, sampling, weight_version, drain, on_round, hooks, detached)
+    stats = generate_rounds(dock, engine, rollout_cfg, sampling, weight_version, drain, on_round, hooks, detached,
+                            decode)
     dock.select_batch()
     return stats
 
@@ -43,7 +46,7 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     tools = _tool_turns(args, rollout_id, data_source) if args.rollout.env_path else None
     stats = generate_training_batch(dock, data_source.engine, args.rollout, data_source.stop_token_ids,
                                     data_source.weight_version, drain, data_source.on_round, args.model.seed, tools,
-                                    data_source.detached)
+                                    data_source.detached, data_source.tokenizer.decode)
     batch = dock.rollout_batch()
     if tools is None:
         return RolloutOutput(batch, stats.as_dict())

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.drivers.dispatch import DispatchPlanner
 from spillover.rollout.drivers.requests import (GenerationStats, Generator, SamplingSettings, build_requests,
                                                 parse_responses, request_seeds)
+from spillover.rollout.stop_strings import Decode, completing_token, stop_window
 
 OnRound = Callable[[dict], None]
 """on_round(progress): round, ready_groups, target_groups, tokens, elapsed_s (the terminal and Prefect progress)."""
@@ -86,8 +87,15 @@ class RoundHooks:
     stop_strings: tuple[str, ...] = ()  # stop strings the hooks need besides rollout.stop
     answers_as_they_arrive = False      # on_answers with each answer as it arrives, in sync mode too
 
-    def __init__(self, dock: TransferDock, weight_version: int):
+    def __init__(self, dock: TransferDock, weight_version: int, stop: Sequence[str] = (), decode: Decode | None = None):
+        """stop (rollout.stop) and decode (the tokenizer's): a row ends where a stop string completes though the
+        engine did not end it there (split by a partial-rollout cut, or completed by an aborted answer's last token:
+        spillover.rollout.stop_strings)."""
+        if stop and decode is None:
+            raise ValueError("stop strings (rollout.stop) need the tokenizer's decode to be matched across "
+                             "partial-rollout cuts: RoundHooks(..., decode=tokenizer.decode)")
         self.dock, self.weight_version = dock, weight_version
+        self.stop, self.stop_decode = tuple(stop), decode
 
     def on_start(self) -> None:
         pass
@@ -102,8 +110,25 @@ class RoundHooks:
     def on_answers(self, rows: np.ndarray, answers: list[dict], stopping: bool) -> int:
         """Write the rows' answers into the dock (stopping: an earlier answer stopped the round) -> new tokens kept."""
         tokens, logprobs, stopped, version = parse_responses(answers, self.weight_version)
+        if self.stop:
+            self.end_at_unseen_stops(rows, tokens, logprobs, stopped, version)
         self.dock.put_generation(rows, tokens, logprobs, version, stopped, current_version=self.weight_version)
         return sum(len(t) for t in tokens)
+
+    def end_at_unseen_stops(self, rows: np.ndarray, tokens: list[list[int]], logprobs: list[list[float]],
+                            stopped: np.ndarray, version: np.ndarray | list[np.ndarray]) -> None:
+        """In place: each answer not ended by a stop is cut after the token that completes a stop string the engine
+        did not see, and marked stopped."""
+        window = stop_window(self.stop)
+        for i, row in enumerate(rows.tolist()):
+            if stopped[i] or not tokens[i]:
+                continue
+            before = self.dock.responses.gather(np.asarray([row]), "tokens")[-window:].tolist()
+            k = completing_token(before, tokens[i], self.stop, self.stop_decode)
+            if k is not None:
+                tokens[i], logprobs[i], stopped[i] = tokens[i][:k], logprobs[i][:k], True
+                if isinstance(version, list):  # one version per token (it lived through an update)
+                    version[i] = version[i][:k]
 
     def wait_for_rows(self) -> bool:
         """No row can generate: wait until one may (True), or say that none ever will (False)."""
@@ -184,16 +209,18 @@ class _Round:
 
 def generate_rounds(dock: TransferDock, engine: Generator, rollout_cfg: RolloutConfig, sampling: SamplingSettings,
                     weight_version: int, drain: bool = False, on_round: OnRound | None = None,
-                    hooks: RoundHooks | None = None, detached: DetachedRows | None = None) -> GenerationStats:
+                    hooks: RoundHooks | None = None, detached: DetachedRows | None = None,
+                    decode: Decode | None = None) -> GenerationStats:
     """Rounds with rollout.mode's budget until >= GBS groups are ready (drain: every loaded row complete).
 
     detached (needed with rollout.overlap): the answers of the requests the previous call left running are written
-    first, and this call's round that finds the dock ready leaves its running requests there."""
+    first, and this call's round that finds the dock ready leaves its running requests there. decode (the
+    tokenizer's; needed with sampling.stop and no hooks): for the default hooks' stop strings across cuts."""
     if rollout_cfg.overlap and detached is None:
         raise ValueError("rollout.overlap=true: generate_rounds needs a DetachedRows kept for the run (detached=...), "
                          "where the requests left running wait for the next call")
     budget = RoundBudget.for_mode(rollout_cfg)
-    hooks = hooks or RoundHooks(dock, weight_version)
+    hooks = hooks or RoundHooks(dock, weight_version, sampling.stop, decode)
     if hooks.stop_strings:
         sampling = dataclasses.replace(sampling, stop=tuple(sampling.stop) + tuple(hooks.stop_strings))
     dock.set_drain(drain)

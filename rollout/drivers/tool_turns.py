@@ -4,7 +4,7 @@ each row a trajectory of policy turns and tool calls over the transfer dock.
 Rounds as in single-turn mode (sync: up to max_tokens // max_split new tokens per request; async: the whole remaining
 budget, and the engines abort once the dock is ready), sending the rows that can generate (not complete, not waiting
 for a tool). An answer that ends on a tool-call stop string (finish_reason {"type": "stop", "matched": s} with s in
-rollout.tool_call_stop, or a stop string split by a partial-rollout cut: spillover.rollout.tools.env.find_stop)
+rollout.tool_call_stop, or a stop string split by a partial-rollout cut: spillover.rollout.stop_strings)
 starts its env step at once on the env pool (rollout/tools/env_pool.py: bounded concurrency, a time limit), on the
 engine's event loop (RolloutManager.loop, where the answers arrive), so tool calls overlap generation; its observation
 is tokenized, capped (rollout.max_tool_output_tokens) and appended with loss mask 0 between rounds once it has arrived,
@@ -37,7 +37,8 @@ from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.drivers.requests import parse_responses
 from spillover.rollout.drivers.rounds import RoundHooks
 from spillover.rollout.sample import Sample
-from spillover.rollout.tools.env import ToolOutcome, find_stop, observation_tokens, split_actions, stop_window
+from spillover.rollout.stop_strings import completing_token, stop_window
+from spillover.rollout.tools.env import ToolOutcome, observation_tokens, split_actions
 from spillover.rollout.tools.env_pool import EnvPool
 
 log = logging.getLogger(__name__)
@@ -148,10 +149,10 @@ class ToolTurns(RoundHooks):
         new, lps = tokens[0], logprobs[0]
         reason = answer["meta_info"].get("finish_reason") or {}
         tool = reason.get("type") == "stop" and reason.get("matched") in self.stop_strings
-        if not tool and new and self.dock.responses.length[row] > 0:
+        if not tool and new:
             before, mask = dock_turns.trajectory(self.dock, row)
             window = dock_turns.turn_tail(before, mask, stop_window(self.stop_strings))
-            cut = find_stop(window, new, self.stop_strings, self.decode)
+            cut = completing_token(window, new, self.stop_strings, self.decode)
             if cut is not None:
                 new, lps, tool = new[:cut], lps[:cut], True
                 if isinstance(version, list):  # one version per token (it lived through an update): cut them too

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from spillover.infra.imports import ImportPathError, load_function
+from spillover.rollout.stop_strings import stop_window
 
 TRUNCATION_MARKER = " ...truncated"
 
@@ -129,25 +130,6 @@ def observation_tokens(text: str, tokenizer, cap: int) -> list[int]:
     if len(marker) >= cap:
         return ids[:cap]
     return ids[:cap - len(marker)] + marker
-
-
-def stop_window(stops: Sequence[str]) -> int:
-    """Tokens enough to hold any stop string (a token spells at least one character)."""
-    return max(len(s) for s in stops) + 1
-
-
-def find_stop(before: Sequence[int], new: Sequence[int], stops: Sequence[str], decode) -> int | None:
-    """A stop string that starts in `before` (the turn's last tokens, no stop among them) and ends in `new`: the
-    number of new tokens up to and including the one that completes it, else None. SGLang (and the CPU engine)
-    match stop strings in a request's own output only, so one split by a partial-rollout cut is found here."""
-    if not before:
-        return None
-    before = list(before)
-    for j in range(min(len(new), stop_window(stops))):
-        text = decode(before + list(new[:j + 1]))
-        if any(s in text for s in stops):
-            return j + 1
-    return None
 
 
 def split_actions(tokens: np.ndarray, mask: np.ndarray, stops: Sequence[str], decode) -> list[str]:

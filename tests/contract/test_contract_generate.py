@@ -63,6 +63,11 @@ def check_all(sglang, bodies: list[dict], context_len: int) -> list[dict]:
     return answers
 
 
+def token_numbers(ids: list[int]) -> str:
+    """The simulated engine's tokens have no text: a decode under which no stop string ever matches."""
+    return " ".join(map(str, ids))
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_partial_rollout_bodies_are_sglangs(sglang, mode, deterministic):
@@ -73,7 +78,8 @@ def test_partial_rollout_bodies_are_sglangs(sglang, mode, deterministic):
     lengths = TableLengths({g: [2, 11] if g % 2 else [3, 30] for g in range(8)})
     engine = Recorder(SimulatedEngine(EngineTiming(num_engines=2, slots_per_engine=4), lengths))
     dock = simulated_dock(cfg, dock_groups(cfg))
-    generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], weight_version=0, drain=False, seed=11)
+    generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], weight_version=0, drain=False, seed=11,
+                            decode=token_numbers)
     answers = check_all(sglang, engine.bodies, cfg.max_model_len)
     budgets = {body["sampling_params"]["max_new_tokens"] for body in engine.bodies}
     if mode == "sync":  # rounds of 10 // 3 tokens: the last one of a row asks for what is left of max_tokens
@@ -131,7 +137,8 @@ def test_gpu_recipe_bodies_are_sglangs(sglang, recipe):
     engine = Recorder()
     dock = simulated_dock(run.rollout, 2, prompt_len=200)
     with pytest.raises(Captured):
-        generate_training_batch(dock, engine, run.rollout, [151645, 151643], 0, False, seed=run.model.seed)
+        generate_training_batch(dock, engine, run.rollout, [151645, 151643], 0, False, seed=run.model.seed,
+                                decode=token_numbers)
     train = check_all(sglang, engine.bodies[:4], run.rollout.max_model_len)
 
     class PromptSet:

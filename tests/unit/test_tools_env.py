@@ -15,7 +15,8 @@ from spillover.infra.imports import ImportPathError
 from spillover.infra.models import build_char_tokenizer
 from spillover.rollout.builtin.calculator import CalculatorEnv, CalculatorError, evaluate, expression_of, make_rows, reward
 from spillover.rollout.tools.env_pool import EnvPool
-from spillover.rollout.tools.env import (TRUNCATION_MARKER, StepResult, find_stop, guarded_call, load_env_factory,
+from spillover.rollout.stop_strings import completing_token
+from spillover.rollout.tools.env import (TRUNCATION_MARKER, StepResult, guarded_call, load_env_factory,
                                observation_tokens, split_actions)
 
 
@@ -122,9 +123,21 @@ def test_actions_are_split_at_tool_stops_and_across_cuts(tok):
     mask = [1] * 7 + [0] + [1] * 4 + [1] * 7
     assert split_actions(np.array(tokens), np.array(mask), ["="], tok.decode) == ["ab 1+2=", "x=", "y="]
     # a stop string split by a cut: '=' alone is never split; a two-character one is found across the boundary
-    assert find_stop(enc("1+2"), enc("+=rest"), ["=+"], tok.decode) is None
-    assert find_stop(enc("1+2="), enc("+rest"), ["=+"], tok.decode) == 1
-    assert find_stop([], enc("=+"), ["=+"], tok.decode) is None
+    assert completing_token(enc("1+2"), enc("+=rest"), ["=+"], tok.decode) is None
+    assert completing_token(enc("1+2="), enc("+rest"), ["=+"], tok.decode) == 1
+
+
+def test_completing_token_finds_what_the_engine_could_not_see(tok):
+    """rollout/stop_strings.py: a string split by a cut ends at the first new token that completes it; one the
+    engine saw whole in its own output is its own (None), except when it ends at the last token (an abort can return
+    that token unchecked); a multi-byte string's window counts bytes."""
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    assert completing_token(enc("the an"), enc("swer: 4"), ["answer"], tok.decode) == 4
+    assert completing_token(enc("ab"), enc("c=+ and on"), ["=+"], tok.decode) is None  # inside the output: seen
+    assert completing_token(enc("ab"), enc("c=+"), ["=+"], tok.decode) == 3  # an aborted answer's last token
+    assert completing_token([], enc("=+"), ["=+"], tok.decode) == 2
+    assert completing_token(enc("ab"), enc("cd"), ["=+"], tok.decode) is None
+    assert completing_token(enc("x"), [], ["=+"], tok.decode) is None
 
 
 def test_env_path_and_tool_settings_are_checked():
