@@ -17,11 +17,12 @@ process; each is a function in CHECKS (args, device) -> its figures, merged into
   bucket through WeightPoster without a cache flush (the engine refuses a flush while the paused request keeps its KV)
   -> /continue_generation. -> "inflight_update": {tokens, at_pause, spans (SGLang's meta_info.weight_versions),
   kv_kept, flush_refused, steps_while_paused, weights_equal, update_s, paused_s}.
-- learner_precision (issues 12, 28; bench/gpu_learner.py): a random-init Qwen2 of --learner-size (0.5b on CUDA:
-  Qwen2.5-0.5B's shape, no download) in spillover's LearnerActor with --recipe's precision and optimizer (bfloat16
-  compute, float32 masters and AdamW state, lr 1e-6), FSDP2, three iterations of old logprobs + GRPO update ->
-  "learner": {params, master_dtypes, optimizer_state_dtypes, compute_dtypes, sent_dtypes, moved_share, step_s,
-  peak_gpu_gb, ...}.
+- learner_precision (issues 12, 28, 36; bench/gpu_learner.py): a random-init Qwen2 of --learner-size (0.5b on CUDA:
+  Qwen2.5-0.5B's shape, no download) in spillover's LearnerActor with --recipe's precision, optimizer and micro-batches
+  (bfloat16 compute, float32 masters and AdamW state, lr 1e-6, packed micro-batches of the recipe's token budget),
+  FSDP2, three iterations of old logprobs + GRPO update on long-tailed lengths -> "learner": {params, master_dtypes,
+  optimizer_state_dtypes, compute_dtypes, sent_dtypes, moved_share, step_s, tokens_per_s, mfu (against this run's
+  own bf16 matmul rate), padding_share, peak_gpu_gb, ...}.
 - rollout_split (issue 18): max_split 1 vs 4 on long-tailed lengths (bench/longtail.py --real --local: the real dock
   and sync driver, engines in this process) -> "rollout".
 
@@ -278,10 +279,10 @@ def learner_precision(args, device: torch.device) -> dict:
     size = args.learner_size or ("0.5b" if device.type == "cuda" else "tiny")
     if size == "none":
         return {}
-    from bench.gpu_learner import learner_smoke
+    from bench.gpu_learner import DEFAULT_RECIPE, RECIPES, learner_smoke
 
     out = learner_smoke(size, device.type, samples=args.learner_samples, tokens=args.learner_tokens,
-                        recipe=args.recipe)
+                        recipe=args.recipe or RECIPES.get(size, DEFAULT_RECIPE))
     expected = {"master_dtypes": ["float32"], "optimizer_state_dtypes": ["float32"],
                 "compute_dtypes": [out["param_dtype"]], "sent_dtypes": [out["model_dtype"]]}
     wrong = {k: out[k] for k, v in expected.items() if out[k] != v}
@@ -304,8 +305,6 @@ CHECKS = [colocated_engine, tensor_update_session, inflight_update, learner_prec
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from bench.gpu_learner import DEFAULT_RECIPE
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=os.environ.get("SPILLOVER_GPU_MODEL"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -317,12 +316,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--inflight-tokens", type=int, default=None,
                         help="inflight_update's response length (default: 256 on CUDA, 48 on CPU); the pause comes "
                         "after its 4th token")
-    parser.add_argument("--learner-size", choices=["0.5b", "tiny", "none"], default=None,
+    parser.add_argument("--learner-size", choices=["0.5b", "1.5b", "tiny", "none"], default=None,
                         help="the learner part's model (default: 0.5b on CUDA, tiny on CPU)")
-    parser.add_argument("--recipe", default=str(DEFAULT_RECIPE),
-                        help="the GPU recipe whose precision and optimizer settings the learner part runs")
+    parser.add_argument("--recipe", default=None,
+                        help="the GPU recipe whose precision, optimizer and micro-batch settings the learner part runs "
+                        "(default: the size's math recipe under configs/gpu/)")
     parser.add_argument("--learner-samples", type=int, default=64)
-    parser.add_argument("--learner-tokens", type=int, default=512, help="most response tokens per sample")
+    parser.add_argument("--learner-tokens", type=int, default=None,
+                        help="most response tokens per sample (default: the recipe's rollout.max_tokens)")
     parser.add_argument("--rollout", choices=["small", "tiny", "none"], default=None,
                         help="max_split 1 vs 4 on long-tailed lengths through the real dock and driver (default: "
                         "small on CUDA, tiny on CPU)")

@@ -19,7 +19,7 @@ LOGGED = ("loss", "pg_loss", "kl", "kl_coef", "clip_fraction", "grad_norm", "tis
           "stale_token_share", "entropy", "old_logprob_source", "weight_version", "update_s", "lr",
           "optimizer_steps", "nll", "token_staleness_max", "version_span_max", "is_weight_p50", "is_weight_p90",
           "is_weight_p99", "is_weight_max", "masked_token_share", "rejected_sequence_share", "logprob_mismatch_kl",
-          "is_weight_hist")
+          "is_weight_hist", "padding_share")
 
 
 @task(name="update", retries=0, cache_policy=NONE)

@@ -38,6 +38,20 @@ class LearnerConfig(Section):
     logprob_chunk_tokens: int = Field(
         1024, ge=1, description="Response tokens projected to the vocabulary at once (lm_head + log_softmax): "
         "logprob memory is chunk x vocabulary, not batch x sequence x vocabulary.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="Micro-batches by tokens instead of by count (verl's use_dynamic_bsz / "
+        "ppo_max_token_len_per_gpu): each rank's share of a step is cut into few micro-batches of at most this many "
+        "tokens (prompt + response) with balanced token sums, the same number on every rank; "
+        "grpo.micro_batch_size then no longer sizes forward passes. Must be >= rollout.max_model_len. Empty: "
+        "grpo.micro_batch_size samples per micro-batch.")
+    pack_sequences: bool = Field(
+        True, description="With max_tokens_per_micro_batch: each micro-batch is one packed row (its sequences "
+        "concatenated, position ids restarting per sequence, attention within each sequence: torch's varlen flash "
+        "attention on CUDA, flash_attn with attn_implementation=flash_attention_2, per-sequence SDPA on CPU), so "
+        "no position is padding. false: padded rows. No effect on count micro-batches (always padded).")
+    deterministic: bool = Field(
+        True, description="torch.use_deterministic_algorithms in the learner's process (warn only): the CPU runs' "
+        "bit-exact resume; on CUDA it selects slower kernels, so the GPU recipes turn it off.")
 
     @model_validator(mode="after")
     def _check(self) -> "LearnerConfig":
@@ -46,13 +60,23 @@ class LearnerConfig(Section):
         return self
 
     @property
+    def packs_sequences(self) -> bool:
+        """Micro-batches are packed rows: a token budget and pack_sequences."""
+        return self.max_tokens_per_micro_batch is not None and self.pack_sequences
+
+    @property
     def backend(self) -> str:
         return "nccl" if self.device == "cuda" else "gloo"
 
 
-def check_learner_batch(learner: LearnerConfig, samples_per_step: int) -> None:
+def check_learner_batch(learner: LearnerConfig, samples_per_step: int, max_model_len: int) -> None:
     """Every rank gets the same number of samples of each mini-batch (FSDP's collectives need equal micro-batch
-    counts on all ranks), so world_size must divide the samples of one optimizer step."""
+    counts on all ranks), so world_size must divide the samples of one optimizer step. A token budget must hold the
+    longest sequence a rollout can make (as verl requires), so that no micro-batch is over it."""
+    budget = learner.max_tokens_per_micro_batch
+    if budget is not None and budget < max_model_len:
+        raise ValueError(f"learner.max_tokens_per_micro_batch ({budget}) must be >= rollout.max_model_len "
+                         f"({max_model_len}), the longest sequence a micro-batch may have to hold")
     if samples_per_step % learner.world_size:
         raise ValueError(
             f"learner.world_size ({learner.world_size}) must divide the samples of one optimizer step "

@@ -142,11 +142,11 @@ class RunConfig(Section):
             raise ValueError(f"grpo.num_steps_per_rollout ({steps}) must divide rollout.global_batch_size "
                              f"({self.rollout.global_batch_size}): each step trains whole groups")
         rows = self.rollout.global_batch_size * self.rollout.n_samples_per_prompt // steps
-        if rows % self.grpo.micro_batch_size:
+        if rows % self.grpo.micro_batch_size and self.learner.max_tokens_per_micro_batch is None:
             raise ValueError(
                 f"grpo.micro_batch_size ({self.grpo.micro_batch_size}) must divide the samples of one step "
                 f"(rollout.global_batch_size x rollout.n_samples_per_prompt / grpo.num_steps_per_rollout = {rows})")
-        check_learner_batch(self.learner, rows)
+        check_learner_batch(self.learner, rows, self.rollout.max_model_len)
         if self.rollout.sft and self.grpo.off_policy != "none":
             raise ValueError("grpo.off_policy must be none in SFT mode "
                              "(rollout.rollout_function_path="

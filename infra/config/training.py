@@ -16,7 +16,8 @@ OFF_POLICY_NEEDS_OLD_LOGPROBS = ("masked_is", "decoupled")
 
 
 class GRPOConfig(Section):
-    micro_batch_size: int = Field(32, ge=1, description="Samples per forward/backward pass.")
+    micro_batch_size: int = Field(32, ge=1, description="Samples per forward/backward pass (padded rows), unless "
+                                  "learner.max_tokens_per_micro_batch sizes micro-batches by tokens.")
     num_steps_per_rollout: int = Field(
         1, ge=1, description="Optimizer steps per iteration: the batch is cut into this many mini-batches in "
         "group order, one AdamW step each; old logprobs are taken once, before the first (PPO-style).")

@@ -31,6 +31,7 @@ from spillover.infra.config.training import OFF_POLICY_NEEDS_OLD_LOGPROBS, GRPOC
 from spillover.infra.config.learner import LearnerConfig
 from spillover.rollout.batch import RolloutBatch
 from spillover.tasks.learner.micro_batches import MicroBatch, check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
+from spillover.tasks.learner.token_budget import token_budget_micro_batches
 from spillover.tasks.grpo_loss import aggregate, clipped_policy_loss, kl_penalty, off_policy_correction
 from spillover.tasks.learner.kl_control import next_kl_coef
 from spillover.tasks.learner.distributed import (all_reduce, balanced_shards, checkpoint_layers, compute_precision, init_distributed,
@@ -43,6 +44,7 @@ from spillover.tasks.learner.offpolicy_metrics import OffPolicyStats
 from spillover.tasks.learner.weight_sender import WeightSender, for_engines, free_address
 
 __all__ = ["LearnerActor"]
+DEVICE_SUMS = ("pg_loss", "kl_loss", "loss", "clipped", "tis", "kl", "entropy", "ppo_kl")  # summed on the device
 
 
 class LearnerActor:
@@ -58,7 +60,8 @@ class LearnerActor:
         lcfg = learner_cfg or LearnerConfig(device=device or "cpu", cpu_threads=num_threads or 1)
         torch.set_num_threads(lcfg.cpu_threads if learner_cfg is not None else (num_threads or torch.get_num_threads()))
         torch.manual_seed(seed)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        # learner.deterministic: the CPU runs' bit-exact resume; on CUDA it selects slow kernels (the GPU recipes: off)
+        torch.use_deterministic_algorithms(lcfg.deterministic, warn_only=True)
         if temperature <= 0:
             raise ValueError(f"rollout.temperature must be > 0 for logprobs; got {temperature}")
         self.model_path, self.grpo, self.optim_cfg, self.lcfg = str(model_path), grpo_cfg, optim_cfg, lcfg
@@ -91,24 +94,41 @@ class LearnerActor:
         self.engine_host: EngineHost | None = None  # set by host_engine (placement.colocate)
         self._version, self.kl_coef = 0, float(grpo_cfg.kl_coef)  # grpo.kl_ctrl=adaptive moves kl_coef
         self.optimizer = None
-        if trainable:
+        if trainable:  # CUDA: one fused kernel for all parameters; CPU: the per-parameter loop, as the resume tests ran
+            kernel = {"fused": True} if self.device == "cuda" else {"foreach": False}
             self.optimizer = torch.optim.AdamW(
                 list(self.net.parameters()), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                weight_decay=optim_cfg.weight_decay, foreach=False)
+                weight_decay=optim_cfg.weight_decay, **kernel)
 
     # ----- logprobs -----
     def _forward(self, mb: MicroBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs[B, R], entropy[B, R]) of the micro-batch's response tokens, float32."""
+        """(logprobs[B, R], entropy[B, R]) of the micro-batch's response tokens (padded or packed), float32."""
         d = self.device
+        packed = {} if mb.cu_seqlens is None else dict(position_ids=mb.position_ids.to(d),
+                                                       cu_seqlens=mb.cu_seqlens.to(d), max_seqlen=mb.max_seqlen)
+        mask = None if mb.attention_mask is None else mb.attention_mask.to(d)
         with compute_precision(self.lcfg, self.sharded, d):
-            return self.net(mb.input_ids.to(d), mb.attention_mask.to(d), mb.logit_positions.to(d), mb.targets.to(d),
-                            mb.response_mask.to(d), with_entropy=with_entropy)
+            return self.net(mb.input_ids.to(d), mask, mb.logit_positions.to(d), mb.targets.to(d),
+                            mb.response_mask.to(d), with_entropy=with_entropy, **packed)
 
     def _micro_batches(self, batch: RolloutBatch, subset: list[int] | None = None, all_rows: bool = False):
         """This rank's micro-batches of `subset` (all rows when None). Sharded: a token-balanced share, and the
         same number of micro-batches on every rank (FSDP's collectives); a rank short of one gets a padding
-        micro-batch with no loss tokens and no indices. all_rows: every row, on every rank (no model calls)."""
+        micro-batch with no loss tokens and no indices. all_rows: every row, on every rank (no model calls).
+        learner.max_tokens_per_micro_batch: micro-batches by tokens (tasks/learner/token_budget.py), packed rows
+        when learner.pack_sequences; else grpo.micro_batch_size padded rows each."""
         subset = list(range(len(batch))) if subset is None else list(subset)
+        budget = self.lcfg.max_tokens_per_micro_batch
+        if budget is not None and not all_rows:
+            packed = self.lcfg.pack_sequences
+            shortest = min(subset, key=lambda i: (int(batch.seq_lengths[i]), i))  # the cheapest padding micro-batch
+            for rows in token_budget_micro_batches(batch.seq_lengths[subset], self.world_size, budget)[self.rank]:
+                if rows:
+                    yield make_micro_batch(batch, [subset[i] for i in rows], self.pad_id, packed)
+                else:
+                    mb = make_micro_batch(batch, [shortest], self.pad_id, packed)
+                    yield replace(mb, indices=[], loss_mask=torch.zeros_like(mb.loss_mask))
+            return
         size = self.grpo.micro_batch_size
         if all_rows or self.world_size == 1:
             shares, mine = [subset], subset
@@ -129,10 +149,14 @@ class LearnerActor:
         self._note("compute_logprobs")
         out = np.zeros(len(batch.response_tokens), dtype=np.float32)
         starts = batch.response_offsets
-        for mb in self._micro_batches(batch):
-            logp = self._forward(mb)[0].cpu()
-            for row, i in enumerate(mb.indices):
-                out[starts[i]:starts[i + 1]] = logp[row, :batch.response_lengths[i]].numpy()
+        done = [(mb.indices, self._forward(mb)[0]) for mb in self._micro_batches(batch)]
+        flat = torch.cat([logp.flatten() for _, logp in done]).cpu().numpy() if done else np.zeros(0, np.float32)
+        at = 0  # one device-to-host copy for the batch, not a host sync per micro-batch
+        for indices, logp in done:
+            block = flat[at:at + logp.numel()].reshape(logp.shape)
+            at += logp.numel()
+            for row, i in enumerate(indices):
+                out[starts[i]:starts[i + 1]] = block[row, :batch.response_lengths[i]]
         if self.world_size > 1:  # disjoint shares, zeros elsewhere: the sum is exact
             out = all_reduce(out).astype(np.float32)
         return out
@@ -166,7 +190,7 @@ class LearnerActor:
         stats = OffPolicyStats(g.off_policy, self._version)  # mismatch: from old, else step 0's forward pass
         kept = self._off_policy_pass(batch, old, stats, measure_mismatch=old_source != "rollout")
         sums = dict.fromkeys(("pg_loss", "kl_loss", "loss", "clipped", "tis", "kl", "entropy", "stale", "ppo_kl",
-                              "tis_max"), 0.0)
+                              "computed_positions", "real_positions", "tis_max"), 0.0)
         steps = g.num_steps_per_rollout
         norms, stepped = [], []
         for k, chunk in enumerate(np.array_split(np.arange(len(batch)), steps)):
@@ -189,6 +213,7 @@ class LearnerActor:
             "tis_weight_mean": sums["tis"] / trained, "tis_weight_max": sums["tis_max"],
             "stale_token_share": sums["stale"] / tokens, "ppo_kl": sums["ppo_kl"] / trained,
             "entropy": sums["entropy"] / trained, "old_logprob_source": old_source, **stats.metrics(),
+            "padding_share": 1.0 - sums["real_positions"] / max(sums["computed_positions"], 1.0),
             "num_samples": len(batch), "num_tokens": num_tokens, "num_trained_tokens": int(kept.sum()),
             "stepped": all(stepped), "optimizer_steps": int(sum(stepped)),
             "trained_weight_version": trained_on, "weight_version": self._version,
@@ -218,6 +243,10 @@ class LearnerActor:
         g = self.grpo
         total_tokens, total_seqs = float(kept[subset].sum()), float((kept[subset] > 0).sum())
         self.optimizer.zero_grad(set_to_none=True)
+        # metric sums stay on the device and are read once per step (a float() per micro-batch would wait for the
+        # GPU each time); float64 from the running sums on, so the totals equal adding float() after float()
+        acc = torch.tensor([sums[k] for k in DEVICE_SUMS], dtype=torch.float64, device=self.device)
+        tis_max = torch.tensor(-math.inf, device=self.device)
         for mb in self._micro_batches(batch, subset):
             logp, entropy = self._forward(mb, with_entropy=True)
             mask = mb.loss_mask.to(self.device)
@@ -228,27 +257,26 @@ class LearnerActor:
             if mismatch is not None:
                 mismatch.add_mismatch(mb.weight_versions, mb.loss_mask, mb.rollout_logprobs, logp.detach())
             pg_loss = aggregate(pg * weights, mask, g.loss_agg, total_tokens, total_seqs)
-            loss = pg_loss
+            loss, kl_loss, kl_sum = pg_loss, logp.new_zeros(()), logp.new_zeros(())
             if g.kl_coef > 0:
                 ref_mb = pad_per_token(ref_logprobs, batch, mb.indices, mask.size(1)).to(self.device)
                 kl = kl_penalty(logp, ref_mb, g.kl_estimator)
                 kl_loss = aggregate(kl, mask, g.loss_agg, total_tokens, total_seqs)
                 loss = loss + self.kl_coef * kl_loss
-                sums["kl_loss"] += float(kl_loss.detach())
-                sums["kl"] += float((kl.detach() * mask).sum())
+                kl_sum = (kl.detach() * mask).sum()
             if total_tokens > 0:
                 loss.backward()
-            with torch.no_grad():
-                sums["pg_loss"] += float(pg_loss.detach())
-                sums["loss"] += float(loss.detach())
-                sums["clipped"] += float((clipped * mask).sum())
-                sums["tis"] += float((weights * mask).sum())
-                sums["ppo_kl"] += float(((old_mb - logp.detach()) * mask).sum())
-                sums["entropy"] += float((entropy * mask).sum())
-                policy_made = (mb.weight_versions >= 0) & (mb.weight_versions < self._version)  # -1: SFT, no policy
-                sums["stale"] += float((policy_made.float() * mb.loss_mask).sum())
-                if mask.sum() > 0:
-                    sums["tis_max"] = max(sums["tis_max"], float(weights[mask > 0].max()))
+            with torch.no_grad():  # in DEVICE_SUMS order
+                acc += torch.stack([pg_loss, kl_loss, loss, (clipped * mask).sum(), (weights * mask).sum(), kl_sum,
+                                    (entropy * mask).sum(), ((old_mb - logp) * mask).sum()]).detach().double()
+                # a padding micro-batch's weights are empty ([0, R]): the running max keeps the max defined
+                tis_max = torch.cat([tis_max.view(1), torch.where(mask > 0, weights, -math.inf).flatten()]).max()
+            policy_made = (mb.weight_versions >= 0) & (mb.weight_versions < self._version)  # -1: SFT, no policy
+            sums["stale"] += float((policy_made.float() * mb.loss_mask).sum())  # host tensors: no device sync
+            sums["computed_positions"] += mb.computed_positions
+            sums["real_positions"] += float(batch.seq_lengths[mb.indices].sum())
+        sums.update(zip(DEVICE_SUMS, acc.tolist()))
+        sums["tis_max"] = max(sums["tis_max"], float(tis_max))  # -inf (no loss token) leaves it
         params = [p for p in self.net.parameters() if p.requires_grad]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.grad_clip)) if total_tokens else 0.0
         stepped = total_tokens > 0 and bool(np.isfinite(grad_norm))

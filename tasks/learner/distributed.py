@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from spillover.infra.config.learner import LearnerConfig
 from spillover.rollout.sglang.update_group import tcp_store
+from spillover.tasks.learner.packed_attention import use_packed_attention
 
 __all__ = ["MASTER_DTYPE", "all_reduce", "balanced_shards", "checkpoint_layers", "compute_precision",
            "init_distributed", "load_learner_lm", "shard_model"]
@@ -77,14 +78,16 @@ def checkpoint_layers(layers) -> None:
 
 
 def load_learner_lm(model_path: str, lcfg: LearnerConfig) -> torch.nn.Module:
-    """The HF causal LM with the learner's attention kernel (learner.attn_implementation), in eval mode, its
-    parameters in float32 (the masters; a bfloat16 checkpoint is widened exactly)."""
+    """The HF causal LM with the learner's attention kernel (learner.attn_implementation; packed micro-batches: its
+    packed form), in eval mode, its parameters in float32 (the masters; a bfloat16 checkpoint is widened exactly)."""
     from transformers import AutoModelForCausalLM
 
     if not (Path(model_path) / "config.json").is_file():
         raise FileNotFoundError(f"model.path {model_path!r} has no config.json: point it at an HF checkpoint folder")
     lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=MASTER_DTYPE, local_files_only=True,
                                               attn_implementation=lcfg.attn_implementation)
+    if lcfg.packs_sequences:  # every forward is then one packed row (tasks/learner/packed_attention.py)
+        use_packed_attention(lm)
     return lm.eval()
 
 

@@ -113,6 +113,9 @@ def load_state(root, lm, optimizer, param_names: list[str], state_keys: list[str
             idx, name = key.split("/", 1)
             state.setdefault(int(idx), {})[name] = value
         groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else dict(g) for g in meta["optimizer_param_groups"]]
+        # the AdamW kernel (fused on CUDA, the per-parameter loop on CPU) is this machine's choice, not the checkpoint's
+        kernel = {k: optimizer.param_groups[0][k] for k in ("foreach", "fused") if k in optimizer.param_groups[0]}
+        groups = [dict(g, **kernel) for g in groups]
         if sharded:
             from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 

@@ -66,14 +66,22 @@ class ResponseLogprobModel(torch.nn.Module):
             raise ValueError(f"rollout.temperature must be > 0 for logprobs; got {temperature}")
         self.lm, self.temperature, self.chunk_tokens = lm, float(temperature), int(chunk_tokens)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logit_positions: torch.Tensor,
-                targets: torch.Tensor, response_mask: torch.Tensor, with_entropy: bool = False):
-        """(input_ids[B, L], attention_mask[B, L], logit_positions[B, R], targets[B, R], response_mask[B, R])
-        -> (logp[B, R], entropy[B, R]) float32, 0 where response_mask is 0."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, logit_positions: torch.Tensor,
+                targets: torch.Tensor, response_mask: torch.Tensor, with_entropy: bool = False,
+                position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0):
+        """Padded: (input_ids[B, L], attention_mask[B, L]); packed: (input_ids[1, T], position_ids[1, T],
+        cu_seqlens int32[B + 1], max_seqlen), attention_mask None; both with (logit_positions[B, R] (packed: into the
+        row), targets[B, R], response_mask[B, R]) -> (logp[B, R], entropy[B, R]) float32, 0 where response_mask is 0."""
         body = self.lm.get_decoder()
-        hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        if cu_seqlens is None:
+            hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        else:  # the varlen arguments reach every layer's attention (tasks/learner/packed_attention.py)
+            hidden = body(input_ids=input_ids, position_ids=position_ids, use_cache=False, cu_seq_lens_q=cu_seqlens,
+                          cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen).last_hidden_state
         rows, cols = torch.nonzero(response_mask > 0, as_tuple=True)
-        picked = hidden[rows, logit_positions[rows, cols]]  # [N, H]: only positions that predict a response token
+        positions = logit_positions[rows, cols]
+        # only positions that predict a response token: [N, H]
+        picked = hidden[rows, positions] if cu_seqlens is None else hidden[0, positions]
         logp_flat, ent_flat = chunked_token_logprobs(picked, self.lm.get_output_embeddings(), targets[rows, cols],
                                                      self.temperature, self.chunk_tokens, with_entropy)
         shape = response_mask.shape

@@ -127,7 +127,8 @@ def test_gpu_smoke_dry_run_on_cpu(gpu_smoke_dry_run):
     assert out["released_to_zero"] and out["engine_held_mb"] > 0 and out["greedy_changed"]
     learner = out["learner"]  # issue 12's learner part: spillover's LearnerActor, three update steps
     assert learner["size"] == "tiny" and learner["params"] > 0 and len(learner["step_s"]) == 3
-    assert learner["update_tokens_per_s"] > 0
+    assert learner["update_tokens_per_s"] > 0 and learner["mfu"] > 0
+    assert learner["pack_sequences"] and learner["padding_share"] == 0.0  # the recipe's packed token budget (issue 36)
     update = out["tensor_update"]  # issue 28: the client path that drives SGLang, against the torch engine's HTTP server
     assert update["refused_outside_session"] and update["version"] == 1 and update["weights_equal"]
     assert update["buckets"] > 1 and update["events"] == ["begin_weight_update", "end_weight_update"]

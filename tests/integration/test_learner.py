@@ -148,21 +148,25 @@ def test_masked_is_drops_tokens_and_recomputes_old_logprobs(tiny_model_dir):
     assert m["tis_weight_max"] <= 1.5
 
 
-def _learner(tiny_model_dir, **grpo):
+def _learner(tiny_model_dir, learner_cfg=None, **grpo):
     return LearnerActor(str(tiny_model_dir), GRPOConfig(micro_batch_size=3, **grpo), OptimizerConfig(lr=1e-2),
-                        temperature=1.0, seed=0, trainable=True)
+                        temperature=1.0, seed=0, trainable=True, learner_cfg=learner_cfg)
 
 
-def test_resume_from_state_equals_uninterrupted(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("budget", [None, 40], ids=["count", "token_budget_packed"])
+def test_resume_from_state_equals_uninterrupted(tiny_model_dir, tmp_path, budget):
+    from spillover.infra.config.learner import LearnerConfig
+
+    lcfg = LearnerConfig(max_tokens_per_micro_batch=budget)
     b1, b2, b3 = random_batch(10), random_batch(11, version=1), random_batch(12, version=2)
-    straight = _learner(tiny_model_dir)
+    straight = _learner(tiny_model_dir, lcfg)
     straight.update(b1)
     tensors, meta = straight.get_state()
     save_file(tensors, tmp_path / "state.safetensors")  # the checkpoint path: safetensors, no pickle
     straight.update(b2)
     straight.update(b3)
 
-    resumed = _learner(tiny_model_dir)
+    resumed = _learner(tiny_model_dir, lcfg)
     resumed.set_state(load_file(tmp_path / "state.safetensors"), meta)
     assert resumed.weight_version() == 1
     resumed.update(b2)
@@ -194,6 +198,48 @@ def test_micro_batch_size_does_not_change_the_step(tiny_model_dir):
     assert states[0][0] == pytest.approx(states[1][0], rel=1e-5)
     for k, v in states[0][1].items():
         torch.testing.assert_close(v, states[1][1][k], atol=1e-6, rtol=1e-5)
+
+
+def _with_grads(learner: LearnerActor) -> list[dict[str, torch.Tensor]]:
+    """The gradients each optimizer step of `learner` is given, recorded as it steps."""
+    seen, step = [], learner.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        seen.append({n: p.grad.clone() for n, p in learner.model.named_parameters()})
+        return step(*args, **kwargs)
+
+    learner.optimizer.step = recording_step
+    return seen
+
+
+def test_token_budget_packed_rows_equal_padded_count_micro_batches(tiny_model_dir):
+    """learner.max_tokens_per_micro_batch (packed rows, and padded rows) == grpo.micro_batch_size padded rows: the
+    same logprobs, loss, metrics and gradients (the loss denominators are the step's, whatever the cut); packed
+    rows compute no padding."""
+    from spillover.infra.config.learner import LearnerConfig
+
+    batch = random_batch(31, n=12, max_response=30)
+    runs = {}
+    configs = {"count": LearnerConfig(), "padded": LearnerConfig(max_tokens_per_micro_batch=64, pack_sequences=False),
+               "packed": LearnerConfig(max_tokens_per_micro_batch=64)}
+    for name, lcfg in configs.items():
+        learner = LearnerActor(str(tiny_model_dir), GRPOConfig(micro_batch_size=4, num_steps_per_rollout=2),
+                               OptimizerConfig(lr=1e-3), 1.0, 0, True, learner_cfg=lcfg)
+        grads = _with_grads(learner)
+        old = learner.compute_logprobs(batch)
+        runs[name] = (old, learner.update(batch, old), grads)
+    want_old, want, want_grads = runs["count"]
+    assert want["padding_share"] > 0.1 and runs["packed"][1]["padding_share"] == 0.0
+    for name in ("padded", "packed"):
+        old, m, grads = runs[name]
+        np.testing.assert_allclose(old, want_old, atol=1e-5)
+        for key in ("loss", "pg_loss", "grad_norm", "entropy", "clip_fraction", "tis_weight_mean", "tis_weight_max",
+                    "ppo_kl", "num_trained_tokens"):
+            assert m[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (name, key)
+        assert len(grads) == len(want_grads) == 2
+        for got_step, want_step in zip(grads, want_grads):
+            for k, g in want_step.items():
+                torch.testing.assert_close(got_step[k], g, atol=1e-6, rtol=1e-4, msg=f"{name} {k}")
 
 
 def test_steps_per_rollout_equal_successive_steps_on_the_halves(tiny_model_dir):

@@ -72,6 +72,33 @@ def test_chunked_logprobs_equal_full_logits_values_entropy_and_gradients():
         lm.zero_grad()
 
 
+def test_packed_row_equals_padded_rows_values_entropy_and_gradients():
+    """One packed row (position ids restarting per sequence, attention within each: packed_attention) gives the
+    padded rows' logprobs, entropy and gradients."""
+    from spillover.tasks.learner.packed_attention import PACKED, use_packed_attention
+
+    padded_lm, packed_lm = _random_lm(300), _random_lm(300)
+    use_packed_attention(packed_lm)
+    assert packed_lm.config._attn_implementation == PACKED
+    rng = np.random.default_rng(3)
+    tokens = [rng.integers(0, 300, int(n)).tolist() for n in (12, 3, 9, 2, 12)]
+    resp = [int(rng.integers(1, len(t))) for t in tokens]
+    batch = from_sequences(tokens, resp, [[0.0] * r for r in resp], [[0] * r for r in resp], advantages=[0.0] * 5)
+    rows = [2, 0, 4, 1, 3]  # not in batch order: the outputs follow the micro-batch's rows either way
+    padded, packed = make_micro_batch(batch, rows, pad_id=0), make_micro_batch(batch, rows, pad_id=0, packed=True)
+    want, want_entropy = ResponseLogprobModel(padded_lm, 0.7, 4)(*_args(padded), with_entropy=True)
+    got, entropy = ResponseLogprobModel(packed_lm, 0.7, 4)(
+        packed.input_ids, None, packed.logit_positions, packed.targets, packed.response_mask, with_entropy=True,
+        position_ids=packed.position_ids, cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, want_entropy, atol=1e-5, rtol=0)
+    (want * torch.arange(1.0, 1 + want.numel()).view_as(want)).sum().backward()  # every token its own weight
+    (got * torch.arange(1.0, 1 + got.numel()).view_as(got)).sum().backward()
+    grads = dict(packed_lm.named_parameters())
+    for name, p in padded_lm.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, atol=1e-5, rtol=1e-4)
+
+
 def _logprob_memory(lm, mb, chunk: int | None) -> TensorMemoryProbe:
     with torch.no_grad(), TensorMemoryProbe() as probe:
         if chunk is None:  # the old way: full [B, L, V] logits, then gather
@@ -193,6 +220,39 @@ def test_world_size_2_equals_1_logprobs_update_and_resume_across_sizes(groups, t
     _assert_same_weights(ray.get(policy.state_dict_ref.remote()), single.model)
 
 
+def test_world_size_2_token_budget_packed_equals_1_padded(groups, tiny_model_dir, ray_session):
+    """learner.max_tokens_per_micro_batch with packed rows on 2 ranks (FSDP2: the same number of micro-batches on
+    both, padding micro-batches where a rank has fewer rows) == one rank of padded count micro-batches."""
+    from spillover.tasks.learner.group import reset_learner_group
+
+    ray = ray_session
+    cfg, policy, _ = groups
+    # model_copy skips the config's budget >= rollout.max_model_len check: these rows hold <= 20 tokens
+    budget = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_tokens_per_micro_batch": 24})})
+    reset_learner_group(policy, tiny_model_dir, budget, trainable=True)
+    single = _single(tiny_model_dir, cfg)
+    batch = random_batch(4, max_response=14)
+    old2, old1 = ray.get(policy.compute_logprobs.remote(batch)), single.compute_logprobs(batch)
+    np.testing.assert_allclose(old2, old1, atol=1e-5)
+    m2, m1 = ray.get(policy.update.remote(batch, old2, old2)), single.update(batch, old1, old1)
+    for key in ("loss", "pg_loss", "grad_norm", "entropy", "clip_fraction", "tis_weight_mean", "tis_weight_max"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+    assert m2["padding_share"] < m1["padding_share"] and m1["padding_share"] > 0
+    _assert_same_weights(ray.get(policy.state_dict_ref.remote()), single.model)
+    # rows of 23, 13 and 12 tokens: rank 0 holds the 23 alone, rank 1 needs two micro-batches for 13 + 12 > 24, so
+    # rank 0 runs one padding micro-batch beside it (no loss tokens; the collectives still match)
+    rng = np.random.default_rng(5)
+    tokens = [rng.integers(2, 40, n).tolist() for n in (23, 13, 12)]
+    uneven = from_sequences(tokens, [18, 8, 7], [[-3.0] * r for r in (18, 8, 7)], [[1] * r for r in (18, 8, 7)],
+                            advantages=[1.0, -0.5, 0.3])
+    old2, old1 = ray.get(policy.compute_logprobs.remote(uneven)), single.compute_logprobs(uneven)
+    np.testing.assert_allclose(old2, old1, atol=1e-5)
+    m2, m1 = ray.get(policy.update.remote(uneven, old2, old2)), single.update(uneven, old1, old1)
+    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-4, abs=1e-6)
+    assert m2["padding_share"] == pytest.approx(12 / (23 + 13 + 12 + 12))  # the padding micro-batch: the shortest row
+    _assert_same_weights(ray.get(policy.state_dict_ref.remote()), single.model)
+
+
 def test_bad_learner_settings_are_refused_at_start(ray_session, tiny_model_dir):
     from spillover.infra.config.parsing import ConfigError
     from spillover.tasks.learner.group import create_learners
@@ -203,6 +263,9 @@ def test_bad_learner_settings_are_refused_at_start(ray_session, tiny_model_dir):
     assert ray_session.cluster_resources().get("GPU", 0) == 0
     with pytest.raises(ValueError, match=r"learner.device=cuda needs 2 GPUs .* the Ray cluster has 0"):
         create_learners(tiny_model_dir, cuda)  # refused before any actor starts
+    with pytest.raises(ConfigError, match=r"learner.max_tokens_per_micro_batch \(32\) must be >= "
+                       r"rollout.max_model_len \(64\)"):
+        build_config(overrides=["learner.max_tokens_per_micro_batch=32", "rollout.max_model_len=64"])
     flash = LearnerConfig(device="cuda", attn_implementation="flash_attention_2")
     with pytest.raises(ValueError, match="attn_implementation=flash_attention_2 but flash_attn is not installed"):
         check_learner_start(flash, {"GPU": 8})

@@ -35,6 +35,19 @@ def test_micro_batch_positions_targets_and_masks():
         check_per_token("old_logprobs", flat[:5], batch)
 
 
+def test_packed_micro_batch_is_one_row_with_restarting_positions_and_the_same_response_fields():
+    batch = _batch()
+    padded, packed = make_micro_batch(batch, [2, 0], pad_id=0), make_micro_batch(batch, [2, 0], pad_id=0, packed=True)
+    assert packed.input_ids.tolist() == [[4, 4, 4, 4, 4, 4, 5, 6, 7, 8]] and packed.attention_mask is None
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]]
+    assert packed.cu_seqlens.tolist() == [0, 6, 10] and packed.max_seqlen == 6
+    assert packed.computed_positions == 10 and padded.computed_positions == 12  # 2 x 6: two positions of padding
+    # sample 0 starts at 6 in the row: its logits at 6 + 1, 6 + 2 predict its response tokens
+    assert [p[:r] for p, r in zip(packed.logit_positions.tolist(), [3, 2])] == [[2, 3, 4], [7, 8]]
+    for field in ("targets", "response_mask", "loss_mask", "advantages", "rollout_logprobs", "weight_versions"):
+        assert getattr(packed, field).tolist() == getattr(padded, field).tolist(), field
+
+
 def test_micro_batch_indices_groups_similar_lengths_stably():
     assert micro_batch_indices([5, 2, 9, 2, 7], 2) == [[1, 3], [0, 4], [2]]
     with pytest.raises(ValueError, match="micro_batch_size"):

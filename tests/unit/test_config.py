@@ -30,11 +30,22 @@ def test_overrides_parse_yaml_values():
     (["rollout.mode=async", "rollout.overlap=true", "placement.colocate=true", "engines.rollout_num_gpus=1"],
      "rollout.overlap=true cannot run with placement.colocate"),
     (["engines.pause_mode=paused"], "engines.pause_mode"),
+    (["learner.max_tokens_per_micro_batch=32", "rollout.max_model_len=64"], "rollout.max_model_len (64)"),
 ])
 def test_impossible_values_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:
         load_config("configs/tiny.yaml", overrides)
     assert field in str(err.value)
+
+
+def test_a_token_budget_replaces_the_micro_batch_count():
+    """With learner.max_tokens_per_micro_batch, grpo.micro_batch_size sizes no forward pass: it need not divide a
+    step's samples; packing is on unless turned off."""
+    cfg = load_config("configs/tiny.yaml", ["grpo.micro_batch_size=7", "learner.max_tokens_per_micro_batch=4096"])
+    assert cfg.learner.packs_sequences and cfg.learner.deterministic
+    assert not load_config("configs/tiny.yaml").learner.packs_sequences  # default: count micro-batches, padded
+    off = load_config("configs/tiny.yaml", ["learner.max_tokens_per_micro_batch=4096", "learner.pack_sequences=false"])
+    assert not off.learner.packs_sequences
 
 
 def test_bad_override_syntax_and_missing_file():
