@@ -43,6 +43,10 @@ class PlacementPlan:
     groups: tuple[ActorGroup, ...]
     spread_learner: bool = False  # learner.placement_strategy asks for ranks on different nodes
     engine_gpus: int = 0          # GPUs of one engine (engines.gpus_per_engine) when engines sit on GPUs
+    # the setting by which SGLang engines load new weights through CUDA IPC handles (memory on the engine's first
+    # node), with the GPUs of one such engine; "" when none does
+    ipc_weights: str = ""
+    ipc_engine_gpus: int = 0
 
     @property
     def total_gpus(self) -> float:
@@ -127,7 +131,17 @@ def placement_plan(cfg, cluster_gpus: float | None = None, eval_only: bool = Fal
                                      f"{engines.backend}, {per_engine} GPU(s) each (engines.gpus_per_engine)" if on_gpu
                                      else f"{engines.backend} on CPU"))
     spread = learners and learner.world_size > 1 and learner.placement_strategy in ("SPREAD", "STRICT_SPREAD")
-    return PlacementPlan(tuple(groups), spread_learner=spread, engine_gpus=engine_gpus)
+    ipc = ipc_weight_setting(cfg, colocated) if learners and needs_engines(cfg) else ""
+    return PlacementPlan(tuple(groups), spread_learner=spread, engine_gpus=engine_gpus, ipc_weights=ipc,
+                         ipc_engine_gpus=engines.gpus_per_engine if ipc else 0)
+
+
+def ipc_weight_setting(cfg, colocated: bool) -> str:
+    """The setting that makes SGLang engines on GPUs of their own load each update from CUDA IPC handles, or "".
+    (Colocated engines load that way too, but placement.colocate already holds each one to a single GPU.)"""
+    if cfg.engines.backend != "sglang" or colocated:
+        return ""
+    return "engines.weight_sync=tensor" if cfg.engines.weight_sync == "tensor" else ""
 
 
 def _gpus(count: float) -> str:
@@ -166,6 +180,11 @@ def plan_problems(plan: PlacementPlan, cluster: Cluster, storage_url: str | None
     if per_node and plan.engine_gpus > per_node and plan.engine_gpus % per_node:
         problems.append(f"engines.gpus_per_engine ({plan.engine_gpus}) spans nodes, so it must be a multiple of the "
                         f"GPUs per node ({per_node:g})")
+    if per_node and plan.ipc_weights and plan.ipc_engine_gpus > per_node:
+        problems.append(f"{plan.ipc_weights} hands every SGLang engine CUDA IPC handles to weights on its first node, "
+                        f"which the ranks of an engine spanning nodes (engines.gpus_per_engine={plan.ipc_engine_gpus} "
+                        f"> {per_node:g} GPUs per node) cannot open; set engines.weight_sync=distributed, or "
+                        f"engines.gpus_per_engine <= {per_node:g}")
     why = spans_nodes(plan, cluster)
     if writes_checkpoints and why and is_local_storage(storage_url):
         problems.append(f"storage.url={storage_url or '(empty: <run_dir>/checkpoints)'} is on this node's disk but "

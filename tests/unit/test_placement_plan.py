@@ -84,6 +84,26 @@ def test_multi_node_placement_with_local_storage_is_refused():
     assert lines and "engines.gpus_per_engine (8) spans nodes" in lines[0]
 
 
+def test_weights_by_cuda_ipc_to_an_engine_spanning_nodes_are_refused():
+    """SGLang's /update_weights_from_tensor hands every tensor-parallel rank CUDA IPC handles to memory on the engine's
+    first node: ranks on other nodes cannot open them and the engine dies. engines.weight_sync=tensor and colocated
+    engines load that way (placement.colocate holds them to one GPU each); the distributed path broadcasts to every rank
+    instead."""
+    wide = ["learner.device=cuda", "engines.backend=sglang", "engines.rollout_num_gpus=16", "engines.gpus_per_engine=16"]
+    two_nodes = Cluster(gpus=32, nodes=2, gpus_per_node=16, source="the Ray cluster")
+    eight_per_node = Cluster(gpus=32, nodes=4, gpus_per_node=8, source="the Ray cluster")
+    tensor = placement_plan(build_config({}, wide + ["engines.weight_sync=tensor"]))
+    [line] = plan_problems(tensor, eight_per_node, "s3://b/r")
+    assert all(f in line for f in ("engines.weight_sync=tensor", "engines.gpus_per_engine=16 > 8",
+                                   "engines.weight_sync=distributed")), line
+    assert plan_problems(tensor, two_nodes, "s3://b/r") == []  # the engine fits one node
+    assert plan_problems(placement_plan(build_config({}, wide + ["engines.weight_sync=distributed"])), eight_per_node,
+                         "s3://b/r") == []
+    torch_backend = placement_plan(build_config({}, ["engines.weight_sync=tensor", "engines.gpus_per_engine=16",
+                                                     "engines.rollout_num_gpus=16"]))
+    assert not any("IPC" in line for line in plan_problems(torch_backend, eight_per_node, "s3://b/r"))
+
+
 def test_memory_estimate_of_a_recipe():
     shape = model_shape(QWEN_05B)
     assert 0.48e9 < shape.params < 0.50e9  # Qwen2.5-0.5B: 494M parameters
