@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 from pathlib import Path
 
 from spillover.flows.parts import RunParts
@@ -16,6 +17,24 @@ from spillover.infra.config.run_config import load_config
 from spillover.infra.prefect.env import apply_process_defaults, quiet_console
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+PACKAGE_DIRS = tuple(Path(__file__).resolve().parents[1] / name for name in ("flows", "tasks", "rollout", "infra"))
+
+
+def user_frames(err: BaseException) -> list[str]:
+    """The frames of the user's own code in err's traceback and its causes' (not spillover's, an installed package's
+    or Python's), formatted as Python prints them, each once: where in their function it failed."""
+    installed = (Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve())
+    frames, seen, current = [], set(), err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for frame in traceback.extract_tb(current.__traceback__):
+            path = Path(frame.filename).resolve()
+            key = (frame.filename, frame.lineno, frame.name)
+            if key not in {(f.filename, f.lineno, f.name) for f in frames} and not any(
+                    path.is_relative_to(p) for p in (*PACKAGE_DIRS, *installed)):
+                frames.append(frame)
+        current = current.__cause__ or current.__context__
+    return traceback.format_list(frames)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -251,6 +270,9 @@ def main(argv: list[str] | None = None, parts: RunParts | None = None) -> int:
         print(f"spillover: {err}", file=sys.stderr)
         return EXIT_FAILED
     except (FileNotFoundError, ValueError) as err:
+        frames = user_frames(err)  # a user's function failed at run time (a reward, a rollout): where, once
+        if frames:
+            print("Traceback of your code (most recent call last):\n" + "".join(frames).rstrip(), file=sys.stderr)
         print(f"spillover: {type(err).__name__}: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

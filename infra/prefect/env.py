@@ -69,11 +69,16 @@ def writes_never_collide() -> bool:
     return settings.api.url is None and url is not None and ":memory:" in url.get_secret_value()
 
 
+RUN_LOGGERS = ("prefect.task_runs", "prefect.flow_runs")  # where Prefect reports a run's own failure
+
+
 class PrefectEngineLines(logging.Filter):
-    """Drops the INFO lines Prefect's own code writes about runs ('Finished in state Completed()' after every task,
-    'Beginning subflow run ...', 'Starting temporary server ...') from a console handler. What the run prints or logs
-    itself through Prefect's run loggers (log_prints: the iteration summary) passes, and so does everything at
-    WARNING and above. Only the console's handlers get it: the API handler still sends every line to the UI."""
+    """Drops from a console handler the INFO lines Prefect's own code writes about runs ('Finished in state
+    Completed()' after every task, 'Beginning subflow run ...', 'Starting temporary server ...'), and its ERROR
+    lines about a failed task or flow run with their tracebacks (one per enclosing run: the same exception reaches
+    the command, which reports it once). What the run prints or logs itself through Prefect's run loggers
+    (log_prints: the iteration summary) passes, and so does every other WARNING and above. Only the console's
+    handlers get it: the API handler still sends every line to the UI."""
 
     def __init__(self):
         super().__init__("spillover.quiet_console")
@@ -82,8 +87,10 @@ class PrefectEngineLines(logging.Filter):
         self.prefect_dir = str(Path(prefect.__file__).parent)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return (record.levelno >= logging.WARNING or not record.name.startswith("prefect")
-                or not record.pathname.startswith(self.prefect_dir))
+        if not record.name.startswith("prefect") or not record.pathname.startswith(self.prefect_dir):
+            return True
+        run_failed = record.levelno >= logging.ERROR and record.name.startswith(RUN_LOGGERS)
+        return record.levelno >= logging.WARNING and not run_failed
 
 
 def quiet_console(verbose: bool = False) -> None:

@@ -13,6 +13,10 @@ import numpy as np
 from spillover.rollout.sample import Sample
 
 
+# what a user does about a reward function that failed mid-run: nothing after the last checkpoint is lost
+REWARD_FIX = "fix it (grpo.reward_function_path), then `spillover resume RUN_DIR` goes on from the last checkpoint"
+
+
 class RewardError(ValueError):
     """A reward function raised or returned something that is not a finite number."""
 
@@ -92,7 +96,7 @@ def score_responses(responses: list[str], labels: list, reward_fn, fn_path: str,
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, (Real, np.floating, np.integer)) or not math.isfinite(float(v)):
             raise RewardError(f"reward function {fn_path!r} returned {v!r} for {describe(i)}; "
-                              f"it must return a finite number")
+                              f"it must return a finite number: {REWARD_FIX}")
         out[i] = float(v)
     return out
 
@@ -106,7 +110,7 @@ def run_async_calls(fn, fn_path: str, calls: list, concurrency: int) -> list:
                 return await fn(*args, **kwargs)
             except Exception as err:  # a user function: report which sample and which function
                 raise RewardError(f"reward function {fn_path!r} raised on {what}: {type(err).__name__}: "
-                                  f"{err}") from err
+                                  f"{err}; {REWARD_FIX}") from err
 
     async def gather():
         gate = asyncio.Semaphore(max(1, int(concurrency)))
@@ -128,4 +132,5 @@ def _call(fn, fn_path, what, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except Exception as err:  # a user function: report which sample and which function
-        raise RewardError(f"reward function {fn_path!r} raised on {what}: {type(err).__name__}: {err}") from err
+        raise RewardError(f"reward function {fn_path!r} raised on {what}: {type(err).__name__}: {err}; "
+                          f"{REWARD_FIX}") from err
