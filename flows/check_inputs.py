@@ -19,8 +19,10 @@ BUILTIN_TASK_REWARD = "spillover.rollout.builtin.toy_task.reward"
 
 def check_model(cfg, model_dir: str | Path | None = None) -> tuple[Any, list[str]]:
     """(tokenizer or None, problems) of model.path (or model_dir): an HF folder with config.json, *.safetensors and a
-    tokenizer that loads. Empty model.path: the tiny model's tokenizer (the model is built at start); s3://: staged at
-    start, so no tokenizer here."""
+    tokenizer that loads, or a Hub id resolved to one (huggingface_hub's cache; a download when online). Empty
+    model.path: the tiny model's tokenizer (the model is built at start); s3://: staged at start, so no tokenizer
+    here."""
+    from spillover.infra.hub_models import HubModelError, is_hub_id, resolve_hub_model
     from spillover.infra.storage.model_staging import is_remote_model
 
     path = model_dir or cfg.model.path
@@ -34,6 +36,11 @@ def check_model(cfg, model_dir: str | Path | None = None) -> tuple[Any, list[str
         return build_char_tokenizer(), []
     if is_remote_model(str(path)):
         return None, []
+    if is_hub_id(str(path)):
+        try:
+            path = resolve_hub_model(str(path), cfg.model.revision)[0]
+        except HubModelError as err:
+            return None, [str(err)]
     folder = Path(path).expanduser()
     fix = "point model.path at an HF checkpoint folder (config.json, *.safetensors, tokenizer files) or an s3:// URL"
     if not folder.is_dir():

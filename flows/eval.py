@@ -36,8 +36,18 @@ class EvalTarget:
 
 
 def resolve_target(target: str | Path, overrides: list[str], config: str | None = None) -> EvalTarget:
-    """A run dir (its config.json and newest verified checkpoint) or an HF model folder (settings from `config`,
-    a YAML run config, else the defaults; e.g. a recipe of configs/gpu/) -> what to evaluate."""
+    """A run dir (its config.json and newest verified checkpoint), an HF model folder or a Hub id (settings from
+    `config`, a YAML run config, else the defaults; e.g. a recipe of configs/gpu/) -> what to evaluate."""
+    from spillover.infra.hub_models import is_hub_id, resolve_hub_model
+
+    if is_hub_id(str(target)):  # results go under ./eval-<org>--<name>; the engines load the cached snapshot
+        from spillover.infra.config.run_config import load_config
+
+        out = Path(f"eval-{str(target).replace('/', '--')}")
+        cfg = load_config(config, [*overrides, f"model.path={target}", f"run_dir={out}"])
+        folder, commit = resolve_hub_model(str(target), cfg.model.revision)
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"revision": commit})})
+        return EvalTarget(cfg, folder, out, {"kind": "hub_model", "repo_id": str(target), "revision": commit})
     path = Path(target)
     folder_config = path / "config.json"
     if not folder_config.is_file():

@@ -18,6 +18,7 @@ from spillover.infra.config.run_config import RunConfig
 from spillover.infra.config.placement_plan import needs_engines as plan_needs_engines, placement_plan, plan_problems
 from spillover.infra.imports import load_function
 from spillover.infra.storage.model_staging import is_remote_model, stage_on_other_nodes
+from spillover.infra.hub_models import is_hub_id
 from spillover.infra.models import end_token_ids, load_tokenizer, resolve_model_path
 from spillover.rollout.builtin import toy_task
 from spillover.rollout.context import EvalSets, RolloutContext
@@ -123,6 +124,8 @@ def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunPa
     envs = EnvPool.from_config(cfg.rollout) if cfg.rollout.env_path else None  # multi-turn tools (rollout/tools/env_pool.py)
     controller = RolloutController(cfg)
     model_path = resolve_model_path(cfg.model, run_dir, max(512, cfg.rollout.max_model_len), cfg.storage)
+    if is_hub_id(cfg.model.path):  # the run's config keeps the commit: a resume loads these weights, not the Hub's newest
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"revision": model_path.name})})
     tokenizer = load_tokenizer(model_path)
     max_prompt = cfg.rollout.max_model_len - cfg.rollout.max_tokens
     prompts = read_prompt_file(prepare_data(cfg, run_dir), tokenizer, cfg.data, max_prompt)

@@ -14,6 +14,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from spillover.infra.config.run_config import TinyModelConfig
+from spillover.infra.hub_models import is_hub_id, resolve_hub_model
 
 PAD, EOS = "<pad>", "<eos>"
 TINY_ALPHABET = " \n0123456789abcdefghijklmnopqrstuvwxyz:=+-*.,?!"
@@ -119,14 +120,16 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", device: str | None 
 
 def resolve_model_path(model_cfg, run_dir: str | Path, max_position: int = 512, storage=None) -> Path:
     """The HF folder a run uses: `model.path`, its copy in this node's model.cache_dir when it is an s3:// URL
-    (infra/storage/model_staging.py; `storage` gives the endpoint and credentials), or the tiny model built into
-    `<run_dir>/tiny_model`."""
+    (infra/storage/model_staging.py; `storage` gives the endpoint and credentials), its snapshot in huggingface_hub's
+    cache when it is a Hub id (infra/hub_models.py), or the tiny model built into `<run_dir>/tiny_model`."""
     from spillover.infra.storage.model_staging import is_remote_model, stage_model
 
     if is_remote_model(model_cfg.path):
         from spillover.infra.config.run_config import StorageConfig
 
         return Path(stage_model(model_cfg.path, storage or StorageConfig(), model_cfg.cache_dir)[0])
+    if is_hub_id(model_cfg.path):
+        return resolve_hub_model(model_cfg.path, model_cfg.revision)[0]
     if model_cfg.path:
         return Path(model_cfg.path)
     return build_tiny_model(Path(run_dir) / "tiny_model", model_cfg.tiny, model_cfg.seed, max_position)

@@ -43,9 +43,13 @@ class TinyModelConfig(Section):
 
 class ModelConfig(Section):
     path: str | None = Field(
-        None, description="HF checkpoint folder of the policy (and reference), or an s3:// URL of one (staged "
-        "into model.cache_dir on every node, sha256-checked; endpoint and credentials from the storage section). "
-        "Empty: build the tiny model into <run_dir>/tiny_model.")
+        None, description="HF checkpoint folder of the policy (and reference), a Hugging Face Hub id (org/name: "
+        "huggingface_hub's cache first, HF_HUB_OFFLINE honoured, downloaded when online), or an s3:// URL of a "
+        "folder (staged into model.cache_dir on every node, sha256-checked; endpoint and credentials from the storage "
+        "section). Empty: build the tiny model into <run_dir>/tiny_model.")
+    revision: str | None = Field(
+        None, description="A Hub id's branch, tag or commit; empty = main. A run records the commit it resolved "
+        "to here (in <run_dir>/config.json), so a resume loads the same weights.")
     cache_dir: str = Field("~/.cache/spillover/models", description="Where each node keeps its copy of an s3:// "
                            "model.path (expanded on the driver; every node uses that path).")
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Shape of the built tiny model.")

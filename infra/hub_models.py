@@ -1,0 +1,54 @@
+"""Models named by Hugging Face Hub id (`model.path: Qwen/Qwen2.5-0.5B-Instruct`), resolved through huggingface_hub:
+its cache first (HF_HOME, HF_HUB_CACHE), HF_HUB_OFFLINE honoured, a download of the files a run needs when online.
+The driver resolves once, before any actor starts, and every actor loads that snapshot folder; the run's config
+records the commit it resolved to (model.revision), so a resumed run loads the same weights even if the Hub moved."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+# org/name: what the Hub calls a repo id. A local folder of that name wins (a relative path the user meant).
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# what engines, learners and the tokenizer read (not the .bin / .pt / .gguf copies many repos also hold)
+RUN_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
+             "vocab*", "merges.txt", "special_tokens_map.json", "added_tokens.json", "*.model", "chat_template*"]
+
+
+class HubModelError(ValueError):
+    """A Hub model that cannot be resolved: one line naming it and the fix."""
+
+
+def is_hub_id(path: str | None) -> bool:
+    """model.path names a Hub repo (org/name) rather than a local folder or an s3:// URL."""
+    return bool(path) and bool(HUB_ID.match(str(path))) and not Path(str(path)).expanduser().exists()
+
+
+def resolve_hub_model(repo_id: str, revision: str | None = None, field: str = "model.path") -> tuple[Path, str]:
+    """(the snapshot folder holding the run's files, the commit it is). Raises HubModelError with the fix."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    at = f" at revision {revision}" if revision else ""
+    try:
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=RUN_FILES))
+    except GatedRepoError:
+        raise HubModelError(f"{field}={repo_id!r} is a gated Hub repo: accept its terms on huggingface.co and log in "
+                            "(`huggingface-cli login`, or HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise HubModelError(f"model.revision={revision!r} is not a branch, tag or commit of {repo_id!r}") from None
+    except RepositoryNotFoundError:
+        raise HubModelError(f"{field}={repo_id!r} is no model on the Hub (a private one needs HF_TOKEN), and no "
+                            "local folder of that name exists") from None
+    except LocalEntryNotFoundError:
+        if constants.HF_HUB_OFFLINE:
+            raise HubModelError(f"{repo_id}{at} is not in the cache at {constants.HF_HUB_CACHE} and HF_HUB_OFFLINE=1: "
+                                f"run `huggingface-cli download {repo_id}` or unset HF_HUB_OFFLINE") from None
+        raise HubModelError(f"{repo_id}{at} is not in the cache at {constants.HF_HUB_CACHE} and the Hub cannot be "
+                            f"reached: run `huggingface-cli download {repo_id}` where it can, or point {field} at a "
+                            "local folder") from None
+    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+        raise HubModelError(f"{repo_id}{at} holds no config.json and *.safetensors weights: spillover loads "
+                            "safetensors only (never pickles)")
+    return folder, folder.name
