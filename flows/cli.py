@@ -104,13 +104,15 @@ def cmd_resume(args, parts: RunParts | None) -> int:
 
 
 def cmd_eval(args, parts: RunParts | None) -> int:
-    from spillover.flows.eval import evaluate, format_table, resolve_target
+    from spillover.flows.eval import eval_data_sets, evaluate, format_table, resolve_target
 
     target = resolve_target(args.target, args.overrides, args.config)
-    refuse_bad_inputs(args, target.cfg, purpose="eval", model_dir=target.model_dir, data_paths={"--data": args.data})
-    result, path = evaluate(target, args.data, args.name, parts)
-    print(format_table(result))
-    print(path)
+    data_sets = eval_data_sets(target.cfg, args.data, args.name)
+    refuse_bad_inputs(args, target.cfg, purpose="eval", model_dir=target.model_dir,
+                      data_paths={"--data": args.data} if args.data else {})
+    for result, path in evaluate(target, data_sets, parts):
+        print(format_table(result))
+        print(path)
     return EXIT_OK
 
 
@@ -174,11 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser(
         "eval", help="pass@1 (greedy) and pass@k (sampled) of a run's newest verified policy or an HF model folder",
         description="Start engines on the newest verified checkpoint of RUN_DIR (or on an HF model folder), "
-        "generate a greedy and eval.k sampled responses per prompt of --data, score them with the run's reward "
-        "function and write RUN_DIR/eval/NAME.json.")
-    evaluate.add_argument("target", metavar="RUN_DIR|MODEL_DIR", help="a run_dir of `spillover train`, or an HF folder")
-    evaluate.add_argument("--data", required=True, help="prompt file (JSON Lines or Parquet, the run's data.* keys)")
-    evaluate.add_argument("--name", default=None, help="result name (default: the data file's stem)")
+        "generate a greedy and eval.k sampled responses per prompt of --data (or of each data.eval_paths set), score "
+        "them with the run's reward function and write RUN_DIR/eval/NAME.json; seeded by model.seed when the run "
+        "samples seeded (rollout.deterministic_sampling).")
+    evaluate.add_argument("target", metavar="RUN_DIR|MODEL_DIR|ORG/NAME",
+                          help="a run_dir of `spillover train`, an HF folder, or a Hugging Face Hub id")
+    evaluate.add_argument("--data", default=None, help="prompt file (JSON Lines or Parquet, the run's data.* keys); "
+                          "default: every data set of the run's data.eval_paths, one result file each")
+    evaluate.add_argument("--name", default=None, help="result name of --data (default: the data file's stem)")
     evaluate.add_argument("--config", default=None, help="YAML run config for an HF model folder (e.g. a recipe of "
                           "configs/gpu/); a run dir uses its own")
     evaluate.add_argument("overrides", nargs="*", metavar="key=value",  # also after --data: see parse_args

@@ -47,7 +47,7 @@ def resolve_target(target: str | Path, overrides: list[str], config: str | None 
         cfg = load_config(config, [*overrides, f"model.path={target}", f"run_dir={out}"])
         folder, commit = resolve_hub_model(str(target), cfg.model.revision)
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"revision": commit})})
-        return EvalTarget(cfg, folder, out, {"kind": "hub_model", "repo_id": str(target), "revision": commit})
+        return EvalTarget(cfg, folder, out, {"kind": "hub_model", "path": str(target), "revision": commit})
     path = Path(target)
     folder_config = path / "config.json"
     if not folder_config.is_file():
@@ -153,10 +153,21 @@ def summarize(greedy: list, sampled: list, k: int, threshold: float) -> dict:
     }
 
 
-def evaluate(target: EvalTarget, data_path: str | Path, name: str | None = None,
-             parts: RunParts | None = None) -> tuple[dict, Path]:
-    """Start engines on the target's policy (from `parts`; None: started for this and shut down after it), score
-    greedy and k sampled responses per prompt of `data_path`, write <out_dir>/eval/<name>.json -> (result, its path)."""
+def eval_data_sets(cfg: RunConfig, data: str | None, name: str | None) -> dict[str, Path]:
+    """What `spillover eval` scores: --data (named --name, else its file stem), else every data set of the run's
+    data.eval_paths (each under its key)."""
+    if data:
+        return {name or Path(data).stem: Path(data)}
+    if not cfg.data.eval_paths:
+        raise ConfigError("nothing to evaluate: pass --data FILE, or set data.eval_paths (the run's config has none)")
+    return {key: Path(path) for key, path in cfg.data.eval_paths.items()}
+
+
+def evaluate(target: EvalTarget, data_sets: dict[str, Path], parts: RunParts | None = None) -> list[tuple[dict, Path]]:
+    """Start engines on the target's policy once (from `parts`; None: started for this and shut down after it), score
+    greedy and k sampled responses per prompt of each data set, write <out_dir>/eval/<name>.json for each ->
+    [(result, its path)]. Sampling is seeded with model.seed when the run samples seeded
+    (rollout.deterministic_sampling): two evals of one policy then give the same pass@k."""
     from spillover.infra.cluster import init_ray
     from spillover.infra.imports import load_function
     from spillover.infra.models import end_token_ids, load_tokenizer
@@ -164,36 +175,38 @@ def evaluate(target: EvalTarget, data_path: str | Path, name: str | None = None,
     from spillover.rollout.scoring.evaluation import run_eval
     from spillover.tasks.reward import REWARD_KEYWORDS
 
-    cfg, data_path = target.cfg, Path(data_path)
-    name = name or data_path.stem
+    cfg = target.cfg
     reward_fn = load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
                               required_params=("response", "label"), optional_keywords=REWARD_KEYWORDS)
     tokenizer = load_tokenizer(target.model_dir)
     max_prompt = cfg.rollout.max_model_len - cfg.rollout.max_tokens
-    prompts = read_prompt_file(data_path, tokenizer, cfg.data, max_prompt)
+    prompts = {name: read_prompt_file(path, tokenizer, cfg.data, max_prompt) for name, path in data_sets.items()}
     stop_ids = list(end_token_ids(target.model_dir, tokenizer))
     common = dict(tokenizer=tokenizer, stop_token_ids=stop_ids, max_new_tokens=cfg.rollout.max_tokens,
                   max_model_len=cfg.rollout.max_model_len, reward_fn_path=cfg.grpo.reward_function_path,
                   stop=cfg.rollout.stop)
-    start = time.perf_counter()
+    seed = cfg.model.seed if cfg.rollout.deterministic_sampling else None
     init_ray(cfg.engines.ray_address)
     parts = parts if parts is not None else NewParts()
-    engines, scored = parts.engine(cfg.engines, Path(target.model_dir)), False
+    engines, scored, written = parts.engine(cfg.engines, Path(target.model_dir)), False, []
     try:
-        greedy = run_eval({name: prompts}, engines.generate, reward_fn, temperature=0.0, **common)[name]
-        sampled = run_eval({name: prompts}, engines.generate, reward_fn, temperature=cfg.eval.temperature,
-                           top_p=cfg.eval.top_p, n_samples_per_prompt=cfg.eval.k, **common)[name]
+        for name, path in data_sets.items():
+            start = time.perf_counter()
+            greedy = run_eval({name: prompts[name]}, engines.generate, reward_fn, temperature=0.0, **common)[name]
+            sampled = run_eval({name: prompts[name]}, engines.generate, reward_fn, temperature=cfg.eval.temperature,
+                               top_p=cfg.eval.top_p, n_samples_per_prompt=cfg.eval.k, seed=seed, **common)[name]
+            result = {"name": name, "data": str(path), **target.source,
+                      **summarize(greedy, sampled, cfg.eval.k, cfg.eval.pass_threshold),
+                      "reward_function": cfg.grpo.reward_function_path, "temperature": cfg.eval.temperature,
+                      "seed": seed, "time_s": round(time.perf_counter() - start, 3)}
+            out = target.out_dir / "eval" / f"{name}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2))
+            written.append((result, out))
         scored = True
     finally:
         parts.give_back(engines, keep=scored)
-    result = {"name": name, "data": str(data_path), **target.source,
-              **summarize(greedy, sampled, cfg.eval.k, cfg.eval.pass_threshold),
-              "reward_function": cfg.grpo.reward_function_path, "temperature": cfg.eval.temperature,
-              "time_s": round(time.perf_counter() - start, 3)}
-    out = target.out_dir / "eval" / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    return result, out
+    return written
 
 
 def format_table(result: dict) -> str:

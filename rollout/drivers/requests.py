@@ -107,8 +107,15 @@ def request_seeds(dock, rows: np.ndarray, sampling: SamplingSettings) -> np.ndar
     if sampling.seed is None:
         return None
     rows = np.asarray(rows, dtype=np.int64)
-    parts = (np.full(len(rows), sampling.seed), dock.group_ids[rows // dock.n], rows % dock.n)
-    h = np.zeros(len(rows), dtype=np.uint64)
+    return mix_seeds(sampling.seed, dock.group_ids[rows // dock.n], rows % dock.n)
+
+
+def mix_seeds(seed: int, groups, indices) -> np.ndarray:
+    """(seed, groups[k], indices[k]) -> int64[k] in [0, 2^31): one sampling seed per (group, sample index), the same
+    in every run with this seed."""
+    groups, indices = np.asarray(groups, dtype=np.int64), np.asarray(indices, dtype=np.int64)
+    parts = (np.full(len(groups), seed), groups, indices)
+    h = np.zeros(len(groups), dtype=np.uint64)
     with np.errstate(over="ignore"):
         for part in parts:  # splitmix64 over the three parts (wrapping uint64 arithmetic)
             h = h ^ np.asarray(part).astype(np.int64).astype(np.uint64)

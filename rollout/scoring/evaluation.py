@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from spillover.rollout.drivers.requests import SamplingSettings, build_requests, parse_responses
+from spillover.rollout.drivers.requests import SamplingSettings, build_requests, mix_seeds, parse_responses
 from spillover.rollout.sample import Sample, Status
 from spillover.rollout.scoring.rule_reward import decode_responses, score_samples
 
@@ -55,20 +55,23 @@ def eval_log_dict(results: Mapping[str, list[list[Sample]]], step: int) -> dict[
 def run_eval(datasets: Mapping[str, PromptSetLike], generate_fn: GenerateFn, reward_fn: Callable, *,
              tokenizer, stop_token_ids: Sequence[int], max_new_tokens: int, max_model_len: int | None = None,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1, n_samples_per_prompt: int = 1,
-             reward_fn_path: str = "grpo.reward_function_path", stop: Sequence[str] = ()
+             reward_fn_path: str = "grpo.reward_function_path", stop: Sequence[str] = (), seed: int | None = None
              ) -> dict[str, list[list[Sample]]]:
     """Generate n responses per prompt of every data set (one generate_fn call for all), decode and score them.
 
     -> {key: groups}, group g = prompt g of that set, with n scored samples. temperature 0 is greedy.
-    A response is TRUNCATED when it ended by length without a stop token, COMPLETED otherwise.
+    A response is TRUNCATED when it ended by length without a stop token, COMPLETED otherwise. seed (the run's
+    model.seed under rollout.deterministic_sampling): every request gets a sampling_seed from (seed, data set, prompt,
+    sample), so two evals of one policy draw the same responses.
     """
     if n_samples_per_prompt < 1 or max_new_tokens < 1:
         raise ValueError(f"eval needs n_samples_per_prompt >= 1 and max_new_tokens >= 1; got "
                          f"{n_samples_per_prompt} and {max_new_tokens}")
     samples: list[Sample] = []
     budgets: list[int] = []
+    set_of_sample: list[int] = []
     results: dict[str, list[list[Sample]]] = {}
-    for key, data in datasets.items():
+    for ordinal, (key, data) in enumerate(datasets.items()):
         results[key] = []
         for g, (text, label, ids) in enumerate(zip(data.texts, data.labels, data.tokens)):
             budget = max_new_tokens if max_model_len is None else min(max_new_tokens, max_model_len - len(ids))
@@ -81,10 +84,13 @@ def run_eval(datasets: Mapping[str, PromptSetLike], generate_fn: GenerateFn, rew
             results[key].append(group)
             samples += group
             budgets += [budget] * n_samples_per_prompt
+            set_of_sample += [ordinal] * n_samples_per_prompt
     if not samples:
         return results
     sampling = SamplingSettings(temperature, top_p, top_k, tuple(stop_token_ids), stop=tuple(stop))
-    responses = generate_fn(build_requests([s.prompt_tokens for s in samples], np.array(budgets), sampling))
+    seeds = None if seed is None else mix_seeds(
+        seed, (np.asarray(set_of_sample) << 32) + [s.group_index for s in samples], [s.index for s in samples])
+    responses = generate_fn(build_requests([s.prompt_tokens for s in samples], np.array(budgets), sampling, seeds))
     if len(responses) != len(samples):
         raise RuntimeError(f"generate_fn returned {len(responses)} answers for {len(samples)} eval requests")
     tokens, logprobs, _, versions = parse_responses(responses, default_version=-1)

@@ -106,6 +106,28 @@ def test_eval_writes_pass_at_1_and_pass_at_k(trained, warm_parts, tmp_path):
     assert json.loads((policy / "eval" / "train.json").read_text())["kind"] == "model_folder"
 
 
+def test_eval_without_data_scores_every_eval_set_and_seeded_sampling_repeats(trained, warm_parts, tmp_path):
+    """No --data: each data set of the run's data.eval_paths, one result file each. With seeded sampling
+    (rollout.deterministic_sampling) every sampled request carries a seed from model.seed: a second eval of the same
+    checkpoint draws the same responses, so its pass@k and sampled reward are the same."""
+    run_dir, data, _, _ = trained
+    other = chat_prompts(tmp_path / "other.parquet", count=8)
+    results = []
+    for _ in range(2):
+        code, out, err = spillover("eval", str(run_dir), f"data.eval_paths={{chat: {data}, other: {other}}}",
+                                   "rollout.deterministic_sampling=true", "eval.k=3", parts=warm_parts)
+        assert code == 0, err[-3000:]
+        assert out.count("pass@1 (greedy)") == 2
+        results.append({name: json.loads((run_dir / "eval" / f"{name}.json").read_text()) for name in ("chat", "other")})
+    first, second = results
+    assert (first["chat"]["prompts"], first["other"]["prompts"]) == (24, 8) and first["chat"]["seed"] == 0
+    for name in ("chat", "other"):
+        assert [first[name][k] for k in ("pass@1", "pass@3", "mean@k", "reward_sampled")] == \
+               [second[name][k] for k in ("pass@1", "pass@3", "mean@k", "reward_sampled")]
+    code, _, err = spillover("eval", str(run_dir), parts=warm_parts)  # neither --data nor data.eval_paths
+    assert code == 2 and "pass --data FILE, or set data.eval_paths" in error_line(err)
+
+
 @pytest.mark.parametrize("prompt, expected", [
     (42, r"bad.jsonl:2: 'messages' must be a string \(the prompt text\); got number 42"),
     ([{"role": "user"}], r"bad.jsonl:2: 'messages' message #1 has no 'content'"),
