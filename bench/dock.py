@@ -83,7 +83,7 @@ def run(gbs: int, n: int, max_split: int, max_tokens: int, iterations: int, medi
     for it in range(iterations):
         spent: dict[str, float] = defaultdict(float)
         cpu = [0.0]
-        k = dock.groups_to_load(first_iteration=it == 0)
+        k = dock.free_group_slots()  # 2 x GBS, then the GBS trained
         ids = np.arange(next_group, next_group + k)
         lengths = rng.integers(*prompt_len_range, k)
         prompts = [rng.integers(3, VOCAB, m).tolist() for m in lengths.tolist()]  # the data set: not timed

@@ -100,7 +100,7 @@ class ModeRun:
 
     def step(self) -> None:
         wall0, it, dock = time.perf_counter(), len(self.rows), self.dock
-        count = groups_for_iteration(dock, it, ENDLESS)
+        count = groups_for_iteration(dock, ENDLESS)
         ids = np.arange(self.next_id, self.next_id + count)
         dock.load_groups(ids, [self.prompt_for(int(g)) for g in ids], [0] * count)
         self.next_id += count

@@ -9,12 +9,14 @@ parameter is the config given to `serve` (--config + key=value); the nightly smo
 from __future__ import annotations
 
 import logging
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import yaml
 from prefect import flow
 
+from spillover.flows.parts import RunParts
 from spillover.infra.config.parsing import ConfigError
 from spillover.infra.config.run_config import RunConfig, build_config, load_config
 
@@ -30,15 +32,27 @@ def _config_path(path: str) -> Path:
     return p if p.is_file() or p.is_absolute() else REPO_ROOT / p
 
 
+def smoke_run_dir(runs_dir: str, scheduled_start: datetime, flow_run_name: str) -> str:
+    """<runs_dir>/<scheduled start, UTC>-<flow run name>: a run_dir of its own for each flow run of the smoke
+    deployment. One run_dir holds one run (a fresh start where checkpoints are is refused), so a scheduled deployment
+    that wrote to one fixed run_dir would fail every night after the first; the start time sorts the runs in the
+    order they were scheduled, the flow run name tells apart two started in the same second."""
+    return str(Path(runs_dir) / f"{scheduled_start.astimezone(timezone.utc):%Y%m%dT%H%M%SZ}-{flow_run_name}")
+
+
 @flow(name="spillover-smoke", log_prints=True)
-def nightly_smoke(config_path: str = "configs/tiny.yaml", iterations: int = 3, run_dir: str = "runs/nightly-smoke",
-                  overrides: list[str] | None = None) -> dict:
-    """A short training run of a config (the tiny one by default): does the whole pipeline still train?"""
+def nightly_smoke(config_path: str = "configs/tiny.yaml", iterations: int = 3, runs_dir: str = "runs/nightly-smoke",
+                  overrides: list[str] | None = None, parts: RunParts | None = None) -> dict:
+    """A short training run of a config (the tiny one by default), in a new run_dir under runs_dir for each flow
+    run (smoke_run_dir): does the whole pipeline still train? parts: as grpo_train's (None: started for the run)."""
+    from prefect.runtime import flow_run
+
     from spillover.flows.train import grpo_train
 
+    run_dir = smoke_run_dir(runs_dir, flow_run.scheduled_start_time, flow_run.name)
     cfg = load_config(_config_path(config_path),
                       [f"schedule.num_iterations={iterations}", f"run_dir={run_dir}", *(overrides or [])])
-    return grpo_train(cfg)
+    return grpo_train(cfg, parts=parts)
 
 
 def read_deployment_specs(path: Path = PREFECT_YAML) -> list[dict]:

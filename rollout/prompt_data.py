@@ -225,14 +225,18 @@ class PromptCursor:
         return cls(**state)
 
 
-def groups_for_iteration(dock, iteration: int, num_iterations: int) -> int:
-    """Every dock slot in the first iteration (2 x GBS with partial rollout, + over-sampling groups), GBS
-    after, capped so that no more than num_iterations x GBS groups are ever loaded (the dock counts its
-    loads in next_load_seq, which its snapshots keep).
+def groups_for_iteration(dock, num_iterations: int) -> int:
+    """Groups to load now: every free dock slot, capped so that no more than num_iterations x GBS groups are ever
+    loaded (the dock counts its loads in next_load_seq, which its snapshots keep).
 
-    With the cap the dock holds >= GBS groups in every iteration and exactly GBS in the last one (it
-    drains), so exactly num_iterations x GBS groups are loaded and each is trained once. Without
-    over-sampling this is 2 x GBS, then GBS, then none in the last iteration of a partial-rollout run.
+    Filling the free slots, not loading GBS a time, is what keeps partial rollout on: the dock holds its capacity
+    (2 x GBS with partial rollout, + over-sampling groups) at the start and, once it trained GBS, gets GBS back; a
+    dock that holds fewer (emptied by the last iteration's drain, then a run resumed with more iterations) is filled
+    again, as at the start. A dock of only GBS groups must finish every row, so nothing would ever be cut again.
+
+    With the cap the dock holds >= GBS groups in every iteration and exactly GBS in the last one (it drains), so
+    exactly num_iterations x GBS groups are loaded and each is trained once. Without over-sampling this is 2 x GBS,
+    then GBS, then none in the last iteration of a partial-rollout run.
     """
     remaining = num_iterations * dock.gbs - int(dock.next_load_seq)
-    return max(0, min(dock.groups_to_load(first_iteration=iteration == 0), remaining))
+    return max(0, min(dock.free_group_slots(), remaining))

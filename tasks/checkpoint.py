@@ -20,6 +20,7 @@ from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.fleet.manager import RolloutManager
 from spillover.rollout.fleet.weights import policy_update
 from spillover.tasks.learner.group import LearnerGroup
+from spillover.tasks.learner.state import from_format_1
 from spillover.tasks.results import Checkpointed
 
 log = logging.getLogger("spillover")
@@ -117,6 +118,13 @@ def restore_dock_and_cursor(state: CheckpointState) -> tuple[TransferDock, Promp
     return dock, PromptCursor.from_state(state.meta["cursor"])
 
 
+def written_decay_horizon(saved_config: dict) -> int:
+    """The lr decay horizon (optimizer steps) of the config a checkpoint records, as the release that wrote it read
+    it: optimizer.decay_steps, else schedule.num_iterations x grpo.num_steps_per_rollout."""
+    return _get(saved_config, "optimizer.decay_steps") or (
+        _get(saved_config, "schedule.num_iterations") * _get(saved_config, "grpo.num_steps_per_rollout"))
+
+
 def restore_weights(policy: LearnerGroup, engine: RolloutManager | None, state: CheckpointState) -> int:
     """Learner state into the policy actor, its weights to the engines -> the weight version."""
     meta = state.meta
@@ -125,9 +133,11 @@ def restore_weights(policy: LearnerGroup, engine: RolloutManager | None, state: 
 
         parts = [(state.tensors[f"policy-rank{info['rank']:03d}"], info) for info in meta["learner_shards"]]
         tensors, learner_meta = assemble(parts)
-        ray.get(policy.set_state.remote(tensors, learner_meta))
     else:
-        ray.get(policy.set_state.remote(state.tensors["policy"], meta["learner"]))
+        tensors, learner_meta = state.tensors["policy"], meta["learner"]
+    if learner_meta.get("format") == 1:  # before the lr decay was recorded: the one its config gave
+        learner_meta = from_format_1(learner_meta, written_decay_horizon(meta["config"]))
+    ray.get(policy.set_state.remote(tensors, learner_meta))
     version = int(meta["weight_version"])
     if engine is not None:
         engine.update_weights(policy_update(policy, version, engine.cfg, engine.model_path, engine.colocated))

@@ -1,4 +1,5 @@
-"""load-2GBS: put the next prompt groups into the dock's free slots (2 x GBS first, GBS after)."""
+"""load-2GBS: put the next prompt groups into the dock's free slots (2 x GBS at the start and after a drain, GBS
+while it runs full)."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,7 +26,7 @@ def load_prompt_groups(dock: TransferDock, cursor: PromptCursor, prompts: Prompt
 
 @task(name="load_prompts", retries=2, retry_delay_seconds=1, cache_policy=NONE)
 def load_prompts(dock: TransferDock, cursor: PromptCursor, prompts: PromptSet, iteration: int, num_iterations: int) -> Loaded:
-    count = groups_for_iteration(dock, iteration, num_iterations)
+    count = groups_for_iteration(dock, num_iterations)
     loaded = load_prompt_groups(dock, cursor, prompts, iteration, count)
     metrics = {"loaded_groups": loaded}
     if prompts.truncated_count:  # data.over_long_prompts=truncate, counted

@@ -9,9 +9,9 @@ from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.prompt_data import groups_for_iteration
 
 
-def load_iteration(dock: TransferDock, iteration: int, iterations: int, next_id: int, prompt_tokens: int) -> list[int]:
-    """Load the groups a run of `iterations` loads at `iteration` (ids from next_id on) -> their ids."""
-    ids = list(range(next_id, next_id + groups_for_iteration(dock, iteration, iterations)))
+def load_iteration(dock: TransferDock, iterations: int, next_id: int, prompt_tokens: int) -> list[int]:
+    """Load the groups a run of `iterations` loads now (ids from next_id on) -> their ids."""
+    ids = list(range(next_id, next_id + groups_for_iteration(dock, iterations)))
     if ids:
         dock.load_groups(ids, [simulated_prompt(g, prompt_tokens) for g in ids], [None] * len(ids))
     return ids

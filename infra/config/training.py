@@ -2,6 +2,7 @@
 learning-rate schedule). Imported by infra/config/run_config.py, which builds the run's config from them."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -9,7 +10,7 @@ from pydantic import Field, model_validator
 from spillover.infra.config.base import Section
 from spillover.infra.config.scoring import RewardModelConfig
 
-__all__ = ["GRPOConfig", "OFF_POLICY_NEEDS_OLD_LOGPROBS", "OptimizerConfig"]
+__all__ = ["DecaySpan", "GRPOConfig", "OFF_POLICY_NEEDS_OLD_LOGPROBS", "OptimizerConfig"]
 
 
 OFF_POLICY_NEEDS_OLD_LOGPROBS = ("masked_is", "decoupled")
@@ -73,6 +74,26 @@ def _truthy(value) -> bool:
     return value if isinstance(value, bool) else str(value).strip().lower() not in ("false", "0", "no", "off")
 
 
+@dataclass(frozen=True)
+class DecaySpan:
+    """Where a run's learning-rate decay stands: `start_progress` of it (0: lr, 1: the end value) done at update
+    `start_step`, all of it at update `end_step`, evenly in between. A fresh run's is (0, 0.0, horizon). The learner
+    records it in its state (the checkpoint), so that a run resumed with a longer horizon continues the curve
+    (OptimizerConfig.resumed_decay) instead of starting it over."""
+    start_step: int
+    start_progress: float
+    end_step: int
+
+    def progress(self, step: int) -> float:
+        """The share of the decay done at update `step` (0-based), in [start_progress, 1]."""
+        if step >= self.end_step:
+            return 1.0
+        if step <= self.start_step:
+            return self.start_progress
+        return self.start_progress + (1.0 - self.start_progress) * (step - self.start_step) / (
+            self.end_step - self.start_step)
+
+
 class OptimizerConfig(Section):
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -83,13 +104,32 @@ class OptimizerConfig(Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Decayed learning rate as a share of lr.")
     decay_steps: int | None = Field(None, ge=1, description="Optimizer steps to decay over; empty = "
                                        "schedule.num_iterations x grpo.num_steps_per_rollout.")
+    lr_extension: Literal["stretch", "keep"] = Field(
+        "stretch", description="A run resumed with another decay horizon (`spillover resume RUN "
+        "schedule.num_iterations=N` without decay_steps): stretch = the rest of the decay, from the lr of the last "
+        "update taken, spread over the new horizon; keep = the horizon recorded in the checkpoint stays (after it "
+        "the lr holds its end value). Either way the lr goes on from where it was.")
 
-    def lr_at(self, step: int, default_steps: int) -> float:
-        """Learning rate of update `step` (0-based): a pure function of the step, so resume needs no state."""
+    def fresh_decay(self, default_steps: int) -> DecaySpan:
+        """The decay of a new run: over decay_steps, else default_steps (num_iterations x num_steps_per_rollout)."""
+        return DecaySpan(0, 0.0, self.decay_steps or default_steps)
+
+    def resumed_decay(self, recorded: DecaySpan, next_step: int, default_steps: int) -> DecaySpan:
+        """The decay a resumed run follows from update `next_step` on, given the one its checkpoint recorded: the
+        recorded one when the horizon is the same (a crash resume trains exactly as the run would have) or
+        lr_extension=keep; else (stretch) the recorded curve from the last update taken, stretched to the new
+        horizon. A horizon already passed leaves the end value."""
+        horizon = self.decay_steps or default_steps
+        if self.lr_extension == "keep" or horizon == recorded.end_step:
+            return recorded
+        last = max(next_step - 1, 0)  # its lr is the current value, where the stretched rest starts
+        return DecaySpan(last, recorded.progress(last), horizon)
+
+    def lr_at(self, step: int, decay: DecaySpan) -> float:
+        """Learning rate of update `step` (0-based) on the run's decay span: a pure function of the two."""
         import math
 
-        total = self.decay_steps or default_steps
-        done = min(max(step, 0), total) / max(total, 1)
+        done = decay.progress(step)
         if self.lr_decay == "linear":
             factor = 1.0 - done
         elif self.lr_decay == "cosine":

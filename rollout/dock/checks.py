@@ -35,7 +35,8 @@ def check_load(ids: np.ndarray, metadata, group_ids: np.ndarray, batch_selected:
         raise DockError("load_groups: a training batch is selected; call clear() before loading")
     free = int(np.count_nonzero(group_ids < 0))
     if len(ids) > free:
-        raise ValueError(f"load_groups: {len(ids)} groups but only {free} free slots (ask groups_to_load() how many fit)")
+        raise ValueError(f"load_groups: {len(ids)} groups but only {free} free slots "
+                         "(ask free_group_slots() how many fit)")
     present = ids[np.isin(ids, group_ids)]
     if len(present):
         raise ValueError(f"load_groups: groups {present[:5].tolist()} are already in the dock")

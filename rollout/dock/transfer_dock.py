@@ -16,9 +16,10 @@ Semantics follow MindSpeed-RL's GRPOTransferDock (see ../shared/DESIGN.md), with
   the next max_age batches can take (spillover.rollout.dock.staleness). A group "at max age" (age >= max_age - 1) is
   in its max_age-th iteration; its rows are handed out first.
 - Over-sampling (slime's over_sampling_batch_size, APRIL): `over_sampling_groups` extra group slots on top of
-  GBS (2*GBS with partial rollout). The first iteration loads every slot, later ones GBS; generation still
-  stops at GBS ready groups, and the surplus -- untouched, partial (aborted rows keep their tokens) or even
-  complete groups -- stays for the next iteration, oldest first. With max_split = 1 this is APRIL without
+  GBS (2*GBS with partial rollout). Every iteration fills the free slots (spillover.rollout.prompt_data.
+  groups_for_iteration): all of them at the start and after a drain, GBS while the dock runs full. Generation
+  still stops at GBS ready groups, and the surplus -- untouched, partial (aborted rows keep their tokens) or
+  even complete groups -- stays for the next iteration, oldest first. With max_split = 1 this is APRIL without
   chunked rounds; it needs a driver that stops early (the async one: abort once ready).
 - Drain mode (last iterations, or the data set ran out): ready only when every loaded row is
   complete; then `select_batch` takes min(gbs, ready) groups, so repeated drains empty the dock.
@@ -126,12 +127,6 @@ class TransferDock:
     # ---- loading -------------------------------------------------------------------------------
     def free_group_slots(self) -> int:
         return int(np.count_nonzero(self.group_ids < 0))
-
-    def groups_to_load(self, first_iteration: bool) -> int:
-        """Every slot on the first iteration (2*gbs with partial rollout, + over_sampling_groups), gbs after;
-        never more than the free slots."""
-        wanted = self.capacity_groups if first_iteration else self.gbs
-        return min(wanted, self.free_group_slots())
 
     def load_groups(self, group_ids: np.ndarray | Sequence[int], prompt_tokens, labels: Sequence[Any],
                     metadata: Sequence[dict | None] | None = None) -> np.ndarray:

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 import torch
 
 from spillover.infra.process_memory import peak_rss_bytes, reset_peak_rss
-from spillover.infra.config.training import OFF_POLICY_NEEDS_OLD_LOGPROBS, GRPOConfig, OptimizerConfig
+from spillover.infra.config.training import OFF_POLICY_NEEDS_OLD_LOGPROBS, DecaySpan, GRPOConfig, OptimizerConfig
 from spillover.infra.config.learner import LearnerConfig
 from spillover.rollout.batch import RolloutBatch
 from spillover.tasks.learner.micro_batches import MicroBatch, check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
@@ -93,6 +93,9 @@ class LearnerActor:
         self.weight_sender = WeightSender(lm, self.state_keys, self.rank, self.weight_dtype, self.device)
         self.engine_host: EngineHost | None = None  # set by host_engine (placement.colocate)
         self._version, self.kl_coef = 0, float(grpo_cfg.kl_coef)  # grpo.kl_ctrl=adaptive moves kl_coef
+        # the run's lr decay: a resumed run's comes from its checkpoint (set_state), so that a longer run goes on
+        # from the lr it reached instead of starting the decay over
+        self.lr_decay = optim_cfg.fresh_decay(self.total_steps * grpo_cfg.num_steps_per_rollout)
         self.optimizer = None
         if trainable:  # CUDA: one fused kernel for all parameters; CPU: the per-parameter loop, as the resume tests ran
             kernel = {"fused": True} if self.device == "cuda" else {"foreach": False}
@@ -282,7 +285,7 @@ class LearnerActor:
         stepped = total_tokens > 0 and bool(np.isfinite(grad_norm))
         if stepped:
             for group in self.optimizer.param_groups:
-                group["lr"] = self.optim_cfg.lr_at(step, self.total_steps * self.grpo.num_steps_per_rollout)
+                group["lr"] = self.optim_cfg.lr_at(step, self.lr_decay)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, stepped
@@ -322,7 +325,7 @@ class LearnerActor:
         from spillover.tasks.learner.shards import local_state, write_local_state
 
         meta = {"format": STATE_FORMAT, "weight_version": self._version, "trainable": self.trainable,
-                "model_keys": self.state_keys, "kl_coef": self.kl_coef}
+                "model_keys": self.state_keys, "kl_coef": self.kl_coef, "lr_decay": asdict(self.lr_decay)}
         tensors, info = local_state(self.net, self.optimizer, self.param_names, self.state_keys, self.rank,
                                     self.world_size, meta)
         return write_local_state(open_store(store_url, storage_cfg), prefix, group, tensors, info, MAX_OBJECT_BYTES)
@@ -339,13 +342,16 @@ class LearnerActor:
         sharded: rank 0's, the others return empty dicts)."""
         tensors, meta = save_state(self.net, self.model, self.optimizer, self.param_names, self.state_keys,
                                    self.sharded, self._version, self.trainable)
-        return tensors, ({**meta, "kl_coef": self.kl_coef} if meta else meta)
+        return tensors, ({**meta, "kl_coef": self.kl_coef, "lr_decay": asdict(self.lr_decay)} if meta else meta)
 
     def set_state(self, tensors: dict, meta: dict) -> None:
         """Restore what get_state returned, at any world_size (tensors may be numpy arrays, e.g. safetensors.numpy)."""
         self._version = load_state(self.net, self.model, self.optimizer, self.param_names, self.state_keys,
                                    self.sharded, tensors, meta, self.model_path)
         self.kl_coef = float(meta.get("kl_coef", self.grpo.kl_coef))  # checkpoints before grpo.kl_ctrl have none
+        steps = self.grpo.num_steps_per_rollout  # a resumed run with more iterations: optimizer.lr_extension
+        self.lr_decay = self.optim_cfg.resumed_decay(DecaySpan(**meta["lr_decay"]), self._version * steps,
+                                                     self.total_steps * steps)
 
     # ----- weight-update group (tasks/learner/weight_sender.py); Ray calls these by name -----
     def weight_specs(self) -> list[tuple[str, str, list[int]]]:

@@ -11,13 +11,26 @@ AdamW's load_state_dict cast to the parameters' dtype.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import numpy as np
 import torch
 
-__all__ = ["STATE_FORMAT", "full_model_state", "load_state", "local_state_bytes", "save_hf_folder", "save_state",
-           "unique_state_keys"]
-STATE_FORMAT = 1
+from spillover.infra.config.training import DecaySpan
+
+__all__ = ["STATE_FORMAT", "from_format_1", "full_model_state", "load_state", "local_state_bytes", "save_hf_folder",
+           "save_state", "unique_state_keys"]
+# 2: the learner records its lr decay span ("lr_decay", infra/config/training.py DecaySpan) next to kl_coef
+STATE_FORMAT = 2
+
+
+def from_format_1(meta: dict, decay_horizon: int) -> dict:
+    """A format-1 meta (written before the learner recorded its lr decay) as format 2. A format-1 run decayed from
+    update 0 over its config's horizon (optimizer.decay_steps, else num_iterations x num_steps_per_rollout of the
+    config the checkpoint records): decay_horizon, which the caller reads there."""
+    if meta.get("format") != 1:
+        raise ValueError(f"from_format_1: learner state format {meta.get('format')!r} is not 1")
+    return {**meta, "format": STATE_FORMAT, "lr_decay": asdict(DecaySpan(0, 0.0, int(decay_horizon)))}
 
 
 def unique_state_keys(lm: torch.nn.Module) -> list[str]:

@@ -91,7 +91,7 @@ def test_partial_rollout_bodies_are_sglangs(sglang, mode, deterministic):
 
 
 def dock_groups(cfg: RolloutConfig) -> int:
-    return TransferDock.from_config(cfg, [DEFAULT_EOS]).groups_to_load(first_iteration=True)
+    return TransferDock.from_config(cfg, [DEFAULT_EOS]).free_group_slots()
 
 
 def test_multi_turn_bodies_are_sglangs(sglang, tiny_model_dir):

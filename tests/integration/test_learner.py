@@ -177,6 +177,38 @@ def test_resume_from_state_equals_uninterrupted(tiny_model_dir, tmp_path, budget
         resumed.set_state({"model/nope": torch.zeros(1)}, meta)
 
 
+def test_a_longer_resumed_run_goes_on_with_the_recorded_lr_decay(tiny_model_dir):
+    """The learner records its lr decay span in its state (format 2); the learner of a longer run (4 iterations)
+    resumed from a 2-update state goes on from where the decay was, not from a new curve (issue 41 item 2). A format-1
+    state (before the span was recorded) is refused as it is, and resumes once given its run's horizon."""
+    from spillover.infra.config.training import DecaySpan
+    from spillover.tasks.learner.state import STATE_FORMAT, from_format_1
+
+    optim = OptimizerConfig(lr=1e-2, lr_decay="cosine")
+
+    def learner(iterations: int) -> LearnerActor:
+        return LearnerActor(str(tiny_model_dir), GRPOConfig(micro_batch_size=3), optim, temperature=1.0, seed=0,
+                            trainable=True, total_steps=iterations)
+
+    short = learner(2)
+    lrs = [short.update(random_batch(10 + k, version=k))["lr"] for k in range(2)]
+    tensors, meta = short.get_state()
+    assert meta["format"] == STATE_FORMAT == 2
+    assert meta["lr_decay"] == {"start_step": 0, "start_progress": 0.0, "end_step": 2}
+    longer = learner(4)
+    longer.set_state(tensors, meta)
+    assert longer.lr_decay == DecaySpan(1, 0.5, 4)  # from update 1 (half the decay done) on to update 4
+    lr = longer.update(random_batch(12, version=2))["lr"]
+    assert lr == pytest.approx(optim.lr_at(2, DecaySpan(1, 0.5, 4))) and lrs[0] > lrs[1] > lr > optim.lr * 0.1
+    assert lr < optim.lr_at(2, optim.fresh_decay(4))  # below where a decay started over at the new horizon was
+    format_1 = {**{k: v for k, v in meta.items() if k != "lr_decay"}, "format": 1}
+    with pytest.raises(ValueError, match="learner state format 1 is not 2"):
+        learner(4).set_state(tensors, format_1)
+    upgraded = learner(4)
+    upgraded.set_state(tensors, from_format_1(format_1, decay_horizon=2))
+    assert upgraded.lr_decay == DecaySpan(1, 0.5, 4)
+
+
 def test_positive_advantage_raises_its_logprob(tiny_model_dir):
     batch = random_batch(20, n=4, advantages=[1.0, -1.0, 0.0, 0.0])
     for agg in ("token_mean", "seq_mean"):
@@ -251,7 +283,7 @@ def test_steps_per_rollout_equal_successive_steps_on_the_halves(tiny_model_dir):
     old = two.compute_logprobs(batch)
     metrics = two.update(batch, old_logprobs=old)
     assert metrics["optimizer_steps"] == 2 and metrics["weight_version"] == 1
-    assert metrics["lr"] == pytest.approx(optim.lr_at(1, 8))
+    assert metrics["lr"] == pytest.approx(optim.lr_at(1, optim.fresh_decay(8)))
 
     one = LearnerActor(str(tiny_model_dir), GRPOConfig(), optim, 1.0, 0, True, total_steps=8)
     for k, half in enumerate((range(0, 4), range(4, 8))):

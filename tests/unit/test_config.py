@@ -72,12 +72,45 @@ def test_secrets_are_hidden_in_repr():
     assert "hunter2" not in repr(cfg) and "hunter2" not in cfg.model_dump_json()
 
 
-def test_lr_schedules_are_pure_functions_of_the_step():
+def test_lr_schedules_are_pure_functions_of_the_step_and_the_decay_span():
     from spillover.infra.config.training import OptimizerConfig
 
     cos = OptimizerConfig(lr=1.0, lr_decay="cosine", min_lr_ratio=0.1)
-    assert cos.lr_at(0, 100) == pytest.approx(1.0) and cos.lr_at(100, 100) == pytest.approx(0.1)
-    assert cos.lr_at(50, 100) == pytest.approx(0.55) and cos.lr_at(500, 100) == pytest.approx(0.1)
+    span = cos.fresh_decay(100)
+    assert cos.lr_at(0, span) == pytest.approx(1.0) and cos.lr_at(100, span) == pytest.approx(0.1)
+    assert cos.lr_at(50, span) == pytest.approx(0.55) and cos.lr_at(500, span) == pytest.approx(0.1)
     lin = OptimizerConfig(lr=2.0, lr_decay="linear", min_lr_ratio=0.0, decay_steps=10)
-    assert lin.lr_at(5, 100) == pytest.approx(1.0)
-    assert OptimizerConfig(lr=0.5).lr_at(7, 10) == 0.5
+    assert lin.lr_at(5, lin.fresh_decay(100)) == pytest.approx(1.0)  # decay_steps, not the default horizon
+    assert OptimizerConfig(lr=0.5).lr_at(7, span) == 0.5
+
+
+def test_a_longer_horizon_continues_the_decay_from_where_it_was():
+    """A run of 4 updates resumed for 8 (issue 41): stretch (the default) goes on from the lr of the last update
+    taken down to the end value at the new horizon; keep holds the recorded horizon (then the end value). Neither
+    starts the decay over; a resume with the run's own horizon keeps its span exactly."""
+    import math
+
+    from spillover.infra.config.training import DecaySpan, OptimizerConfig
+
+    stretch = OptimizerConfig(lr=1.0, lr_decay="cosine", min_lr_ratio=0.1)
+    assert stretch.lr_extension == "stretch"
+    recorded = stretch.fresh_decay(4)
+    assert stretch.resumed_decay(recorded, next_step=2, default_steps=4) == recorded  # a crash resume
+    span = stretch.resumed_decay(recorded, next_step=4, default_steps=8)
+    assert span == DecaySpan(3, 0.75, 8)  # from update 3 (the last taken, 3/4 of the decay done) to update 8
+    cosine = lambda done: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done))  # noqa: E731
+    before = [stretch.lr_at(s, recorded) for s in range(4)]
+    after = [stretch.lr_at(s, span) for s in range(4, 8)]
+    assert after == pytest.approx([cosine(0.75 + 0.25 * k / 5) for k in range(1, 5)])
+    lrs = before + after
+    assert all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] > 0.1  # decaying on, reaching 0.1 at update 8
+    restarted = [stretch.lr_at(s, stretch.fresh_decay(8)) for s in range(4, 8)]
+    assert restarted[0] > before[-1]  # what a new horizon from update 0 gave: the sawtooth
+
+    keep = OptimizerConfig(lr=1.0, lr_decay="cosine", min_lr_ratio=0.1, lr_extension="keep")
+    assert keep.resumed_decay(recorded, next_step=4, default_steps=8) == recorded
+    assert [keep.lr_at(s, recorded) for s in range(4, 8)] == pytest.approx([0.1] * 4)
+    past = stretch.resumed_decay(DecaySpan(3, 0.75, 8), next_step=6, default_steps=4)  # shorter than taken
+    assert stretch.lr_at(6, past) == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        OptimizerConfig(lr_extension="restart")

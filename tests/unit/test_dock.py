@@ -13,20 +13,20 @@ from spillover.rollout.dock.buffers import PagedColumns
 from spillover.rollout.sample import Status
 
 
-def test_capacity_and_loading_2gbs_then_gbs():
+def test_capacity_and_free_slots_2gbs_then_gbs():
     dock = make_dock(gbs=3, n=2, max_split=4)
     assert dock.partial and dock.capacity_groups == 6 and dock.capacity_rows == 12
-    assert dock.groups_to_load(first_iteration=True) == 6
+    assert dock.free_group_slots() == 6
     slots = load(dock, range(6))
     assert slots.tolist() == list(range(6))
-    assert dock.groups_to_load(first_iteration=False) == 0  # full: limited by free slots
+    assert dock.free_group_slots() == 0  # full
     finish_groups(dock, [0, 1, 2])
     dock.select_batch()
     dock.clear()
-    assert dock.groups_to_load(first_iteration=False) == 3
+    assert dock.free_group_slots() == 3  # the trained GBS groups left
     plain = make_dock(gbs=3, max_split=1)
     assert not plain.partial and plain.capacity_groups == 3
-    assert plain.groups_to_load(first_iteration=True) == 3
+    assert plain.free_group_slots() == 3
 
 
 def test_from_config():

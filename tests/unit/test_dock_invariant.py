@@ -142,7 +142,7 @@ def test_every_group_trained_once_and_no_token_lost(gbs, n, max_split, extra_tok
             if dock.stats()["loaded_groups"] == 0:
                 break
         else:
-            k = dock.groups_to_load(first_iteration=it == 0)
+            k = dock.free_group_slots()
             ids = 3 * np.arange(next_group, next_group + k) + 1  # ids need not be consecutive
             next_group += k
             prompts = [rng.integers(1, 50, int(rng.integers(1, 5))).tolist() for _ in range(k)]

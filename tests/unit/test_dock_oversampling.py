@@ -28,10 +28,9 @@ def answer(dock: TransferDock, rows, length: int, eos: bool, version: int = 0) -
 def test_capacity_and_loads_count_the_extra_groups():
     plain = make_dock(gbs=3, extra=2)
     assert not plain.partial and plain.capacity_groups == 5 and plain.capacity_rows == 10
-    assert plain.groups_to_load(first_iteration=True) == 5
-    assert plain.groups_to_load(first_iteration=False) == 3
+    assert plain.free_group_slots() == 5
     partial = make_dock(gbs=3, max_split=2, extra=2)
-    assert partial.capacity_groups == 8 and partial.groups_to_load(first_iteration=True) == 8
+    assert partial.capacity_groups == 8 and partial.free_group_slots() == 8
     assert make_dock(gbs=3, extra=0).capacity_groups == 3  # the default: no over-sampling
     cfg = RolloutConfig(global_batch_size=4, n_samples_per_prompt=2, max_split=1, over_sampling_groups=3)
     assert TransferDock.from_config(cfg, [EOS]).capacity_groups == 7
@@ -56,7 +55,7 @@ def test_stop_at_gbs_and_the_surplus_stays_with_its_tokens():
     assert dock.select_batch().tolist() == [1, 3]
     dock.clear()
     assert dock.stats()["loaded_groups"] == 2 and dock.responses.length[0] == 3 and dock.age[0] == 1
-    assert dock.groups_to_load(first_iteration=False) == 2
+    assert dock.free_group_slots() == 2
     load(dock, [4, 5])
     # the carried-over rows go first: group 0 (age 1), then group 2, then the new groups
     assert dock.take_rows(limit=4).tolist() == [0, 1, 4, 5]
@@ -91,7 +90,7 @@ def test_a_run_loads_and_trains_exactly_iterations_x_gbs_groups(max_split, extra
     dock = TransferDock(gbs, n, max_split, 8, 16, [EOS], over_sampling_groups=extra)
     next_id, trained = 0, []
     for it in range(iterations):
-        count = groups_for_iteration(dock, it, iterations)
+        count = groups_for_iteration(dock, iterations)
         load(dock, range(next_id, next_id + count))
         next_id += count
         dock.set_drain(it == iterations - 1)
@@ -136,7 +135,7 @@ def test_sync_rounds_dispatch_the_over_sampled_groups_from_the_first_round(max_s
     cfg = RolloutConfig(global_batch_size=gbs, n_samples_per_prompt=n, max_split=max_split, max_tokens=8,
                         max_model_len=16, over_sampling_groups=extra)
     dock = TransferDock.from_config(cfg, [EOS])
-    count = dock.groups_to_load(first_iteration=True)
+    count = dock.free_group_slots()
     dock.load_groups(np.arange(count), [simulated_prompt(g, 4) for g in range(count)], list(range(count)))
     engine = CountingEngine({g: [2, 3] for g in range(count)})  # every response ends in the first round
     generate_rounds(dock, engine, cfg, SamplingSettings(stop_token_ids=[EOS]), weight_version=0)

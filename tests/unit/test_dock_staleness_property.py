@@ -102,7 +102,7 @@ def test_trained_tokens_are_at_most_max_age_minus_one_versions_old(gbs, n, max_s
     work = Workload(rng, n, max_tokens, sigma)
     next_id, loaded, trained = 0, [], []
     for it in range(iterations):
-        count = groups_for_iteration(dock, it, iterations)
+        count = groups_for_iteration(dock, iterations)
         ids = list(range(next_id, next_id + count))
         dock.load_groups(ids, [[1, 2, 3]] * count, ids)
         next_id += count

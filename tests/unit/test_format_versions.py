@@ -78,3 +78,22 @@ def test_a_dock_snapshot_of_another_version_is_refused_naming_the_checkpoints_me
     assert str(err.value) == (f"dock snapshot in {store.key_url('ckpt-00000007')}/meta.json has spillover.dock format "
                               "version 7 (written by a newer release); this release reads version 1 only: use the "
                               "release that wrote it")
+
+
+def test_a_format_1_learner_state_gets_the_decay_its_config_gave():
+    """Learner state format 2 records the lr decay span; a format-1 one (tasks/checkpoint.py restore_weights) gets the
+    span its run followed: from update 0 over the horizon of the config its checkpoint records."""
+    from spillover.infra.config.run_config import build_config
+    from spillover.tasks.checkpoint import written_decay_horizon
+    from spillover.tasks.learner.state import from_format_1
+
+    saved = build_config(overrides=["schedule.num_iterations=5", "grpo.num_steps_per_rollout=2"])
+    saved = saved.model_dump(mode="json")
+    assert written_decay_horizon(saved) == 10
+    saved["optimizer"]["decay_steps"] = 7
+    assert written_decay_horizon(saved) == 7
+    meta = {"format": 1, "weight_version": 3, "kl_coef": 0.0}
+    assert from_format_1(meta, 10) == {**meta, "format": 2,
+                                       "lr_decay": {"start_step": 0, "start_progress": 0.0, "end_step": 10}}
+    with pytest.raises(ValueError, match="format 2 is not 1"):
+        from_format_1({**meta, "format": 2}, 10)

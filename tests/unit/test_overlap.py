@@ -35,7 +35,7 @@ def test_overlap_keeps_the_dock_invariant(pause_mode, max_age, seed):
     dock, detached = TransferDock.from_config(cfg, [DEFAULT_EOS]), DetachedRows()
     loaded, trained, tokens_trained, next_id, detached_tokens, mixed = [], Counter(), 0, 0, 0, 0
     for it in range(ITERATIONS):
-        ids = load_iteration(dock, it, ITERATIONS, next_id, PROMPT)
+        ids = load_iteration(dock, ITERATIONS, next_id, PROMPT)
         next_id += len(ids)
         loaded += ids
         stats = generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], it, drain=it == ITERATIONS - 1,

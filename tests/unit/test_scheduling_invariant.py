@@ -53,7 +53,7 @@ def test_every_group_trained_once_with_its_whole_response(name, seed, monkeypatc
     dock = TransferDock.from_config(cfg, [DEFAULT_EOS])
     loaded, trained, tokens_trained, next_id = [], Counter(), 0, 0
     for it in range(ITERATIONS):
-        ids = load_iteration(dock, it, ITERATIONS, next_id, PROMPT)
+        ids = load_iteration(dock, ITERATIONS, next_id, PROMPT)
         next_id += len(ids)
         loaded += ids
         generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], it, drain=it == ITERATIONS - 1)

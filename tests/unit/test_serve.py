@@ -13,6 +13,17 @@ def test_prefect_yaml_declares_train_and_nightly_smoke():
     assert specs["train"]["entrypoint"] == "flows/train.py:grpo_train"
     assert specs["nightly-smoke"]["entrypoint"] == "flows/serve.py:nightly_smoke"
     assert specs["nightly-smoke"]["schedules"][0]["cron"] == "0 3 * * *"
+    assert specs["nightly-smoke"]["parameters"]["runs_dir"] == "runs/nightly-smoke"  # a folder of runs, one each
+
+
+def test_each_smoke_run_gets_a_run_dir_of_its_own():
+    from datetime import datetime, timedelta, timezone
+
+    from spillover.flows.serve import smoke_run_dir
+
+    night = datetime(2026, 12, 5, 4, 0, tzinfo=timezone(timedelta(hours=1)))
+    assert smoke_run_dir("runs/nightly-smoke", night, "witty-otter") == \
+        "runs/nightly-smoke/20261205T030000Z-witty-otter"  # UTC: sorts in the order the runs were scheduled
 
 
 def test_serve_builds_deployments_with_the_config_as_default_and_the_cron():

@@ -181,7 +181,7 @@ def run_iterations(mode: str, max_split: int, iterations: int = 4, extra: int = 
     eng = SimulatedEngine(EngineTiming(num_engines=2, slots_per_engine=16), LognormalLengths(n=4, median=150, seed=1))
     next_id, tokens, stale, worst = 0, 0, 0, 0
     for it in range(iterations):
-        count = groups_for_iteration(dock, it, 1000)
+        count = groups_for_iteration(dock, 1000)
         dock.load_groups(np.arange(next_id, next_id + count), [simulated_prompt(g, 8) for g in range(next_id, next_id + count)],
                          [0] * count)
         next_id += count

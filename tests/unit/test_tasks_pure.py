@@ -103,14 +103,39 @@ def test_load_is_idempotent_per_iteration_and_totals_match_training():
     dock = make_dock()
     prompts = PromptSet([f"p{i}" for i in range(10)], list(range(10)), [[3, 4]] * 10)
     cursor = PromptCursor(10, seed=0)
-    count = groups_for_iteration(dock, 0, num_iterations=3)
+    count = groups_for_iteration(dock, num_iterations=3)
     assert count == 4  # 2 x GBS on the first iteration
     assert load_prompt_groups(dock, cursor, prompts, 0, count) == 4
     assert load_prompt_groups(dock, cursor, prompts, 0, count) == 0  # a retry loads nothing twice
     assert cursor.position == 4 and dock.free_group_slots() == 0
-    assert groups_for_iteration(dock, 2, num_iterations=3) == 0  # the last iteration drains, loads none
+    assert groups_for_iteration(dock, num_iterations=3) == 0  # full: nothing fits
     single = make_dock()
-    assert groups_for_iteration(single, 0, num_iterations=1) == 2  # one iteration: GBS, all trained
+    assert groups_for_iteration(single, num_iterations=1) == 2  # one iteration: GBS, all trained
+
+
+def train_iteration(dock, cursor, prompts, iteration, num_iterations) -> int:
+    """One iteration as the flow runs it, every row finishing at once -> the groups loaded."""
+    loaded = load_prompt_groups(dock, cursor, prompts, iteration, groups_for_iteration(dock, num_iterations))
+    dock.set_drain(iteration == num_iterations - 1)
+    rows = np.flatnonzero(dock.occupied_rows())
+    dock.in_flight[rows] = True
+    dock.put_generation(rows, [[1]] * len(rows), [[-0.5]] * len(rows), iteration, [False] * len(rows))
+    assert dock.update_ready()
+    dock.select_batch()
+    dock.clear()
+    return loaded
+
+
+def test_a_drained_dock_is_filled_to_2_gbs_again_when_the_run_is_extended():
+    """`spillover resume RUN schedule.num_iterations=N` after the last iteration drained the dock: the added
+    iterations start from 2 x GBS again, as a fresh run does, so that rows can be cut again (issue 41)."""
+    dock = make_dock()  # GBS 2, partial rollout: capacity 4
+    prompts = PromptSet([f"p{i}" for i in range(20)], list(range(20)), [[3, 4]] * 20)
+    cursor = PromptCursor(20, seed=0)
+    assert [train_iteration(dock, cursor, prompts, it, 2) for it in range(2)] == [4, 0]
+    assert dock.free_group_slots() == 4  # drained
+    assert [train_iteration(dock, cursor, prompts, it, 5) for it in range(2, 5)] == [4, 2, 0]
+    assert cursor.position == 5 * 2  # each of the 5 x GBS groups loaded once
 
 
 def test_failed_load_leaves_cursor_unchanged():
