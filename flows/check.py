@@ -103,11 +103,13 @@ def choose_cluster(cfg, gpus: float | None, nodes: int = 1) -> Cluster:
 
 def preflight(cfg, *, gpus: float | None = None, nodes: int = 1, purpose: str = "train",
               model_dir: str | Path | None = None, data_paths: dict[str, str] | None = None,
-              storage_deadline_s: float = 10.0, resuming: bool = False) -> CheckReport:
+              storage_deadline_s: float = 10.0, resuming: bool = False, fresh: bool = False) -> CheckReport:
     """Every check for `purpose` ("train": train, resume and serve; "eval": engines only, no storage) of cfg (a
     RunConfig). model_dir: the folder engines load when not model.path (eval's exported policy); data_paths: more
-    prompt files {setting: path} (eval's --data); resuming: `spillover resume` (what it starts: infra/config/placement_plan.py)."""
-    from spillover.flows.check_inputs import check_data, check_imports, check_model, check_sglang_flags, check_storage_access
+    prompt files {setting: path} (eval's --data); resuming: `spillover resume` (what it starts: infra/config/placement_plan.py);
+    fresh: a new run (`train`, `check`): its checkpoint location must hold no checkpoints yet."""
+    from spillover.flows.check_inputs import (check_data, check_fresh_run_dir, check_imports, check_model,
+                                              check_sglang_flags, check_storage_access)
 
     train = purpose == "train"
     tokenizer, problems = check_model(cfg, model_dir)
@@ -115,6 +117,8 @@ def preflight(cfg, *, gpus: float | None = None, nodes: int = 1, purpose: str = 
     problems += check_imports(cfg, reward_only=not train)
     if train:
         problems += check_storage_access(cfg, storage_deadline_s)
+    if train and fresh and not problems:
+        problems += check_fresh_run_dir(cfg)
     problems += check_sglang_flags(cfg, model_dir)
     try:
         cluster = choose_cluster(cfg, gpus, nodes)

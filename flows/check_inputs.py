@@ -6,6 +6,7 @@ or Prefect.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from functools import cache
 from pathlib import Path
@@ -48,6 +49,7 @@ def check_model(cfg, model_dir: str | Path | None = None) -> tuple[Any, list[str
     missing = [what for what, ok in (("config.json", (folder / "config.json").is_file()),
                                      ("*.safetensors weights", any(folder.glob("*.safetensors")))) if not ok]
     problems = [f"model.path={str(path)!r} has no {' and no '.join(missing)}; {fix}"] if missing else []
+    problems += check_model_length(cfg, folder)
     try:
         from spillover.infra.models import load_tokenizer
 
@@ -125,6 +127,37 @@ def check_imports(cfg, reward_only: bool = False) -> list[str]:
         except ImportPathError as err:
             problems.append(str(err))
     return problems
+
+
+def check_fresh_run_dir(cfg) -> list[str]:
+    """A fresh `train` on a checkpoint location that already holds checkpoints is refused at start (it would mix two
+    runs): say so now, with the way on."""
+    from spillover.infra.storage.checkpoint import list_checkpoints
+    from spillover.infra.storage.store import StorageError, open_store
+
+    # where the run checkpoints (spillover.tasks.checkpoint.checkpoint_url, a module that imports Prefect)
+    url = cfg.storage.url or str(Path(cfg.run_dir).resolve() / "checkpoints")
+    try:
+        done = [c.iteration for c in list_checkpoints(open_store(url, cfg.storage)) if c.complete]
+    except StorageError:
+        return []  # check_storage_access names an unreachable location
+    if not done:
+        return []
+    return [f"run_dir={cfg.run_dir} already holds checkpoints (up to iteration {max(done)}): resume it with "
+            f"`spillover resume {cfg.run_dir}`, or choose another run_dir (or storage.url)"]
+
+
+def check_model_length(cfg, folder: Path) -> list[str]:
+    """rollout.max_model_len within what the model's positions reach (config.json max_position_embeddings)."""
+    try:
+        positions = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return []
+    if isinstance(positions, int) and cfg.rollout.max_model_len > positions:
+        return [f"rollout.max_model_len ({cfg.rollout.max_model_len}) is more than the model's "
+                f"max_position_embeddings ({positions}, {folder / 'config.json'}): lower rollout.max_model_len (and "
+                "rollout.max_tokens with it)"]
+    return []
 
 
 def check_storage_access(cfg, deadline_s: float = 10.0) -> list[str]:

@@ -75,7 +75,7 @@ def cmd_check(args) -> int:
         raise ConfigError("--gpus must be >= 0 and --nodes >= 1")
     if args.nodes > 1 and args.gpus is None:
         raise ConfigError("--nodes plans for a machine you are not on: give --gpus N (all nodes together) with it")
-    report = preflight(load_config(args.config, args.overrides), gpus=args.gpus, nodes=args.nodes)
+    report = preflight(load_config(args.config, args.overrides), gpus=args.gpus, nodes=args.nodes, fresh=True)
     if report.problems:
         raise InputRefused(report.problems)
     print(plan_table(report))
@@ -84,7 +84,7 @@ def cmd_check(args) -> int:
 
 def cmd_train(args, parts: RunParts | None) -> int:
     cfg = load_config(args.config, args.overrides)
-    refuse_bad_inputs(args, cfg)
+    refuse_bad_inputs(args, cfg, fresh=True)
     from spillover.flows.train import grpo_train
 
     summary = grpo_train(cfg, parts=parts)

@@ -5,6 +5,7 @@ returns Qwen2Tokenizer, which silently drops spaces and newlines from a char-lev
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -40,6 +41,20 @@ def build_char_tokenizer(alphabet: str = TINY_ALPHABET) -> PreTrainedTokenizerFa
     return tokenizer
 
 
+@contextlib.contextmanager
+def no_progress_bars():
+    """transformers' progress bars off inside the block (and back as they were after it)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None, seed: int = 0,
                      max_position: int = 512) -> Path:
     """Write a randomly initialised tiny Qwen2 causal LM and its tokenizer (char, or BPE: model.tiny.tokenizer) to
@@ -71,7 +86,8 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None, se
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    with no_progress_bars():  # a one-shard bar on every start is noise on the console
+        model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / TINY_MARKER).write_text(json.dumps(marker))
     return out

@@ -159,7 +159,7 @@ def spans_nodes(plan: PlacementPlan, cluster: Cluster) -> str | None:
         return f"the run's actors may land on any of {cluster.nodes} nodes ({cluster.source})"
     if plan.spread_learner:
         return "learner.placement_strategy spreads the ranks over nodes"
-    if cluster.gpus_per_node is not None and plan.engine_gpus > cluster.gpus_per_node:
+    if cluster.gpus_per_node and plan.engine_gpus > cluster.gpus_per_node:  # (0: no GPU here; counted elsewhere)
         return f"an engine's {plan.engine_gpus} GPUs (engines.gpus_per_engine) span nodes"
     return None
 

@@ -182,7 +182,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist (pass --config configs/tiny.yaml)")
+            where = "" if p.is_absolute() else f" in {Path.cwd()}"
+            raise ConfigError(f"config file {str(p)!r} does not exist{where}: give the path of a YAML run config (the "
+                              "repository's configs/ hold examples)")
         try:
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as err:

@@ -106,10 +106,49 @@ def test_a_healthy_check_prints_the_plan_in_seconds(tmp_path):
     print(f"spillover check took {seconds:.1f} s")
 
 
+def test_check_refuses_what_train_would_refuse_later(tiny_model_dir, tmp_path):
+    """`check` says now what `train` refused only after start-up: a run_dir that already holds checkpoints (resume it
+    or choose another), a rollout.max_model_len past the model's max_position_embeddings; a missing config file is
+    named where it was looked for; a machine without GPUs gets no line about engines spanning nodes."""
+    from spillover.infra.storage.checkpoint import MANIFEST
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(GOOD) + "\n")
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "ckpt-00000002").mkdir(parents=True)
+    (run_dir / "checkpoints" / "ckpt-00000002" / MANIFEST).write_text("{}")  # what marks a checkpoint complete
+    code, _, err, _ = spillover("check", "--config", "configs/tiny.yaml", f"run_dir={run_dir}",
+                                f"data.prompts_path={prompts}")
+    line = refused_once(code, err)
+    assert "already holds checkpoints (up to iteration 2)" in line and f"spillover resume {run_dir}" in line, line
+    code, _, err, _ = spillover("check", "--config", "configs/tiny.yaml", f"run_dir={tmp_path / 'new'}",
+                                f"data.prompts_path={prompts}", f"model.path={tiny_model_dir}",
+                                "rollout.max_model_len=2560", "rollout.max_tokens=2048")
+    line = refused_once(code, err)
+    assert "rollout.max_model_len (2560) is more than the model's max_position_embeddings (512" in line, line
+    code, _, err, _ = spillover("check", "--config", "configs/tiny.yaml", cwd=tmp_path)
+    line = refused_once(code, err)
+    assert f"'configs/tiny.yaml' does not exist in {tmp_path}" in line and "pass --config" not in line, line
+
+
+def test_a_gpu_recipe_checked_on_a_machine_without_gpus_names_only_the_gpu_count(tmp_path):
+    """This machine has no GPU: the recipe's plan falls short by its GPU count, and no engine "spans nodes"."""
+    from spillover.infra.config.placement_plan import Cluster, placement_plan, plan_problems
+    from spillover.infra.config.run_config import load_config
+
+    plan = placement_plan(load_config(RECIPES[0]), 0)
+    lines = plan_problems(plan, Cluster(gpus=0, cpus=2, nodes=1, gpus_per_node=0, source="this machine"), "s3://b/r")
+    assert len(lines) == 1 and "GPUs" in lines[0] and "span" not in lines[0], lines
+
+
 def recipe_inputs(model_dir: Path, tmp_path: Path) -> list[str]:
-    """The recipes' model and data paths, pointed at the tiny model and a small Parquet file with their columns."""
+    """The recipes' model and data paths, pointed at a tiny model with room for their rollout.max_model_len and a
+    small Parquet file with their columns."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from spillover.infra.models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "long_model", max_position=4096)
 
     data = tmp_path / "train.parquet"
     if not data.exists():
