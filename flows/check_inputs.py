@@ -132,18 +132,16 @@ def check_imports(cfg, reward_only: bool = False) -> list[str]:
 def check_fresh_run_dir(cfg) -> list[str]:
     """A fresh `train` on a checkpoint location that already holds checkpoints is refused at start (it would mix two
     runs): say so now, with the way on."""
-    from spillover.infra.storage.checkpoint import list_checkpoints
-    from spillover.infra.storage.store import StorageError, open_store
+    from spillover.infra.storage.checkpoint_list import newest_complete_checkpoint
+    from spillover.infra.storage.store import StorageError
 
-    # where the run checkpoints (spillover.tasks.checkpoint.checkpoint_url, a module that imports Prefect)
-    url = cfg.storage.url or str(Path(cfg.run_dir).resolve() / "checkpoints")
     try:
-        done = [c.iteration for c in list_checkpoints(open_store(url, cfg.storage)) if c.complete]
+        done = newest_complete_checkpoint(cfg)
     except StorageError:
         return []  # check_storage_access names an unreachable location
-    if not done:
+    if done is None:
         return []
-    return [f"run_dir={cfg.run_dir} already holds checkpoints (up to iteration {max(done)}): resume it with "
+    return [f"run_dir={cfg.run_dir} already holds checkpoints (up to iteration {done}): resume it with "
             f"`spillover resume {cfg.run_dir}`, or choose another run_dir (or storage.url)"]
 
 

@@ -93,11 +93,21 @@ def cmd_train(args, parts: RunParts | None) -> int:
 
 
 def cmd_resume(args, parts: RunParts | None) -> int:
-    from spillover.flows.setup import load_run_config
-    from spillover.flows.train import grpo_train
+    from spillover.infra.config.run_config import load_run_config
+    from spillover.infra.storage.checkpoint_list import newest_complete_checkpoint
 
     cfg = load_run_config(args.run_dir, args.overrides)
+    done, total = newest_complete_checkpoint(cfg), cfg.schedule.num_iterations
+    if done is not None and done + 1 >= total:  # before Ray, Prefect or wandb: nothing of the run is touched
+        print(f"{args.run_dir} has trained all {total} iterations (checkpoint {done}): nothing to resume; "
+              f"to train longer: `spillover resume {args.run_dir} schedule.num_iterations=N` with N > {total}",
+              file=sys.stderr)
+        return EXIT_OK
+    where = "the start (no checkpoint yet)" if done is None else f"checkpoint {done} (iteration {done + 1} of {total})"
+    print(f"resuming {args.run_dir} from {where}", file=sys.stderr)
     refuse_bad_inputs(args, cfg, resuming=True)
+    from spillover.flows.train import grpo_train
+
     summary = grpo_train(cfg, resume=True, parts=parts)
     print(json.dumps(summary, indent=2))
     return EXIT_OK
@@ -118,7 +128,7 @@ def cmd_eval(args, parts: RunParts | None) -> int:
 
 def cmd_export(args) -> int:
     from spillover.flows.eval import export_newest_policy
-    from spillover.flows.setup import load_run_config
+    from spillover.infra.config.run_config import load_run_config
 
     out, source = export_newest_policy(load_run_config(args.run_dir, args.overrides), Path(args.run_dir), Path(args.to))
     print(json.dumps({"path": str(out), **source}))

@@ -62,7 +62,7 @@ def resolve_target(target: str | Path, overrides: list[str], config: str | None 
 
         cfg = load_config(config, [*overrides, f"model.path={path}", f"run_dir={path}"])
         return EvalTarget(cfg, path, path, {"kind": "model_folder", "path": str(path)})
-    from spillover.flows.setup import load_run_config
+    from spillover.infra.config.run_config import load_run_config
 
     if config is not None:
         raise ConfigError(f"--config is for HF model folders; {path} is a run dir, which evaluates with its own "

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterable
 from spillover.flows.parts import NewParts, RunParts
 from spillover.infra.cluster import init_ray
 from spillover.infra.config.parsing import ConfigError
-from spillover.infra.config.run_config import RunConfig
+from spillover.infra.config.run_config import RunConfig, save_run_config
 from spillover.infra.config.placement_plan import needs_engines as plan_needs_engines, placement_plan, plan_problems
 from spillover.infra.imports import load_function
 from spillover.infra.storage.model_staging import is_remote_model, stage_on_other_nodes
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 BUILTIN_TASK_REWARD = "spillover.rollout.builtin.toy_task.reward"
-RUN_CONFIG_FILE = "config.json"
 
 
 @dataclass(frozen=True)
@@ -74,24 +73,6 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> Path:
 
         return arith_task.generate_dataset(run_dir / "data" / "train.parquet", cfg.data.num_prompts, cfg.model.seed)
     return toy_task.generate_dataset(run_dir / "data" / "train.jsonl", cfg.data.num_prompts, cfg.model.seed)
-
-
-def save_run_config(cfg: RunConfig, run_dir: Path) -> None:
-    """<run_dir>/config.json: what `spillover resume RUN_DIR` starts from. Credentials are left out
-    (a resumed run reads them from its config or the environment again)."""
-    data = cfg.model_dump(mode="json", exclude={"storage": {"access_key_id", "secret_access_key"}})
-    (run_dir / RUN_CONFIG_FILE).write_text(json.dumps(data, indent=2))
-
-
-def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    from spillover.infra.config.parsing import ConfigError
-    from spillover.infra.config.run_config import build_config
-
-    path = Path(run_dir) / RUN_CONFIG_FILE
-    if not path.is_file():
-        raise ConfigError(f"{path} does not exist: RUN_DIR must be the run_dir of an earlier `spillover train`")
-    data = json.loads(path.read_text())
-    return build_config(data, list(overrides or []) + [f"run_dir={run_dir}"])
 
 
 def needs_engines(cfg: RunConfig) -> bool:

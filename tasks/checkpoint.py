@@ -12,6 +12,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from spillover.infra.storage.checkpoint import CheckpointState, load_latest_checkpoint, save_checkpoint
+from spillover.infra.storage.checkpoint_list import checkpoint_url
 from spillover.infra.config.parsing import ConfigError
 from spillover.infra.config.run_config import RunConfig
 from spillover.infra.storage.store import Store, open_store
@@ -29,10 +30,6 @@ log = logging.getLogger("spillover")
 RESUME_INVARIANTS = ("model.path", "model.tiny", "model.seed", "data.prompts_path", "data.num_prompts",
                      "rollout.global_batch_size", "rollout.n_samples_per_prompt", "rollout.max_tokens",
                      "rollout.max_model_len", "rollout.max_split")
-
-
-def checkpoint_url(cfg: RunConfig) -> str:
-    return cfg.storage.url or str(Path(cfg.run_dir).resolve() / "checkpoints")
 
 
 def open_checkpoint_store(cfg: RunConfig) -> Store:

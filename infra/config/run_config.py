@@ -6,6 +6,7 @@ renders it as a form and validates it.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -192,3 +193,22 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
     return build_config(data, overrides)
+
+
+RUN_CONFIG_FILE = "config.json"  # in <run_dir>: the config a run started with
+
+
+def save_run_config(cfg: RunConfig, run_dir: Path) -> None:
+    """<run_dir>/config.json: what `spillover resume RUN_DIR` starts from. Credentials are left out
+    (a resumed run reads them from its config or the environment again)."""
+    data = cfg.model_dump(mode="json", exclude={"storage": {"access_key_id", "secret_access_key"}})
+    (run_dir / RUN_CONFIG_FILE).write_text(json.dumps(data, indent=2))
+
+
+def load_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """The config a run was started with (<run_dir>/config.json), with `key=value` overrides."""
+    path = Path(run_dir) / RUN_CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist: RUN_DIR must be the run_dir of an earlier `spillover train`")
+    data = json.loads(path.read_text())
+    return build_config(data, list(overrides or []) + [f"run_dir={run_dir}"])

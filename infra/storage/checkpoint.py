@@ -26,17 +26,16 @@ from spillover.infra.storage import checkpoint_objects as objects_io
 from spillover.infra.storage.checkpoint_objects import ARRAYS, TENSORS, ObjectFormatError
 from spillover.infra.storage.format_version import check_format_version, format_tag
 from spillover.infra.hooks import hook_point
+from spillover.infra.storage.checkpoint_list import MANIFEST, CheckpointInfo, checkpoint_name, list_checkpoints
 from spillover.infra.storage.store import ObjectInfo, ObjectMissing, Store
 
 log = logging.getLogger("spillover.checkpoint")
 
 CHECKPOINT_FORMAT = "spillover-checkpoint"
 CHECKPOINT_FORMAT_VERSION = 1  # the manifest layout this release writes and the only one it reads
-MANIFEST = "manifest.json"
 META = "meta.json"
 MAX_OBJECT_BYTES = 256 << 20  # shard size: bounds retry cost and memory per in-flight object
 SMALL_BYTES = 16 << 20  # a checkpoint below this counts as small for choosing threads
-_NAME = re.compile(r"^ckpt-(\d{8,})$")
 _GROUP = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -54,27 +53,6 @@ class CheckpointState:
     arrays: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     url: str | None = None
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    iteration: int
-    name: str       # "ckpt-00000012"
-    complete: bool  # has a manifest (its objects are verified only when loaded)
-
-
-def checkpoint_name(iteration: int) -> str:
-    return f"ckpt-{iteration:08d}"
-
-
-def list_checkpoints(store: Store) -> list[CheckpointInfo]:
-    """Checkpoint prefixes under the store root, oldest first."""
-    out = []
-    for name in store.list():
-        match = _NAME.match(name)
-        if match:
-            out.append(CheckpointInfo(int(match.group(1)), name, store.exists(f"{name}/{MANIFEST}")))
-    return sorted(out, key=lambda info: info.iteration)
 
 
 def _delete_checkpoint(store: Store, name: str) -> None:

@@ -49,7 +49,7 @@ def async_args(run_dir, overlap: bool) -> list[str]:
 @pytest.mark.parametrize("overlap", [False, True], ids=["async", "overlap"])
 def test_kill_9_at_an_async_update_then_resume_trains_every_group_once(async_killed_runs, background, warm_parts,
                                                                        overlap):
-    from spillover.flows.setup import load_run_config
+    from spillover.infra.config.run_config import load_run_config
     from spillover.flows.train import grpo_train
     from spillover.infra.storage.checkpoint import load_latest_checkpoint
     from spillover.infra.storage.store import open_store

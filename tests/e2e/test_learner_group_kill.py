@@ -44,7 +44,7 @@ def final_policy(run_dir) -> tuple[int, dict[str, torch.Tensor]]:
 @pytest.mark.timeout(900)
 def test_kill_9_at_a_sharded_update_then_resume_equals_the_uninterrupted_run(sharded_killed_run, background,
                                                                             prefect_harness, warm_parts, tmp_path):
-    from spillover.flows.setup import load_run_config
+    from spillover.infra.config.run_config import load_run_config
     from spillover.flows.train import grpo_train
     from spillover.infra.config.run_config import load_config
 

@@ -70,7 +70,7 @@ def assert_trajectory_intact(sample, tokenizer, stops: list[str], cap: int, max_
 @pytest.mark.timeout(400)
 def test_kill_9_inside_a_tool_call_then_resume(spillover, prefect_harness, ray_session, warm_parts,
                                                tmp_path):
-    from spillover.flows.setup import load_run_config
+    from spillover.infra.config.run_config import load_run_config
     from spillover.flows.train import grpo_train
     from spillover.infra.storage.checkpoint import load_latest_checkpoint
     from spillover.infra.models import load_tokenizer

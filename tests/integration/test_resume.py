@@ -17,7 +17,7 @@ def rows(run_dir):
 
 
 def test_resume_continues_and_refuses_mixed_runs(prefect_harness, ray_session, warm_parts, tmp_path):
-    from spillover.flows.setup import load_run_config
+    from spillover.infra.config.run_config import load_run_config
     from spillover.flows.train import grpo_train
 
     run_dir = tmp_path / "run"
@@ -72,9 +72,32 @@ def extended_run(prefect_harness, warm_pool, tmp_path_factory):
     assert rows(run_dir)[-1]["partial_rows"] == 0  # drained: the dock is empty
     code, err = spillover("resume", str(run_dir), "schedule.num_iterations=4", parts=warm_pool)
     assert code == 0, err[-3000:]
+    assert f"resuming {run_dir} from checkpoint 1 (iteration 2 of 4)" in err
     got = rows(run_dir)
     assert [r["iteration"] for r in got] == [0, 1, 2, 3]
     return got
+
+
+def test_a_resume_with_nothing_left_to_do_says_so_and_touches_nothing(tmp_path):
+    """A finished run resumed without more iterations: one line saying so and how to train longer, exit 0; nothing
+    starts (no Ray, Prefect or wandb) and nothing of the run is rewritten."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "ckpt-00000002").mkdir(parents=True)
+    (run_dir / "checkpoints" / "ckpt-00000002" / "manifest.json").write_text("{}")  # complete (as listed)
+    (run_dir / "config.json").write_text(json.dumps({"schedule": {"num_iterations": 3}}))  # as `train` saved it
+    (run_dir / "summary.json").write_text("{}")
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    proc = subprocess.run([str(Path(sys.executable).with_name("spillover")), "resume", str(run_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"{run_dir} has trained all 3 iterations (checkpoint 2): nothing to resume; to train longer: "
+        f"`spillover resume {run_dir} schedule.num_iterations=N` with N > 3"]
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before  # nothing written, nothing new
 
 
 def test_training_longer_keeps_partial_rollout_on(extended_run):

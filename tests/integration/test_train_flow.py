@@ -50,7 +50,7 @@ def debug_template(run_dir) -> str:
 
 def resume_from_checkpoint_0(run_dir, resumed_dir, parts):
     """A run resumed from `run_dir`'s checkpoint 0 (as after a crash in iteration 1), in `resumed_dir`, on `parts`."""
-    from spillover.flows.setup import load_run_config
+    from spillover.infra.config.run_config import load_run_config
     from spillover.flows.train import grpo_train
 
     resumed_dir.mkdir()
