@@ -149,11 +149,23 @@ def cmd_submit(args) -> int:
     from spillover.flows.serve import submit_run
 
     run = submit_run(args.deployment, args.config, args.overrides, wait_s=args.wait)
-    state = run.state.type.value if run.state is not None else "UNKNOWN"
-    print(json.dumps({"flow_run_id": str(run.id), "flow_run_name": run.name, "state": state}))
-    if args.wait and state != "COMPLETED":
+    outcome = run_outcome(run)
+    print(json.dumps(outcome))
+    if args.wait and outcome["state"] != "COMPLETED":
+        print(f"spillover: flow run {run.name} ended {outcome['state']}: {outcome.get('message') or 'no message'} "
+              "(its logs and traceback are in the Prefect UI)", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def run_outcome(run) -> dict:
+    """A Prefect FlowRun -> what `spillover submit` prints: id, name, state and, unless it completed, the state's
+    message (a failed run's: the exception that ended it)."""
+    state = run.state.type.value if run.state is not None else "UNKNOWN"
+    out = {"flow_run_id": str(run.id), "flow_run_name": run.name, "state": state}
+    if state != "COMPLETED" and run.state is not None and run.state.message:
+        out["message"] = run.state.message
+    return out
 
 
 def cmd_report(args) -> int:

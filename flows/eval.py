@@ -13,7 +13,9 @@ least one solved sample (reward >= eval.pass_threshold); pass@1 is the greedy re
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +128,8 @@ def write_policy_folder(learner_tensors: dict, base_model: Path, out: Path, sour
         (out / EXPORT_MARKER).write_text(json.dumps(source))
     digests = {f.name: file_sha256(f) for f in sorted(out.iterdir()) if f.is_file() and f.name != SOURCE_DIGESTS}
     (out / SOURCE_DIGESTS).write_text(json.dumps(digests, indent=1))  # checked when staged from s3:// (model.path)
+    # safetensors writes its file 0600 whatever the umask; a new file of ours (the digests) got what the umask gives
+    os.chmod(out / "model.safetensors", stat.S_IMODE((out / SOURCE_DIGESTS).stat().st_mode))
     return out
 
 

@@ -97,6 +97,8 @@ def test_a_run_trains_from_an_s3_model_and_its_export_loads_everywhere(prefect_h
     assert {"config.json", "tokenizer.json", "model.safetensors", SOURCE_DIGESTS} <= {p.name for p in out.iterdir()}
     digests = json.loads((out / SOURCE_DIGESTS).read_text())
     assert digests == {p.name: file_sha256(p) for p in out.iterdir() if p.name != SOURCE_DIGESTS}
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}  # the umask decides, not safetensors' 0600
+    assert modes["model.safetensors"] == modes[SOURCE_DIGESTS] == 0o666 & ~current_umask(), modes
 
     prompt = [5, 6, 7, 8]
     engine = TorchEngineServer(str(out), port=0, max_running_requests=4, seed=0)
@@ -121,3 +123,11 @@ def test_a_run_trains_from_an_s3_model_and_its_export_loads_everywhere(prefect_h
     path, staged_digests, _ = stage_model(exported, storage, str(cache))
     assert staged_digests == digests and (Path(path) / "model.safetensors").read_bytes() == \
         (out / "model.safetensors").read_bytes()
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (Linux: /proc/self/status)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    raise RuntimeError("no Umask line in /proc/self/status")

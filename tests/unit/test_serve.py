@@ -46,3 +46,21 @@ def test_secrets_never_go_into_deployment_parameters():
     cfg = load_config("configs/tiny.yaml", ["storage.access_key_id=AKIA123", "storage.secret_access_key=s3cr3t"])
     data = config_parameter(cfg)
     assert data["storage"]["access_key_id"] is None and "s3cr3t" not in str(data)
+
+
+def test_submit_names_why_its_flow_run_failed():
+    """`spillover submit --wait` of a run that failed prints the state's message (the exception), not only FAILED."""
+    import uuid
+
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.states import Completed, Failed
+
+    from spillover.flows.cli import run_outcome
+
+    failed = FlowRun(id=uuid.uuid4(), name="witty-otter", flow_id=uuid.uuid4(),
+                     state=Failed(message="Flow run encountered an exception: RewardError: reward function 'x' raised"))
+    assert run_outcome(failed) == {"flow_run_id": str(failed.id), "flow_run_name": "witty-otter", "state": "FAILED",
+                                   "message": "Flow run encountered an exception: RewardError: reward function 'x' "
+                                              "raised"}
+    done = FlowRun(id=uuid.uuid4(), name="calm-cat", flow_id=uuid.uuid4(), state=Completed(message="All states completed."))
+    assert "message" not in run_outcome(done) and run_outcome(done)["state"] == "COMPLETED"
