@@ -9,6 +9,9 @@ parameter is the config given to `serve` (--config + key=value); the nightly smo
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ log = logging.getLogger("spillover")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_YAML = REPO_ROOT / "prefect.yaml"
 TRAIN_DEPLOYMENT = "grpo-train/train"
+SHUTDOWN_GRACE_S = 15.0  # how long a stop may take before `spillover serve` ends anyway
 
 
 def _config_path(path: str) -> Path:
@@ -122,11 +126,36 @@ def build_deployments(cfg: RunConfig, cron: str | None = None, only: list[str] |
 
 def serve_deployments(cfg: RunConfig, cron: str | None = None, only: list[str] | None = None,
                       limit: int | None = None) -> None:
-    """Register the deployments and run their flow runs until interrupted (SIGTERM / Ctrl-C)."""
-    from prefect import serve
+    """Register the deployments and run their flow runs until interrupted (SIGTERM / Ctrl-C), as prefect.serve does,
+    except that a stop ends within SHUTDOWN_GRACE_S: Prefect's graceful stop pauses the schedules on the server and,
+    with the server gone, retries that for minutes (the process could then only be killed)."""
+    import asyncio
+    import signal
 
+    from prefect.runner import Runner
+
+    runner = Runner(limit=limit)
     deployments = build_deployments(cfg, cron, only)
-    serve(*deployments, limit=limit)
+    for deployment in deployments:
+        runner.add_deployment(deployment)
+    # Ctrl-C takes the same path as SIGTERM (the runner's handler, installed when it starts)
+    signal.signal(signal.SIGINT, lambda *_: runner.handle_sigterm())
+    threading.Thread(target=_end_a_stalled_stop, args=(runner, SHUTDOWN_GRACE_S), daemon=True,
+                     name="serve-stop-deadline").start()
+    print(f"serving {', '.join(d.name for d in deployments)} from this process (runs start from the Prefect UI, "
+          "`spillover submit` or their schedules); stop with Ctrl-C or SIGTERM", flush=True)
+    asyncio.run(runner.start())
+
+
+def _end_a_stalled_stop(runner, grace_s: float) -> None:
+    """Once the runner stops, give it grace_s to finish; then end the process (its flow runs are already cancelled
+    or marked by then, or the server that would record it is gone)."""
+    while not runner.stopping:
+        time.sleep(0.2)
+    time.sleep(grace_s)
+    log.warning("spillover serve: the stop did not finish within %.0f s (is the Prefect server gone?); exiting", grace_s)
+    logging.shutdown()
+    os._exit(0)
 
 
 def submit_run(deployment: str = TRAIN_DEPLOYMENT, config_file: str | None = None,

@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -25,8 +26,9 @@ import httpx
 import pytest
 
 from spillover.flows.report import PLOTS
+from spillover.flows.serve import SHUTDOWN_GRACE_S
 from fixtures_prefect import copy_migrated_database
-from processes import free_port, running, wait_http
+from processes import free_port, running, stop_group, wait_http
 from small_run import SMALL_RUN
 from waiting import wait_for
 
@@ -96,7 +98,7 @@ def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(ray_sessio
         api = stack.enter_context(httpx.Client(base_url=f"{url}/api", auth=(user, password), timeout=30))
 
         serve_log = OUT / "serve.log"
-        stack.enter_context(running(
+        serve = stack.enter_context(running(
             [str(BIN / "spillover"), "serve", "--config", "configs/tiny.yaml", *SMALL, f"run_dir={run_dir}",
              "--cron", "17 4 * * *"], serve_log, serve_env, cwd=str(REPO)))
         page = stack.enter_context(logged_in_page(url, auth))  # while `spillover serve` starts up
@@ -152,7 +154,15 @@ def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(ray_sessio
         checked = check_in_browser(page, url, _flow_run(api, first)["name"], first, iteration_ids["iteration-0001"],
                                    report[0]["id"])
         timings["browser_s"] = time.monotonic() - t1
+        # the Prefect server goes first: `spillover serve` still stops on SIGTERM (Prefect's own stop would retry
+        # pausing the schedules there for minutes: flows/serve.py ends it after SHUTDOWN_GRACE_S)
         t2 = time.monotonic()
+        stop_group(server)
+        os.killpg(serve.pid, signal.SIGTERM)
+        code = wait_for(serve.poll, SHUTDOWN_GRACE_S + 30, f"spillover serve ends on SIGTERM without its server "
+                        f"({serve_log})", every=0.5, until=lambda c: c is not None)
+        assert code == 0, serve_log.read_text()[-3000:]
+        timings["stop_without_server_s"] = time.monotonic() - t2
     timings["stop_s"] = time.monotonic() - t2
     (OUT / "timings.json").write_text(json.dumps({**timings, "browser_checked": checked}, indent=2))
 
