@@ -2,7 +2,7 @@
 # Both create .venv and install everything from this repo's pyproject.
 PYTHON ?= python3
 VENV ?= .venv
-# CPU wheel by default; GPU users: make TORCH_SPEC='torch==2.9.1' ...
+# CPU wheel by default; GPU users: make TORCH_SPEC='torch==2.14.1' ... (what sglang 0.5.23 pins: tests/contract)
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed

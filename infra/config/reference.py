@@ -18,7 +18,9 @@ HEADER = """# Configuration reference
 
 Every field of the run configuration (`infra/config/run_config.py`, `RunConfig`), generated from the pydantic models by
 `python -m spillover.infra.config.reference > docs/config.md`. Set a field in the YAML file (`configs/tiny.yaml`) or on the
-command line with its dotted name (`rollout.max_split=4`). Unknown keys are refused.
+command line with its dotted name (`rollout.max_split=4`). Unknown keys are refused. The defaults below are the models'
+own: a config file overrides them (`configs/tiny.yaml`, the demo's, sets a few: its comments say which and why). How to
+write prompt files and reward functions, and what the sections are for: [configuration.md](configuration.md).
 """
 
 
