@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+BAR_WIDTH = 12
+
 
 def progress_fields(progress: dict, partial_rows: int) -> dict:
     """on_round's progress dict -> the bar's fields. tokens/s over the iteration's generation so far."""
@@ -30,11 +32,12 @@ class TerminalProgress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         if self._progress is None:
+            # fits 80 columns: rich drops what does not fit, and the ready/GBS count went first
             self._progress = Progress(
-                TextColumn("[bold]iter {task.fields[iteration]:>4}[/] generating"), BarColumn(),
-                MofNCompleteColumn(), TextColumn("groups ready"),
-                TextColumn("{task.fields[tokens_per_s]:>8.0f} tok/s"),
-                TextColumn("partial rows {task.fields[partial_rows]:>4}"),
+                TextColumn("[bold]iter {task.fields[iteration]:>4}[/]"), BarColumn(bar_width=BAR_WIDTH),
+                MofNCompleteColumn(), TextColumn("ready"),
+                TextColumn("{task.fields[tokens_per_s]:>6.0f} tok/s"),
+                TextColumn("partial {task.fields[partial_rows]:>4}"),
                 TextColumn("round {task.fields[round]}"), TimeElapsedColumn(),
                 console=Console(file=self._stream), transient=True)
             self._progress.start()
