@@ -21,10 +21,20 @@ import aiohttp
 import httpx
 import orjson
 
+from spillover.rollout.sglang import backend as sgl
 from spillover.rollout.sglang.protocol import (GenerateResponse, LoadsResponse, ModelInfo, UpdateWeightsResponse,
                                       new_rid)
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+CONTROL_PATHS = frozenset(sgl.ENDPOINTS[route] for route in sgl.CONTROL_ROUTES)
+
+
+def post_timeout_s(path: str, timeout: float | None) -> float | None:
+    """A post's time limit: the caller's, else sgl.CONTROL_TIMEOUT_S on the control routes (pause/continue generation,
+    begin/end weight update, flush_cache: a live engine answers them within seconds), else the client's own."""
+    if timeout is None and path in CONTROL_PATHS:
+        return sgl.CONTROL_TIMEOUT_S
+    return timeout
 
 
 class EngineError(RuntimeError):
@@ -103,7 +113,8 @@ class EngineClient:
         except aiohttp.ClientConnectorError as err:
             raise httpx.ConnectError(f"{url}: {err}") from err
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as err:
-            raise httpx.ReadTimeout(f"{url}: timed out") from err
+            limit = timeout if timeout is not None else self.timeout_s
+            raise httpx.ReadTimeout(f"{method} {url}: no answer within {limit} s") from err
         except aiohttp.ClientError as err:
             raise httpx.ReadError(f"{url}: {err}") from err
         if status >= 400:
@@ -152,8 +163,9 @@ class EngineClient:
         return UpdateWeightsResponse.model_validate(await self._json("POST", "/update_weights_from_disk", body))
 
     async def post(self, path: str, json: Any = None, timeout: float | None = None) -> RawResponse:
-        """Any other endpoint (flush_cache, pause_generation, release_memory_occupation, ...)."""
-        return RawResponse(*await self._request("POST", path, json, timeout))
+        """Any other endpoint (flush_cache, pause_generation, release_memory_occupation, ...); timeout None: see
+        post_timeout_s."""
+        return RawResponse(*await self._request("POST", path, json, post_timeout_s(path, timeout)))
 
     async def get(self, path: str, timeout: float | None = None) -> RawResponse:
         return RawResponse(*await self._request("GET", path, timeout=timeout))

@@ -3,31 +3,36 @@ actor, the colocated learner ranks and the GPU smoke checks (which have no Ray).
 
 SGLang 0.5.23 refuses /update_weights_from_tensor outside /begin_weight_update ... /end_weight_update, so an update
 is one session around all its buckets (`update`), ended also when a bucket fails, so that the next update can begin.
-The torch engine enforces the same rule and takes the same request with its CPU encoding of the tensors
-(sglang_backend.serialize_named_tensors).
+The torch engine enforces the same rule. SGLang gets its own JSON body (CUDA IPC handles); the torch engine gets the
+tensors' data as a binary safetensors body, streamed tensor by tensor (rollout/sglang/tensor_wire.py), because base64
+inside JSON took 150 s for Qwen2.5-0.5B's 2 GB of float32 weights on these CPUs.
 """
 from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from spillover.rollout.fleet.weight_update import reported_version
 from spillover.rollout.sglang import backend as sgl
+from spillover.rollout.sglang.tensor_wire import SAFETENSORS_MEDIA_TYPE, blob_size, safetensors_chunks
 
 log = logging.getLogger(__name__)
+BUCKET_TIMEOUT_S = 600.0  # one bucket's load: an SGLang engine not paused waits for its running requests first
 
 
-@dataclass(frozen=True)
+@dataclass
 class WeightPoster:
     url: str
     backend: str  # "torch" | "sglang"
     tp_size: int = 1
     base_gpu_id: int = 0
     label: str = "engine"  # for error messages, e.g. "engine 3"
+    # one connection for a whole session: a new httpx client per post builds an SSL context each time (~45 ms here)
+    http: httpx.Client | None = field(default=None, init=False, repr=False)
 
     def update(self, state_dict: dict[str, Any], weight_version: int, bucket_bytes: int | None = None,
                flush_cache: bool = True) -> int:
@@ -47,36 +52,59 @@ class WeightPoster:
 
     @contextmanager
     def session(self):
-        """/begin_weight_update ... /end_weight_update; the session is ended also when the body fails."""
-        self.post(sgl.ENDPOINTS["begin_weight_update"], sgl.begin_weight_update_payload())
-        try:
-            yield
-        except BaseException:
+        """/begin_weight_update ... /end_weight_update over one connection; the session is ended also when the body
+        fails."""
+        with self.connection():
+            self.post(sgl.ENDPOINTS["begin_weight_update"], sgl.begin_weight_update_payload(), sgl.CONTROL_TIMEOUT_S)
             try:
-                self.post(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload(), timeout_s=60.0)
-            except Exception as err:  # the update's own error is the one to report
-                log.warning("%s: /end_weight_update after a failed update failed too: %r", self.label, err)
-            raise
-        self.post(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload())
+                yield
+            except BaseException:
+                try:
+                    self.post(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload(),
+                              sgl.CONTROL_TIMEOUT_S)
+                except Exception as err:  # the update's own error is the one to report
+                    log.warning("%s: /end_weight_update after a failed update failed too: %r", self.label, err)
+                raise
+            self.post(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload(), sgl.CONTROL_TIMEOUT_S)
+
+    @contextmanager
+    def connection(self):
+        """Posts inside share one httpx client (and its connection to the engine)."""
+        with httpx.Client() as http:
+            self.http = http
+            try:
+                yield
+            finally:
+                self.http = None
 
     def post_bucket(self, tensors: dict[str, Any], weight_version: int | None, flush_cache: bool = True) -> None:
         """One /update_weights_from_tensor call (inside a session); weight_version None keeps the engine's version.
         SGLang: CUDA IPC handles, so the tensors go to this engine's GPU first (one bucket there at a time) and stay
-        alive until the call returns. Torch engine: the tensors' data, safetensors-encoded."""
-        if self.backend == "sglang":
-            device = f"cuda:{self.base_gpu_id}"
-            tensors = {name: tensor.to(device) for name, tensor in tensors.items()}
+        alive until the call returns. Torch engine: the tensors' data as a safetensors body, streamed."""
+        path = sgl.ENDPOINTS["update_from_tensor"]
+        if self.backend == "torch":
+            named = list(tensors.items())
+            self.send(path, BUCKET_TIMEOUT_S, params=sgl.tensor_update_query(weight_version, flush_cache),
+                      content=safetensors_chunks(named),
+                      headers={"Content-Type": SAFETENSORS_MEDIA_TYPE, "Content-Length": str(blob_size(named))})
+            return
+        device = f"cuda:{self.base_gpu_id}"
+        tensors = {name: tensor.to(device) for name, tensor in tensors.items()}
         serialized = sgl.serialize_named_tensors(list(tensors.items()), self.tp_size, backend=self.backend)
-        self.post(sgl.ENDPOINTS["update_from_tensor"],
-                  sgl.update_from_tensor_payload(serialized, weight_version, flush_cache=flush_cache))
+        self.post(path, sgl.update_from_tensor_payload(serialized, weight_version, flush_cache=flush_cache))
 
     def reported_version(self) -> int:
         version = httpx.get(self.url + sgl.ENDPOINTS["model_info"], timeout=30.0).json().get("weight_version")
         return reported_version(version, self.label)
 
-    def post(self, path: str, payload: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+    def post(self, path: str, payload: dict[str, Any], timeout_s: float = BUCKET_TIMEOUT_S) -> dict[str, Any]:
         """POST a JSON body; a non-200 answer or success:false raises RuntimeError naming the route and engine."""
-        response = httpx.post(self.url + path, json=payload, timeout=timeout_s)
+        return self.send(path, timeout_s, json=payload)
+
+    def send(self, path: str, timeout_s: float, **request: Any) -> dict[str, Any]:
+        """POST (request: httpx.post's json, or content and headers); a non-200 answer or success:false raises
+        RuntimeError naming the route and engine, no answer within timeout_s httpx.TimeoutException."""
+        response = (self.http or httpx).post(self.url + path, timeout=timeout_s, **request)
         body = response.json() if response.content else {}
         if response.status_code != 200 or (isinstance(body, dict) and body.get("success") is False):
             message = body.get("message", response.text) if isinstance(body, dict) else response.text

@@ -13,10 +13,11 @@ Distributed (the learner's half: tasks/learner/weight_sender.py): once per group
 weight-update group (rank 0) and every engine joins it through `/init_weights_update_group` (engine e as ranks 1 + the
 tensor-parallel ranks of the engines before it), all at the same time (the rendezvous needs every rank). Per sync:
 `/begin_weight_update` on every engine, then for each bucket (engines.weight_bucket_bytes, whole tensors)
-`/update_weights_from_distributed` to every engine while the learner broadcasts that bucket, then
-`/end_weight_update`. A group's membership is fixed: when the engines change (one was restarted) or the learner
-does, the old group is left on both sides and a new one (new name, new port) is formed before the next sync, so a
-restarted engine rejoins and receives the current weights.
+`/update_weights_from_distributed` to every engine while the learner broadcasts that bucket (the last bucket alone
+carries the version and the cache flush: bucket_payloads), then `/end_weight_update`. A failed sync leaves the engines
+at their old version; they are sent the update once more (dead ones restarted first). A group's membership is fixed:
+when the engines change (one was restarted) or the learner does, the old group is left on both sides and a new one
+(new name, new port) is formed before the next sync, so a restarted engine rejoins and receives the current weights.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import httpx
 import ray
 
 from spillover.infra.config.engines import EnginesConfig
-from spillover.rollout.fleet.engine_client import EngineClient, EngineError
+from spillover.rollout.fleet.engine_client import EngineClient
 from spillover.rollout.fleet.engine_pool import EngineHandle
 from spillover.rollout.fleet.weight_update import LearnerHandle, WeightKind, WeightUpdate, reported_version
 from spillover.rollout.sglang import backend as sgl
@@ -154,14 +155,18 @@ class DistributedWeights:
                      flush_cache: bool = True) -> None:
         try:
             await self.load(update, engines(), flush_cache)
-        except (*ENGINE_GONE, EngineError):
+        except Exception as failure:
+            # The engines may hold some of the new buckets under their old version (it comes with the last bucket
+            # only): dead ones are restarted (each loads this update as it rejoins), and every engine is sent the whole
+            # update once more (the same weights and version: resending is safe). A second failure is raised, and the
+            # engines still report the old version.
+            log.warning("distributed weight sync of version %d failed (%r): restarting dead engines, syncing again",
+                        update.version, failure)
             current = engines()
             alive = await asyncio.gather(*(self.client(h.url).health() for h in current))
-            if all(alive):
-                raise
             for handle in [h for h, ok in zip(current, alive) if not ok]:
                 await restart(handle.index)  # joins a new group and gets the current weights
-            await self.load(update, engines(), flush_cache)  # the survivors that missed this version
+            await self.load(update, engines(), flush_cache)
 
     async def sync(self, policy: LearnerHandle, urls: list[str], version: int, flush_cache: bool = True) -> None:
         """Send the policy's current weights to every engine at `urls` as `version` (forms the group if needed);
@@ -177,10 +182,7 @@ class DistributedWeights:
                                                   json=sgl.begin_weight_update_payload()) for u in urls))
             sending = asyncio.ensure_future(_awaited(
                 policy.broadcast_weights.remote(name, [[n for n, _, _ in b] for b in buckets])))
-            for bucket in buckets:
-                names, dtypes, shapes = zip(*bucket)
-                payload = sgl.update_from_distributed_payload(list(names), list(dtypes), list(shapes), version,
-                                                              group_name=name, flush_cache=flush_cache)
+            for payload in bucket_payloads(buckets, version, name, flush_cache):
                 await _unless_sender_fails(asyncio.gather(*(
                     client(u).post(sgl.ENDPOINTS["update_from_distributed"], json=payload, timeout=self.timeout_s)
                     for u in urls)), sending)
@@ -235,6 +237,22 @@ class DistributedWeights:
         await asyncio.gather(*calls, *([learner_leave] if wait_learner else []), return_exceptions=True)
 
 
+def bucket_payloads(buckets: list[list[tuple[str, str, list[int]]]], version: int, group_name: str,
+                    flush_cache: bool) -> list[dict]:
+    """One /update_weights_from_distributed body per bucket of (name, dtype, shape). Only the last carries the version
+    and the cache flush: SGLang sets the version a body carries once that body's tensors are loaded, so a version on
+    every bucket would label the engine new while later buckets are still old, and a sync failing midway would leave
+    mixed weights under the new version."""
+    payloads = []
+    for i, bucket in enumerate(buckets):
+        last = i == len(buckets) - 1
+        names, dtypes, shapes = zip(*bucket)
+        payloads.append(sgl.update_from_distributed_payload(list(names), list(dtypes), list(shapes),
+                                                            version if last else None, group_name=group_name,
+                                                            flush_cache=flush_cache and last))
+    return payloads
+
+
 async def _awaited(pending: ray.ObjectRef) -> dict[str, int | float]:
     return await pending
 
@@ -247,6 +265,7 @@ async def _unless_sender_fails(posts: Awaitable[list], sending: asyncio.Future) 
     await asyncio.wait({posts, sending}, return_when=asyncio.FIRST_COMPLETED)
     if not posts.done() and sending.exception() is not None:
         posts.cancel()
+        posts.add_done_callback(lambda done: done.cancelled() or done.exception())  # ends as cancelled: nothing to log
         raise sending.exception()
     return await posts
 

@@ -45,6 +45,12 @@ ENDPOINTS = {
 # which never runs during a pause and skips released engines). slime starts its engines the same way.
 ENGINE_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
 
+# A live engine answers these at once or within seconds (SGLang 0.5.23: pause_generation in abort mode re-aborts every
+# second until the aborted requests have returned; begin/end_weight_update on an engine that is not paused wait for its
+# running requests, as every weight update does; continue_generation waits for an update running while paused). No
+# answer within CONTROL_TIMEOUT_S means a hung engine: the post fails naming the route instead of holding the flow.
+CONTROL_ROUTES = ("pause_generation", "continue_generation", "begin_weight_update", "end_weight_update", "flush_cache")
+CONTROL_TIMEOUT_S = 60.0
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # torch_memory_saver regions SGLang can release
 WEIGHT_SELECTORS = ("all", "target", "draft")  # which model a weight-update session covers (draft: speculative)
 
@@ -151,21 +157,40 @@ def update_from_tensor_payload(serialized_named_tensors: list[str], weight_versi
     serialize_named_tensors). weight_version None leaves the engine's version as it is (a bucket before the last)."""
     if not serialized_named_tensors:
         raise ValueError("serialized_named_tensors is empty: pass one serialized list per TP rank")
-    payload = {"serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format,
-               "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+    return {"serialized_named_tensors": list(serialized_named_tensors),
+            **tensor_update_fields(weight_version, load_format, flush_cache, abort_all_requests)}
+
+
+def tensor_update_fields(weight_version: int | str | None, load_format: str | None = None, flush_cache: bool = True,
+                         abort_all_requests: bool = False) -> dict[str, Any]:
+    """UpdateWeightsFromTensorReqInput's fields besides the tensors (the torch engine's binary body carries them as
+    query parameters: tensor_update_query)."""
+    fields = {"load_format": load_format, "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
     if weight_version is not None:
-        payload["weight_version"] = str(weight_version)
-    return payload
+        fields["weight_version"] = str(weight_version)
+    return fields
+
+
+def tensor_update_query(weight_version: int | str | None, flush_cache: bool = True) -> dict[str, str]:
+    """The query of the torch engine's binary /update_weights_from_tensor (rollout/sglang/tensor_wire.py): the same
+    fields as SGLang's JSON body, as text (no value: the field's default)."""
+    fields = tensor_update_fields(weight_version, flush_cache=flush_cache)
+    return {name: str(value).lower() if isinstance(value, bool) else str(value)
+            for name, value in fields.items() if value is not None}
 
 
 def update_from_distributed_payload(names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                    weight_version: int | str, group_name: str = "weight_update_group",
+                                    weight_version: int | str | None, group_name: str = "weight_update_group",
                                     flush_cache: bool = True) -> dict[str, Any]:
-    """UpdateWeightsFromDistributedReqInput: metadata of tensors the trainer then broadcasts over NCCL."""
+    """UpdateWeightsFromDistributedReqInput: metadata of tensors the trainer then broadcasts over NCCL.
+    weight_version None leaves the engine's version as it is (a bucket before the last)."""
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) must align")
-    return {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-            "group_name": group_name, "flush_cache": flush_cache, "weight_version": str(weight_version)}
+    payload = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+               "group_name": group_name, "flush_cache": flush_cache}
+    if weight_version is not None:
+        payload["weight_version"] = str(weight_version)
+    return payload
 
 
 def init_update_group_payload(master_address: str, master_port: int, rank_offset: int, world_size: int,

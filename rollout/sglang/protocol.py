@@ -322,13 +322,12 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
         return self
 
 
-class UpdateWeightsFromTensorRequest(BaseModel):
-    """POST /update_weights_from_tensor: serialized_named_tensors holds one entry per TP rank (this engine has one:
-    it reads entry 0), each base64 text (see rollout/sglang/tensor_wire.py for this engine's encoding)."""
+class TensorUpdateFields(BaseModel):
+    """POST /update_weights_from_tensor's fields besides the tensors: the query parameters of the torch engine's binary
+    body (rollout/sglang/tensor_wire.py)."""
 
     model_config = ConfigDict(extra="ignore")
 
-    serialized_named_tensors: list[str] = Field(..., min_length=1)
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
@@ -346,6 +345,14 @@ class UpdateWeightsFromTensorRequest(BaseModel):
         if v not in (None, "direct"):
             raise ValueError(f"load_format {v!r} is not supported by this engine: send null")
         return v
+
+
+class UpdateWeightsFromTensorRequest(TensorUpdateFields):
+    """POST /update_weights_from_tensor as JSON (SGLang's shape): serialized_named_tensors holds one entry per TP rank
+    (this engine has one: it reads entry 0), each base64 text (see rollout/sglang/tensor_wire.py for this engine's
+    encoding)."""
+
+    serialized_named_tensors: list[str] = Field(..., min_length=1)
 
 
 class GetWeightsByNameRequest(BaseModel):

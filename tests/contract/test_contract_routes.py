@@ -10,6 +10,8 @@ sends no /open_session or /close_session."""
 from __future__ import annotations
 
 import asyncio
+import base64
+from urllib.parse import parse_qsl
 
 import orjson
 import pytest
@@ -18,6 +20,7 @@ from contract_checks import accepted
 from spillover.rollout.sglang import backend as sgl
 from spillover.rollout.fleet.engine_client import EngineClient
 from spillover.rollout.fleet.weights import DistributedWeights
+from spillover.rollout.sglang.tensor_wire import SAFETENSORS_MEDIA_TYPE, parse_safetensors
 
 ROUTE_CLASS = {  # SGLang 0.5.23 http_server.py: route -> the io_struct class its handler takes as Body()
     "/abort_request": "AbortReq",
@@ -150,8 +153,10 @@ class RecordingEngine:
 
 @pytest.mark.parametrize("flush_cache", [True, False])
 def test_distributed_sync_bodies(sglang, flush_cache):
-    """A whole DistributedWeights sync: group formed (init), one session of buckets, group left (destroy);
-    flush_cache=False (engines.pause_mode=in_place) reaches every bucket."""
+    """A whole DistributedWeights sync: group formed (init), one session of buckets, group left (destroy). Only the
+    last bucket carries the version and the cache flush (SGLang sets the version a body carries once its tensors are
+    loaded: on every bucket it would label half-loaded weights new); flush_cache=False (engines.pause_mode=in_place)
+    reaches the last bucket too."""
     sent: list[tuple[str, dict]] = []
     sync = DistributedWeights(lambda url: RecordingEngine(sent), bucket_bytes=80, ranks_per_engine=2, backend="nccl")
     urls = ["http://e0", "http://e1"]
@@ -165,7 +170,10 @@ def test_distributed_sync_bodies(sglang, flush_cache):
     assert {"/init_weights_update_group", "/begin_weight_update", "/update_weights_from_distributed",
             "/end_weight_update", "/destroy_weights_update_group"} <= set(paths), paths
     assert paths.count("/update_weights_from_distributed") > len(urls), "expected several buckets"
-    assert all(body["flush_cache"] is flush_cache for path, body in sent if path == "/update_weights_from_distributed")
+    for url_index in range(len(urls)):  # RecordingEngine does not say which engine: each got every bucket in order
+        buckets = [body for path, body in sent if path == "/update_weights_from_distributed"][url_index::len(urls)]
+        assert [b.get("weight_version") for b in buckets] == [None] * (len(buckets) - 1) + ["5"], buckets
+        assert [b["flush_cache"] for b in buckets] == [False] * (len(buckets) - 1) + [flush_cache], buckets
     for path, body in sent:
         check(sglang, path, body)
 
@@ -193,15 +201,23 @@ def test_every_endpoint_the_backend_names_is_checked_here():
     assert not unchecked, f"add contract checks for {unchecked} (and their io_struct class to ROUTE_CLASS)"
 
 
+def json_value(text: str):
+    """A query value as JSON would carry it (true/false as booleans; everything else text)."""
+    return {"true": True, "false": False}.get(text, text)
+
+
 class CaptureServer:
     """A loopback HTTP server in place of SGLang's front (SGLang cannot run here): keeps each POST's path and JSON
-    body, answers success, and /model_info with the last weight_version it was sent."""
+    body (the torch engine's binary /update_weights_from_tensor as the JSON body of SGLang's shape it stands for: its
+    query fields, the blob as the one base64 entry), answers success, and /model_info with the last weight_version it
+    was sent."""
 
     def __init__(self):
         import http.server
         import threading
 
         self.sent: list[tuple[str, dict]] = []
+        self.binary: list[str] = []  # paths of the posts with a binary body
         self.version = "0"
         capture = self
 
@@ -218,8 +234,15 @@ class CaptureServer:
                 self.wfile.write(data)
 
             def do_POST(self):
-                body = orjson.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-                capture.sent.append((self.path, body))
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                path, _, query = self.path.partition("?")
+                if self.headers.get("Content-Type") == SAFETENSORS_MEDIA_TYPE:
+                    capture.binary.append(path)
+                    body = {**{k: json_value(v) for k, v in parse_qsl(query)},
+                            "serialized_named_tensors": [base64.b64encode(raw).decode()]}
+                else:
+                    body = orjson.loads(raw or b"{}")
+                capture.sent.append((path, body))
                 capture.version = body.get("weight_version") or capture.version
                 self._answer({"success": True, "message": ""})
 
@@ -239,7 +262,8 @@ class CaptureServer:
 def test_engine_actor_tensor_update_bodies(sglang, flush_cache):
     """EngineActor.update_weights (engines.weight_sync=tensor, the recipes' default; its WeightPoster serves the
     colocated ranks too) over real HTTP: the session's begin, one /update_weights_from_tensor per bucket (the version
-    and the cache flush on the last only; no flush at all under engines.pause_mode=in_place), end."""
+    and the cache flush on the last only; no flush at all under engines.pause_mode=in_place), end. The torch engine's
+    buckets go as binary safetensors bodies whose query fields, with the blob as the entry, are SGLang's body."""
     import torch
 
     from spillover.rollout.fleet.engine_actor import EngineActor
@@ -255,7 +279,12 @@ def test_engine_actor_tensor_update_bodies(sglang, flush_cache):
         server.close()
     paths = [path for path, _ in server.sent]
     assert paths == ["/begin_weight_update"] + ["/update_weights_from_tensor"] * 3 + ["/end_weight_update"], paths
+    assert server.binary == ["/update_weights_from_tensor"] * 3  # the torch engine's tensors: no base64 in JSON
     for path, body in server.sent:
         check(sglang, path, body)
     assert [body.get("weight_version") for _, body in server.sent[1:4]] == [None, None, "9"]
     assert [body["flush_cache"] for _, body in server.sent[1:4]] == [False, False, flush_cache]
+    received = {}
+    for _, body in server.sent[1:4]:
+        received.update(parse_safetensors(bytearray(base64.b64decode(body["serialized_named_tensors"][0]))))
+    assert received.keys() == state.keys() and all(torch.equal(received[n], t) for n, t in state.items())

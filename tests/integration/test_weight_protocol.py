@@ -5,6 +5,7 @@ against SGLang 0.5.23's recorded request fields (tests/sglang_contract.py), not 
 from __future__ import annotations
 
 import json
+import pickle
 import socket
 import subprocess
 import sys
@@ -15,7 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from spillover.rollout.fleet.weights import bucket_payloads
 from spillover.rollout.sglang import backend as sgl
+from spillover.rollout.sglang.tensor_wire import SAFETENSORS_MEDIA_TYPE, safetensors_chunks
 from spillover.rollout.sglang.update_group import dtype_name, plan_buckets
 from sglang_contract import check_payload, field_default, route
 
@@ -66,7 +69,8 @@ def test_payload_builders_match_sglangs_request_fields():
 
 
 def test_distributed_update_in_buckets_is_bit_identical(engine, varied_model_dir):
-    """Bucket smaller than the largest tensor (it goes alone); the version set; the group destroyed after."""
+    """Bucket smaller than the largest tensor (it goes alone); the version set by the last bucket, the only one that
+    carries it (as SGLang, a bucket without one leaves the engine's version); the group destroyed after."""
     file = next(Path(varied_model_dir).glob("*.safetensors"))
     target = load_file(str(file))
     names = [n for n in engine.batcher.decoder.expected_names()]
@@ -85,11 +89,11 @@ def test_distributed_update_in_buckets_is_bit_identical(engine, varied_model_dir
                      sgl.init_update_group_payload("127.0.0.1", port, 1, 2, group, "gloo"))
             assert r.status_code == 200 and r.json()["success"], r.text
             assert post(engine, "/begin_weight_update", {"selector": "all"}).json()["success"]
-            for bucket in buckets:
-                n, d, s = zip(*bucket)
-                r = post(engine, "/update_weights_from_distributed",
-                         sgl.update_from_distributed_payload(list(n), list(d), list(s), version, group_name=group))
+            for payload in bucket_payloads(buckets, version, group, flush_cache=True):  # the version on the last
+                r = post(engine, "/update_weights_from_distributed", payload)
                 assert r.status_code == 200 and r.json()["success"], r.text
+                reported = httpx.get(engine.url + "/model_info").json()["weight_version"]
+                assert (reported in (version, str(version))) == ("weight_version" in payload), reported
             assert post(engine, "/end_weight_update", {}).json()["success"]
             assert sender.wait(timeout=60) == 0, sender.stderr.read()
         finally:
@@ -176,5 +180,66 @@ def test_tensor_update_in_a_session_in_buckets_sets_weights_and_version(engine, 
     assert httpx.get(engine.url + "/model_info").json()["weight_version"] in (12, "12")
     for name in names:
         assert torch.equal(weights_by_name(engine, name, 10**6), target[name].float()), name
+    reset = post(engine, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "0"})
+    assert reset.json()["success"], reset.text
+
+
+def binary_post(engine, tensors: dict, version, *, flush_cache: bool = True, blob: bytes | None = None,
+                query: dict | None = None) -> httpx.Response:
+    """The torch engine's binary /update_weights_from_tensor as WeightPoster sends it: a safetensors body, SGLang's
+    other fields in the query (or the blob and query given, to send a wrong one)."""
+    named = list(tensors.items())
+    body = blob if blob is not None else b"".join(safetensors_chunks(named))
+    return httpx.post(engine.url + "/update_weights_from_tensor", content=body, timeout=60,
+                      params=query if query is not None else sgl.tensor_update_query(version, flush_cache),
+                      headers={"Content-Type": SAFETENSORS_MEDIA_TYPE})
+
+
+def test_tensor_update_as_a_binary_body_sets_weights_and_version_on_the_last_bucket(engine, varied_model_dir,
+                                                                                   tiny_model_dir):
+    """The binary body (what WeightPoster sends the torch engine: no base64 inside JSON) loads bit for bit; a bucket
+    without weight_version leaves the engine's version, the last sets it; a blob that is not safetensors, a body
+    cut short and a field SGLang would refuse are answered success:false naming the fault, outside a session too."""
+    target = load_file(str(next(Path(varied_model_dir).glob("*.safetensors"))))
+    names = list(engine.batcher.decoder.expected_names())
+    half = len(names) // 2
+    assert "session" in binary_post(engine, {names[0]: target[names[0]]}, 13).json()["message"]
+    assert post(engine, "/begin_weight_update", sgl.begin_weight_update_payload()).json()["success"]
+    try:
+        first = binary_post(engine, {n: target[n] for n in names[:half]}, None, flush_cache=False)
+        assert first.status_code == 200 and first.json()["success"], first.text
+        assert httpx.get(engine.url + "/model_info").json()["weight_version"] not in (13, "13")
+        for wrong, match in ((dict(blob=pickle.dumps([("model.norm.weight", target["model.norm.weight"])])),
+                              "safetensors"),
+                             (dict(query={"load_format": "auto"}), "load_format"),
+                             (dict(blob=b"\x10\x00\x00\x00\x00\x00\x00\x00{}"), "header length")):
+            r = binary_post(engine, {"model.norm.weight": target["model.norm.weight"]}, 13, **wrong)
+            assert r.status_code == 400 and not r.json()["success"] and match in r.json()["message"], r.text
+        last = binary_post(engine, {n: target[n] for n in names[half:]}, 13)
+        assert last.status_code == 200 and last.json()["success"], last.text
+    finally:
+        assert post(engine, "/end_weight_update", sgl.end_weight_update_payload()).json()["success"]
+    assert httpx.get(engine.url + "/model_info").json()["weight_version"] in (13, "13")
+    for name in names:
+        assert torch.equal(weights_by_name(engine, name, 10**6), target[name].float()), name
+    reset = post(engine, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "0"})
+    assert reset.json()["success"], reset.text
+
+
+def test_weight_poster_updates_the_torch_engine_in_binary_buckets(engine, varied_model_dir, tiny_model_dir):
+    """WeightPoster.update, the engine actors' and colocated ranks' client: every bucket a binary body, one session,
+    the version reported at the end, the weights bit for bit."""
+    from spillover.rollout.fleet.weight_poster import WeightPoster
+
+    target = load_file(str(next(Path(varied_model_dir).glob("*.safetensors"))))
+    state = {n: target[n] for n in engine.batcher.decoder.expected_names()}
+    smallest = min(t.numel() * t.element_size() for t in state.values())
+    engine.weight_update_events.clear()
+    assert WeightPoster(engine.url, "torch").update(state, 14, bucket_bytes=4 * smallest) == 14
+    events = list(engine.weight_update_events)
+    assert events[0] == "begin_weight_update" and events[-1] == "end_weight_update"
+    assert events[1:-1] == ["update_weights_from_tensor"] * (len(events) - 2) and len(events) > 4, events
+    for name, tensor in state.items():
+        assert torch.equal(weights_by_name(engine, name, 10**6), tensor.float()), name
     reset = post(engine, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "0"})
     assert reset.json()["success"], reset.text

@@ -126,6 +126,53 @@ def test_a_failing_sender_ends_the_sync_at_once_and_the_next_sync_works(rollout_
         m.update_weights(WeightUpdate("disk", varied_model_dir, 0))
 
 
+class SenderFailingAfterFirstBucket:
+    """The policy group, except that its broadcast ends with an error once the first bucket is sent: the engines have
+    loaded that bucket and wait in their receive of the second."""
+
+    def __init__(self, group):
+        self.group = group
+        self.syncs = 0
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+    @property
+    def broadcast_weights(self):
+        async def first_bucket_then_fail(name, buckets):
+            self.syncs += 1
+            await self.group.broadcast_weights.remote(name, buckets[:1])
+            raise RuntimeError("the sender failed after the first bucket")
+
+        return SimpleNamespace(remote=first_bucket_then_fail)
+
+
+def test_a_sync_failing_midway_leaves_the_old_version_and_is_sent_again(rollout_manager, policy, varied_model_dir):
+    """The version comes with the last bucket only: after a sync that loaded some buckets and failed, every engine
+    still reports its old version (the weights are partly new, so the manager sends the whole update once more before
+    it gives up), and the next sync loads the learner's weights whole."""
+    m = rollout_manager
+    sync = m.weights.distributed
+    shared_bucket_bytes = sync.bucket_bytes
+    before = dict(m.weight_versions)
+    sender = SenderFailingAfterFirstBucket(policy)
+    try:
+        sync.bucket_bytes = 4096  # several buckets
+        with pytest.raises(Exception, match="after the first bucket"):
+            m.update_weights(WeightUpdate("distributed", sender, 9))
+        assert sender.syncs == 2  # the failed sync, then the whole update once more
+        assert m.weight_versions == before
+        for handle in m.engines:
+            assert httpx.get(handle.url + "/model_info").json()["weight_version"] not in (9, "9"), handle.url
+        version = int(ray.get(policy.weight_version.remote()))
+        assert m.update_weights(WeightUpdate("distributed", policy, version)) == {h.index: version for h in m.engines}
+        assert_engines_hold(m, ray.get(policy.state_dict_ref.remote()), version)
+    finally:
+        sync.bucket_bytes = shared_bucket_bytes
+        m._call(sync.leave)
+        m.update_weights(WeightUpdate("disk", varied_model_dir, 0))
+
+
 def test_flow_trains_with_distributed_weight_sync(prefect_harness, ray_session, warm_parts, tmp_path, monkeypatch):
     """engines.weight_sync=distributed through the flow's update task: two iterations, each update sent to the
     engines in several buckets by the distributed path (a spy counts its syncs), the sync timed."""
