@@ -166,7 +166,8 @@ def test_bad_rewards_and_mismatched_resumes_stop_clearly_and_lose_nothing(prefec
     2. resume with a reward returning a string -> exit 2, nothing trained;
     3. resume with another global batch size, or another model -> exit 2 naming the field;
     4. resume with a good reward -> the run completes, every group trained exactly once;
-    5. the newest checkpoint corrupted -> resume reports it, uses the previous one and completes again."""
+    5. the newest checkpoint corrupted, then trained longer -> resume reports it, uses the previous one and completes
+       the longer run."""
     run_dir = tmp_path / "run"
 
     def cli(*argv: str) -> tuple[int, str]:  # on the session's kept engines and learners
@@ -205,11 +206,12 @@ def test_bad_rewards_and_mismatched_resumes_stop_clearly_and_lose_nothing(prefec
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte
     victim.write_bytes(bytes(data))
-    code, err, records = with_records("spillover.checkpoint", cli, "resume", str(run_dir))
+    # the run had finished: a plain resume has nothing to do; trained longer, it finds the newest checkpoint corrupt
+    code, err, records = with_records("spillover.checkpoint", cli, "resume", str(run_dir), "schedule.num_iterations=4")
     assert code == 0, err[-3000:]
     warned = [r.getMessage() for r in records if "unusable" in r.getMessage()]
     assert warned and "ckpt-00000002" in warned[0] and "corrupt" in warned[0]
     again = rows(run_dir)
-    assert [r["iteration"] for r in again] == [0, 1, 2]  # iteration 2 redone from checkpoint 1
-    assert sorted(g for r in again for g in r["trained_stream_ids"]) == list(range(12))
-    assert checkpoints(run_dir) == [(1, True), (2, True)]
+    assert [r["iteration"] for r in again] == [0, 1, 2, 3]  # iteration 2 redone from checkpoint 1, then 3
+    assert sorted(g for r in again for g in r["trained_stream_ids"]) == list(range(16))
+    assert checkpoints(run_dir) == [(2, True), (3, True)]
