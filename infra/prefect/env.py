@@ -38,8 +38,8 @@ RUNTIME_DEFAULTS = {
     "WANDB_MODE": "offline",
     "WANDB_SILENT": "true",
     "TOKENIZERS_PARALLELISM": "false",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
+    # (no HF_HUB_OFFLINE here: a Hub id in model.path downloads when online; local folders load with
+    # local_files_only, and the user's HF_HUB_OFFLINE=1 is honoured: infra/hub_models.py)
 }
 
 
