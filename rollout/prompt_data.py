@@ -74,9 +74,10 @@ def is_parquet(path: str | Path) -> bool:
         return fh.read(4) == PARQUET_MAGIC
 
 
-def prompt_rows(path: str, keys: list[str]) -> Iterator[tuple[str, dict]]:
-    """("path:line" or "path row N", row) of a JSONL or Parquet prompt file. Parquet rows hold only `keys`
-    (the columns read); a missing column is one error naming the file and the columns present."""
+def prompt_rows(path: str, keys: list[str], optional: list[str] = ()) -> Iterator[tuple[str, dict]]:
+    """("path:line" or "path row N", row) of a JSONL or Parquet prompt file. Parquet rows hold only `keys` and
+    those of `optional` the file has (the columns read); a missing key column is one error naming the file and the
+    columns present."""
     if not is_parquet(path):
         expected = " and ".join(repr(k) for k in keys[:2])
         for lineno, line in jsonl_lines(path, PromptFileError, "a prompt file (data.prompts_path)"):
@@ -94,7 +95,7 @@ def prompt_rows(path: str, keys: list[str]) -> Iterator[tuple[str, dict]]:
     if missing:
         raise PromptFileError(f"{path}: no column {missing[0]!r} (set data.prompt_key, data.label_key or "
                               f"data.additional_keys to the file's names; columns: {present})")
-    columns = list(dict.fromkeys(keys))
+    columns = list(dict.fromkeys([*keys, *(k for k in optional if k in present)]))
     row = 0
     for batch in parquet.iter_batches(batch_size=4096, columns=columns):
         for values in batch.to_pylist():
@@ -132,17 +133,22 @@ class PromptKeys:
 
 def read_prompts(path: str | Path, tokenizer, max_prompt_tokens: int, prompt_key: str = "prompt",
                  label_key: str = "label", over_long: str = "refuse", additional_keys=(),
-                 system_prompt: str | None = None, apply_chat_template: bool = False) -> PromptSet:
+                 system_prompt: str | None = None, apply_chat_template: bool = False,
+                 row_format: str = "prompt_label") -> PromptSet:
     """Read `path` (JSON Lines, or Parquet) and tokenize every prompt. A prompt is a string or a list of chat
     messages; messages (and, with apply_chat_template, strings as one user message) are rendered by the
     tokenizer's chat template, with system_prompt first (spillover.rollout.chat). Over-long prompts are refused (error
-    naming the line) or, with over_long="truncate", cut to their last `max_prompt_tokens` tokens and counted."""
+    naming the line) or, with over_long="truncate", cut to their last `max_prompt_tokens` tokens and counted.
+    row_format (data.format): gsm8k or math rows are converted on read (spillover.rollout.builtin.formats) into
+    prompt / label / id rows; the keys are then those."""
     path = str(path)
     if not Path(path).is_file():
         raise PromptFileError(f"prompt file {path!r} does not exist (data.prompts_path)")
+    if row_format != "prompt_label":
+        prompt_key, label_key = "prompt", "label"
     keys = PromptKeys(prompt_key, label_key, tuple(additional_keys))
     texts, labels, metadata, wheres, chats = [], [], [], [], []
-    for where, row in prompt_rows(path, [prompt_key, label_key, *keys.additional]):
+    for where, row in formatted_rows(path, row_format, [prompt_key, label_key, *keys.additional]):
         prompt, label, meta = _parse_row(where, row, keys)
         if isinstance(prompt, str) and system_prompt and not apply_chat_template:
             raise PromptFileError(f"{where}: data.system_prompt is set but this prompt is plain text and "
@@ -178,11 +184,28 @@ def read_prompts(path: str | Path, tokenizer, max_prompt_tokens: int, prompt_key
                      metadata if keys.additional else None)
 
 
+def formatted_rows(path: str, row_format: str, keys: list[str]) -> Iterator[tuple[str, dict]]:
+    """prompt_rows, converted from a built-in format (data.format) when one is named."""
+    if row_format == "prompt_label":
+        yield from prompt_rows(path, keys)
+        return
+    from spillover.rollout.builtin.formats import CONVERTERS, SOURCE_COLUMNS, ConvertError
+
+    convert = CONVERTERS[row_format][0]
+    required, optional = SOURCE_COLUMNS[row_format]
+    for index, (where, row) in enumerate(prompt_rows(path, required, optional), start=1):
+        try:
+            yield where, convert(row, where, index)
+        except ConvertError as err:
+            raise PromptFileError(f"{err} (data.format={row_format}; data.format=prompt_label reads prompt/label "
+                                  "rows)") from None
+
+
 def read_prompt_file(path: str | Path, tokenizer, data_cfg, max_prompt_tokens: int) -> PromptSet:
     """read_prompts with the settings of an spillover.infra.config.run_config.DataConfig."""
     return read_prompts(path, tokenizer, max_prompt_tokens, data_cfg.prompt_key, data_cfg.label_key,
                         data_cfg.over_long_prompts, data_cfg.additional_keys, data_cfg.system_prompt,
-                        data_cfg.apply_chat_template)
+                        data_cfg.apply_chat_template, data_cfg.format)
 
 
 @dataclass

@@ -62,6 +62,11 @@ class DataConfig(Section):
     prompts_path: str | None = Field(
         None, description="Prompt file: JSON Lines (one object per line) or Parquet (one row per prompt). Empty: "
         "generate the built-in repeat task into <run_dir>/data/train.jsonl.")
+    format: Literal["prompt_label", "gsm8k", "math"] = Field(
+        "prompt_label", description="What a prompt file's rows are: prompt_label (data.prompt_key / data.label_key); "
+        "gsm8k ({question, answer ending '#### N'}, label N) or math ({problem, solution with \\boxed{...}}, label "
+        "the last boxed answer; level and type kept), converted on read, so the Hub's own files train as they are; "
+        "each row also gets an `id` (and math its level and type) for data.additional_keys.")
     prompt_key: str = Field("prompt", description="JSON key of the prompt text.")
     label_key: str = Field("label", description="JSON key of the label handed to the reward function.")
     additional_keys: list[str] = Field(

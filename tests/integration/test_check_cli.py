@@ -131,6 +131,27 @@ def test_check_refuses_what_train_would_refuse_later(tiny_model_dir, tmp_path):
     assert f"'configs/tiny.yaml' does not exist in {tmp_path}" in line and "pass --config" not in line, line
 
 
+def test_check_reads_a_gsm8k_file_as_it_is_with_data_format(tmp_path):
+    """data.format=gsm8k: the data set's own rows pass the preflight (every line read with the run's reader) and a
+    row that is not GSM8K's is one line naming file, line and setting. In process (the same parsing and exit codes)."""
+    from spillover.flows.cli import main
+
+    raw = tmp_path / "gsm8k.jsonl"
+    raw.write_text("".join(json.dumps({"question": f"what is {n}+{n}?", "answer": f"so\n#### {2 * n}"}) + "\n"
+                           for n in range(6)))
+    argv = ["check", "--config", "configs/tiny.yaml", f"run_dir={tmp_path / 'run'}", f"data.prompts_path={raw}",
+            "data.format=gsm8k", "data.additional_keys=[id]", "grpo.reward_function_path="
+            "spillover.rollout.builtin.math_reward.reward"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main(argv) == 0, err.getvalue()
+    raw.write_text(raw.read_text() + json.dumps({"prompt": "a*1=", "label": 1}) + "\n")
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        assert main(argv) == 2
+    assert "gsm8k.jsonl:7" in err.getvalue() and "data.format=gsm8k" in err.getvalue(), err.getvalue()
+
+
 def test_a_gpu_recipe_checked_on_a_machine_without_gpus_names_only_the_gpu_count(tmp_path):
     """This machine has no GPU: the recipe's plan falls short by its GPU count, and no engine "spans nodes"."""
     from spillover.infra.config.placement_plan import Cluster, placement_plan, plan_problems

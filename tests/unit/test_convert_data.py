@@ -8,7 +8,8 @@ import pytest
 
 from spillover.infra.config.run_config import load_config
 from spillover.infra.models import build_char_tokenizer
-from spillover.rollout.builtin.convert_data import ConvertError, convert, last_boxed, main
+from spillover.rollout.builtin.convert_data import convert, main
+from spillover.rollout.builtin.formats import ConvertError, last_boxed
 from spillover.rollout.prompt_data import read_prompts
 
 GPU_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "gpu").glob("*.yaml"))  # from any cwd
@@ -23,6 +24,36 @@ def test_gsm8k_to_parquet_reads_as_chat_prompts(tmp_path):
                            system_prompt="be brief.", apply_chat_template=True)
     assert prompts.labels == ["4", "1200"] and prompts.metadata == [{"id": "gsm8k-1"}, {"id": "gsm8k-2"}]
     assert prompts.texts[0] == "system: be brief.\nuser: what is 2+2?\nassistant: "
+
+
+def test_data_format_reads_the_original_files_as_the_converter_writes_them(tmp_path):
+    """data.format=gsm8k | math: the Hub's own rows (JSON Lines or Parquet) train without a conversion step, read as
+    `convert_data` would have written them; a bad row names its line and the setting."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from spillover.infra.config.run_config import build_config
+    from spillover.rollout.prompt_data import PromptFileError, read_prompt_file
+
+    tok = build_char_tokenizer()
+    gsm8k = tmp_path / "gsm8k.jsonl"
+    gsm8k.write_text(json.dumps({"question": "what is 2+2?", "answer": "2+2=4\n#### 4"}) + "\n"
+                     + json.dumps({"question": "and 600+600?", "answer": "so\n#### 1,200"}) + "\n")
+    data = build_config({}, ["data.format=gsm8k", "data.additional_keys=[id]"]).data
+    direct = read_prompt_file(gsm8k, tok, data, 200)
+    assert convert("gsm8k", gsm8k, tmp_path / "converted.jsonl") == 2
+    converted = read_prompts(tmp_path / "converted.jsonl", tok, 200, additional_keys=["id"])
+    assert (direct.texts, direct.labels, direct.metadata) == (converted.texts, converted.labels, converted.metadata)
+    assert direct.labels == ["4", "1200"]
+    math = tmp_path / "math.parquet"  # no 'answer' column: the label is the solution's last box
+    pq.write_table(pa.table({"problem": ["1/2 + 1/2?"], "solution": [r"it is \boxed{1}"], "level": ["Level 1"],
+                             "type": ["Algebra"]}), math)
+    rows = read_prompt_file(math, tok, build_config({}, ["data.format=math",
+                                                         "data.additional_keys=[id,level,type]"]).data, 200)
+    assert rows.labels == ["1"] and rows.metadata == [{"id": "math-1", "level": "Level 1", "type": "Algebra"}]
+    gsm8k.write_text(json.dumps({"question": "no final line", "answer": "4"}) + "\n")
+    with pytest.raises(PromptFileError, match=r"gsm8k.jsonl:1: 'answer' has no '#### <number>'.*data.format=gsm8k"):
+        read_prompt_file(gsm8k, tok, data, 200)
 
 
 def test_math_labels_are_the_last_balanced_box(tmp_path):
