@@ -221,13 +221,13 @@ class RolloutManager:
             # rollout.overlap: requests run on through the update; the engines pause them, load, and continue
             self.overlap_counts["updates_while_generating"] += 1
             mode = self.cfg.pause_mode
+            if mode == "abort" and self._gen.detached is not None:  # before the pause: its aborted answers may
+                self._gen.detached.note_abort_pause()               # arrive before the pause call returns
             # every engine that paused must continue, also when another one refused or died (the update restarts it)
             refused = await self._each_engine("pause_generation", sgl.pause_generation_payload(mode))
             try:
                 if refused is not None:
                     raise refused
-                if mode == "abort" and self._gen.detached is not None:
-                    self._gen.detached.note_abort_pause()
                 # in_place: the paused requests keep their KV cache, which a flush would need gone; prefixes cached
                 # under the old weights stay until collect_detached flushes them
                 await self.weights.update(update, flush_cache=mode != "in_place")

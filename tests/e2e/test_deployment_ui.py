@@ -106,8 +106,12 @@ def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(ray_sessio
 
         def deployments() -> dict[str, dict]:
             return {d["name"]: d for d in api.post("/deployments/filter", json={}).json()}
+        # served by this `spillover serve`: the copied database may hold the same names from the session's other
+        # tests (registered with the default cron) until serve updates them
         found = wait_for(deployments, 120, f"deployments served (log: {serve_log})", every=0.25,
-                         until=lambda named: {"train", "nightly-smoke"} <= set(named))
+                         until=lambda named: {"train", "nightly-smoke"} <= set(named) and [
+                             s["schedule"]["cron"] for s in named["nightly-smoke"]["schedules"]] == ["17 4 * * *"]
+                         and named["train"]["parameters"]["config"]["run_dir"] == str(run_dir))
         timings["deployments_served_s"] = time.monotonic() - t0
         train, smoke = found["train"], found["nightly-smoke"]
         schema = json.dumps(train["parameter_openapi_schema"])
