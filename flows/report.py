@@ -42,10 +42,22 @@ def plot_reward(rows: list[dict], summary: dict, path: Path) -> None:
     ax.fill_between(its, mean - std, mean + std, alpha=0.2, label="+- std")
     if "exact_match" in rows[0]:
         ax.plot(its, _column(rows, "exact_match"), ls="--", label="exact match")
-    if summary.get("prompt_independent_baseline") is not None:
-        ax.axhline(summary["prompt_independent_baseline"], color="gray", ls=":", label="prompt-independent baseline")
+    # the axis follows the curves: a baseline far above a short run's rewards would flatten them, so it is drawn
+    # only where it falls within them, and named at the edge otherwise
+    shown = np.concatenate([mean - std, mean + std] + ([_column(rows, "exact_match")] if "exact_match" in rows[0] else []))
+    lo, hi = float(np.nanmin(shown)), float(np.nanmax(shown))
+    pad = max(0.05 * (hi - lo), 0.01)
+    ax.set_ylim(lo - pad, hi + pad)
+    baseline = summary.get("prompt_independent_baseline")
+    if baseline is not None and lo - pad <= baseline <= hi + pad:
+        ax.axhline(baseline, color="gray", ls=":", label="prompt-independent baseline")
+    elif baseline is not None:
+        above = baseline > hi
+        ax.annotate(f"prompt-independent baseline {baseline:.3f} ({'above' if above else 'below'})",
+                    xy=(0.01, 0.97 if above else 0.03), xycoords="axes fraction", va="top" if above else "bottom",
+                    fontsize=8, color="gray")
     ax.set(xlabel="iteration", ylabel="reward", title="Reward over iterations")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     _save(fig, path)
 
 
@@ -89,12 +101,13 @@ def plot_lengths(rows: list[dict], path: Path) -> None:
         left.text(0.5, 0.5, "no per-sample lengths recorded", ha="center", va="center")
         left.set_axis_off()
     its = _column(rows, "iteration")
-    for key, label in (("response_length_p50", "p50"), ("response_length_p90", "p90"),
-                       ("response_length_max", "max")):
+    if hist is not None:  # below the series (they often sit on it) and above their top
+        right.axhline(hist["max_tokens"], color="red", lw=1, ls="--", alpha=0.6, zorder=1, label="max_tokens")
+        right.set_ylim(0, hist["max_tokens"] * 1.1)
+    for key, label, marker in (("response_length_p50", "p50", "o"), ("response_length_p90", "p90", "s"),
+                               ("response_length_max", "max", "^")):
         if key in rows[0]:
-            right.plot(its, _column(rows, key), marker="o", ms=3, label=label)
-    if hist is not None:
-        right.axhline(hist["max_tokens"], color="red", lw=1, label="max_tokens")
+            right.plot(its, _column(rows, key), marker=marker, ms=4, zorder=3, label=label)
     right.set(xlabel="iteration", ylabel="tokens", title="Response length per iteration (the tail)")
     right.legend(fontsize=8)
     _save(fig, path)
@@ -123,14 +136,14 @@ def plot_task_time(rows: list[dict], path: Path) -> None:
     its = _column(rows, "iteration")
     names = [t for t in TASK_ORDER if any(t in (r.get("task_s") or {}) for r in rows)]
     names += sorted({t for r in rows for t in (r.get("task_s") or {})} - set(names))
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     bottom = np.zeros(len(rows))
     for name in names:
         sec = np.array([float((r.get("task_s") or {}).get(name, 0.0)) for r in rows])
         ax.bar(its, sec, bottom=bottom, label=name)
         bottom += sec
     ax.set(xlabel="iteration", ylabel="seconds", title="Time per task")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     _save(fig, path)
 
 

@@ -66,3 +66,28 @@ def test_report_cli_exit_codes(tmp_path, capsys):
     assert capsys.readouterr().out.count(".png") == len(PLOTS)
     assert main(["report", str(tmp_path / "missing")]) == EXIT_BAD_INPUT
     assert "has no iterations" in capsys.readouterr().err
+
+
+def test_plots_keep_short_runs_readable(tmp_path, monkeypatch):
+    """A short run's rewards far below the baseline keep the axis (the baseline is named at the edge, not drawn);
+    p90 and max draw above the max_tokens line; the task-time legend sits beside the bars."""
+    import spillover.flows.report as report
+
+    figures = {}
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.__setitem__(path.stem, fig))
+    rows = _rows(4)
+    for r in rows:
+        r["reward_mean"], r["reward_std"], r["exact_match"] = 0.01 + r["iteration"] * 0.005, 0.004, 0.0
+    report.plot_reward(rows, {"prompt_independent_baseline": 0.37}, tmp_path / "reward.png")
+    ax = figures["reward"].axes[0]
+    assert ax.get_ylim()[1] < 0.1 and "0.370 (above)" in " ".join(t.get_text() for t in ax.texts)
+    report.plot_lengths(rows, tmp_path / "lengths.png")
+    right = figures["lengths"].axes[1]
+    limit = [line for line in right.get_lines() if line.get_label() == "max_tokens"][0]
+    assert right.get_ylim()[1] > 32 and all(line.get_zorder() > limit.get_zorder() for line in right.get_lines()
+                                            if line.get_label() in ("p90", "max"))
+    report.plot_task_time(rows, tmp_path / "task_time.png")
+    ax = figures["task_time"].axes[0]
+    figures["task_time"].canvas.draw()
+    legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.x0 >= axes.x1  # outside the plot area
