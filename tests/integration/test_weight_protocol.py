@@ -177,10 +177,16 @@ def test_tensor_update_in_a_session_in_buckets_sets_weights_and_version(engine, 
         assert last.status_code == 200 and last.json()["success"], last.text
     finally:
         assert post(engine, "/end_weight_update", sgl.end_weight_update_payload()).json()["success"]
-    assert httpx.get(engine.url + "/model_info").json()["weight_version"] in (12, "12")
-    for name in names:
-        assert torch.equal(weights_by_name(engine, name, 10**6), target[name].float()), name
-    reset = post(engine, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "0"})
+    assert_holds_then_reset(engine, {n: target[n] for n in names}, 12, tiny_model_dir)
+
+
+def assert_holds_then_reset(engine, tensors: dict, version: int, checkpoint_dir) -> None:
+    """The engine reports `version` and holds `tensors` bit for bit; then it goes back to the checkpoint (version 0)
+    for the module's next test."""
+    assert httpx.get(engine.url + "/model_info").json()["weight_version"] in (version, str(version))
+    for name, tensor in tensors.items():
+        assert torch.equal(weights_by_name(engine, name, 10**6), tensor.float()), name
+    reset = post(engine, "/update_weights_from_disk", {"model_path": str(checkpoint_dir), "weight_version": "0"})
     assert reset.json()["success"], reset.text
 
 
@@ -219,11 +225,7 @@ def test_tensor_update_as_a_binary_body_sets_weights_and_version_on_the_last_buc
         assert last.status_code == 200 and last.json()["success"], last.text
     finally:
         assert post(engine, "/end_weight_update", sgl.end_weight_update_payload()).json()["success"]
-    assert httpx.get(engine.url + "/model_info").json()["weight_version"] in (13, "13")
-    for name in names:
-        assert torch.equal(weights_by_name(engine, name, 10**6), target[name].float()), name
-    reset = post(engine, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "0"})
-    assert reset.json()["success"], reset.text
+    assert_holds_then_reset(engine, {n: target[n] for n in names}, 13, tiny_model_dir)
 
 
 def test_weight_poster_updates_the_torch_engine_in_binary_buckets(engine, varied_model_dir, tiny_model_dir):
@@ -239,7 +241,4 @@ def test_weight_poster_updates_the_torch_engine_in_binary_buckets(engine, varied
     events = list(engine.weight_update_events)
     assert events[0] == "begin_weight_update" and events[-1] == "end_weight_update"
     assert events[1:-1] == ["update_weights_from_tensor"] * (len(events) - 2) and len(events) > 4, events
-    for name, tensor in state.items():
-        assert torch.equal(weights_by_name(engine, name, 10**6), tensor.float()), name
-    reset = post(engine, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "0"})
-    assert reset.json()["success"], reset.text
+    assert_holds_then_reset(engine, state, 14, tiny_model_dir)
