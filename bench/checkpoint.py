@@ -13,6 +13,9 @@ state) one core cannot reach plain speed.
 """
 from __future__ import annotations
 
+if not __package__:  # run as a file: relative imports resolve in the installed package (PEP 366)
+    __package__ = "spillover.bench"
+
 import argparse
 import gc
 import hashlib
@@ -28,21 +31,19 @@ from typing import Callable
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # the SeaweedFS launcher (test scaffolding)
 
-from spillover.infra.storage.checkpoint import (MAX_OBJECT_BYTES, CheckpointState, plan_objects, checkpoint_name,  # noqa: E402
-                              load_checkpoint, save_checkpoint)
-from spillover.infra.storage.checkpoint_objects import object_bytes  # noqa: E402
-from spillover.infra.storage.store import open_store  # noqa: E402
-from spillover.tasks.learner.state import save_state, unique_state_keys  # noqa: E402
-from seaweed_server import SeaweedS3  # noqa: E402
+from ..infra.storage.checkpoint import (MAX_OBJECT_BYTES, CheckpointState, plan_objects, checkpoint_name,  # noqa: E402
+                                        load_checkpoint, save_checkpoint)
+from ..infra.storage.checkpoint_objects import object_bytes  # noqa: E402
+from ..infra.storage.store import open_store  # noqa: E402
+from ..tasks.learner.state import save_state, unique_state_keys  # noqa: E402
+from .seaweed_server import SeaweedS3  # noqa: E402
 
 log = logging.getLogger("bench.checkpoint")
 
 
 def tiny_state(work: Path) -> CheckpointState:
-    from spillover.infra.models import build_tiny_model, load_causal_lm
+    from ..infra.models import build_tiny_model, load_causal_lm
 
     model = load_causal_lm(build_tiny_model(work / "tiny_model"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

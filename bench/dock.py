@@ -17,6 +17,9 @@ Each configuration runs in its own process so that peak_rss_mb is its own. JSON 
 """
 from __future__ import annotations
 
+if not __package__:  # run as a file: relative imports resolve in the installed package (PEP 366)
+    __package__ = "spillover.bench"
+
 import argparse
 import json
 import resource
@@ -24,13 +27,11 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from spillover.rollout.batch import to_samples
-from spillover.rollout.dock.transfer_dock import TransferDock  # noqa: E402
+from ..rollout.batch import to_samples
+from ..rollout.dock.transfer_dock import TransferDock  # noqa: E402
 
 EOS = 2
 VOCAB = 32000

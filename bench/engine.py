@@ -10,6 +10,9 @@ longest request ends). Only completion tokens count. One JSON line per concurren
 """
 from __future__ import annotations
 
+if not __package__:  # run as a file: relative imports resolve in the installed package (PEP 366)
+    __package__ = "spillover.bench"
+
 import argparse
 import asyncio
 import json
@@ -23,10 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spillover.rollout.fleet.engine_client import EngineClient  # noqa: E402
-from spillover.rollout.fleet.router import Router, free_port, stop_process  # noqa: E402
+from ..rollout.fleet.engine_client import EngineClient  # noqa: E402
+from ..rollout.fleet.router import Router, free_port, stop_process  # noqa: E402
 
 
 def log(*parts) -> None:
@@ -98,7 +100,7 @@ def run_hf(model_dir: Path, workload, batch_size: int) -> tuple[int, float]:
     """(completion tokens, seconds) of HF generate over the workload in static batches (left padded)."""
     import torch
 
-    from spillover.infra.models import load_causal_lm
+    from ..infra.models import load_causal_lm
 
     model = load_causal_lm(model_dir).eval()
     model.generation_config.eos_token_id = None  # ignore EOS, like the engine side
@@ -169,8 +171,8 @@ def main() -> None:
     p.add_argument("--engine-threads", type=int, default=1, help="torch threads of the engine process")
     p.add_argument("--hf-threads", type=int, default=1, help="torch threads for HF generate (as the engine)")
     args = p.parse_args()
-    from spillover.infra.config.run_config import TinyModelConfig
-    from spillover.infra.models import build_tiny_model
+    from ..infra.config.run_config import TinyModelConfig
+    from ..infra.models import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny", TinyModelConfig())

@@ -35,6 +35,9 @@ engines get, moved_share (share of weights the first update changed at the recip
 """
 from __future__ import annotations
 
+if not __package__:  # run as a file: relative imports resolve in the installed package (PEP 366)
+    __package__ = "spillover.bench"
+
 import argparse
 import json
 import socket
@@ -47,7 +50,6 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 DEFAULT_RECIPE = ROOT / "configs" / "gpu" / "qwen2.5-0.5b-math.yaml"
 RECIPES = {"1.5b": ROOT / "configs" / "gpu" / "qwen2.5-1.5b-math.yaml"}  # others: DEFAULT_RECIPE
 SIZES = {  # Qwen2 shapes: hidden, intermediate, layers, heads, kv heads, vocabulary
@@ -75,7 +77,7 @@ def random_qwen2(size: str, folder: Path, dtype: torch.dtype = torch.float32, to
                          rope_theta=1e6)
     Qwen2ForCausalLM(config).to(dtype).save_pretrained(folder, safe_serialization=True)
     if tokenizer:
-        from spillover.infra.models import build_char_tokenizer
+        from ..infra.models import build_char_tokenizer
 
         build_char_tokenizer().save_pretrained(folder)
     return folder
@@ -84,7 +86,7 @@ def random_qwen2(size: str, folder: Path, dtype: torch.dtype = torch.float32, to
 def random_batch(samples: int, max_response: int, vocab: int, seed: int):
     """Long-tailed like GRPO responses: lognormal response lengths (median max_response / 6, sigma 1: ~4% reach the
     cap), prompts of 32-160 tokens."""
-    from spillover.rollout.batch import from_sequences
+    from ..rollout.batch import from_sequences
 
     rng = np.random.default_rng(seed)
     responses = np.clip(rng.lognormal(np.log(max(max_response / 6, 1.0)), 1.0, samples), 1, max_response).astype(int)
@@ -97,7 +99,7 @@ def random_batch(samples: int, max_response: int, vocab: int, seed: int):
 def recipe_settings(recipe: str | Path, device: str, mode: str = "budget", budget: int | None = None):
     """A recipe's (model.dtype, learner section at world_size 1 on `device` micro-batched by `mode`, grpo without the
     reference, optimizer, rollout.max_tokens)."""
-    from spillover.infra.config.run_config import load_config
+    from ..infra.config.run_config import load_config
 
     cfg = load_config(recipe)
     tokens = None if mode == "count" else (budget or cfg.learner.max_tokens_per_micro_batch or 16384)
@@ -152,8 +154,8 @@ def learner_smoke(size: str, device: str, iterations: int = 3, samples: int = 64
                   plain: bool = False, peak_flops: float | None = None) -> dict:
     """One mode's figures (the module docstring). tokens: the response cap (default: the recipe's rollout.max_tokens);
     peak_flops: the matmul rate to measure mfu against (default: measured here)."""
-    from spillover.tasks.learner.actor import LearnerActor
-    from spillover.tasks.learner.distributed import DTYPES
+    from ..tasks.learner.actor import LearnerActor
+    from ..tasks.learner.distributed import DTYPES
 
     cuda = device == "cuda"
     model_dtype, lcfg, grpo, optim, max_tokens = recipe_settings(recipe, device, mode, budget)
@@ -222,7 +224,7 @@ class PlainTorch:
     def __init__(self, model_dir: Path, lcfg, grpo, optim, device: str):
         from transformers import AutoModelForCausalLM
 
-        from spillover.tasks.learner.distributed import DTYPES
+        from ..tasks.learner.distributed import DTYPES
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
         self.model.to(device)
@@ -270,7 +272,7 @@ def _cuts(batch, lcfg, grpo, subset: list[int] | None) -> list[list[int]]:
     """Plain torch's micro-batches of `subset`: grpo.micro_batch_size rows of similar lengths (the learner's own cut)
     without a token budget; with one, rows by length, each micro-batch as many as fit the budget padded (B x the
     longest <= budget): the few-padding cut a plain torch loop would take for the same budget."""
-    from spillover.tasks.learner.micro_batches import micro_batch_indices
+    from ..tasks.learner.micro_batches import micro_batch_indices
 
     rows = list(range(len(batch))) if subset is None else subset
     lengths = batch.seq_lengths[rows]
@@ -305,7 +307,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cuda = args.device == "cuda"
     size = args.learner_size or ("0.5b" if cuda else "tiny")
     recipe = args.recipe or RECIPES.get(size, DEFAULT_RECIPE)
-    from spillover.tasks.learner.distributed import DTYPES
+    from ..tasks.learner.distributed import DTYPES
 
     peak = matmul_flops_per_s(args.device, DTYPES[recipe_settings(recipe, args.device)[1].param_dtype])
     results = []

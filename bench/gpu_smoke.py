@@ -38,6 +38,9 @@ used here (tests/integration/test_colocate.py).
 """
 from __future__ import annotations
 
+if not __package__:  # run as a file: relative imports resolve in the installed package (PEP 366)
+    __package__ = "spillover.bench"
+
 import argparse
 import json
 import os
@@ -50,12 +53,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spillover.rollout.torch_engine.batcher import ContinuousBatcher, EngineRequest  # noqa: E402
-from spillover.rollout.torch_engine.lean_forward import LeanDecoder, read_safetensors, read_shape  # noqa: E402
-from spillover.rollout.sglang.protocol import SamplingParams  # noqa: E402
-from spillover.rollout.sglang.update_group import plan_buckets, tensor_digest  # noqa: E402
+from ..rollout.torch_engine.batcher import ContinuousBatcher, EngineRequest  # noqa: E402
+from ..rollout.torch_engine.lean_forward import LeanDecoder, read_safetensors, read_shape  # noqa: E402
+from ..rollout.sglang.protocol import SamplingParams  # noqa: E402
+from ..rollout.sglang.update_group import plan_buckets, tensor_digest  # noqa: E402
 
 
 def memory_gb(device: torch.device) -> float:
@@ -91,7 +93,7 @@ ROLLOUT_SCALES = {  # bench/longtail.py --real --local arguments (the tiny model
 
 def rollout_split_comparison(device: str, scale: list[str]) -> dict:
     """max_split 1 vs 4 (issues 13 and 18): the long-tail bench on engines in this process -> {mode: figures}."""
-    from bench.longtail import main as longtail
+    from .longtail import main as longtail
 
     results = longtail(["--real", "--local", "--device", device, "--modes", "no_partial,sync_split4", *scale])
     return {r["mode"]: {k: r[k] for k in ("rollout_s", "speedup", "rollout_speedup", "slot_idle_share",
@@ -162,8 +164,8 @@ def tensor_update_session(args, device: torch.device) -> dict:
     refused as SGLang refuses it; inside one session, bucket by bucket, the weights and weight_version change."""
     import httpx
 
-    from spillover.rollout.torch_engine.server import TorchEngineServer
-    from spillover.rollout.fleet.weight_poster import WeightPoster
+    from ..rollout.torch_engine.server import TorchEngineServer
+    from ..rollout.fleet.weight_poster import WeightPoster
 
     model_path = args.model or _tiny_model()
     server = TorchEngineServer(model_path, device=device.type, max_running_requests=8)
@@ -206,9 +208,9 @@ def inflight_update(args, device: torch.device) -> dict:
     meta_info.weight_versions spans say; no decode step runs while paused; the KV cache stays, so a flush is refused."""
     import httpx
 
-    from spillover.rollout.fleet.weight_poster import WeightPoster
-    from spillover.rollout.sglang.backend import continue_generation_payload, pause_generation_payload
-    from spillover.rollout.torch_engine.server import TorchEngineServer
+    from ..rollout.fleet.weight_poster import WeightPoster
+    from ..rollout.sglang.backend import continue_generation_payload, pause_generation_payload
+    from ..rollout.torch_engine.server import TorchEngineServer
 
     model_path = args.model or _tiny_model()
     server = TorchEngineServer(model_path, device=device.type, max_running_requests=8)
@@ -271,7 +273,7 @@ def inflight_update(args, device: torch.device) -> dict:
 
 
 def _tiny_model() -> str:
-    from spillover.infra.models import build_tiny_model
+    from ..infra.models import build_tiny_model
 
     return str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
 
@@ -280,7 +282,7 @@ def learner_precision(args, device: torch.device) -> dict:
     size = args.learner_size or ("0.5b" if device.type == "cuda" else "tiny")
     if size == "none":
         return {}
-    from bench.gpu_learner import DEFAULT_RECIPE, RECIPES, learner_smoke
+    from .gpu_learner import DEFAULT_RECIPE, RECIPES, learner_smoke
 
     out = learner_smoke(size, device.type, samples=args.learner_samples, tokens=args.learner_tokens,
                         recipe=args.recipe or RECIPES.get(size, DEFAULT_RECIPE))

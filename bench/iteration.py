@@ -13,6 +13,9 @@ dock bookkeeping, reward bookkeeping, weight transfer to the engines).
 """
 from __future__ import annotations
 
+if not __package__:  # run as a file: relative imports resolve in the installed package (PEP 366)
+    __package__ = "spillover.bench"
+
 import argparse
 import json
 import logging
@@ -21,9 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spillover.infra.prefect.env import apply_process_defaults  # noqa: E402
+from ..infra.prefect.env import apply_process_defaults  # noqa: E402
 
 COMPUTE_KEYS = ("engine_s", "update_s", "old_logprob_s", "ref_logprob_s")
 
@@ -41,9 +43,9 @@ def overhead_parts(rows: list[dict], loop_wall: float, compute: float) -> dict:
 
 
 def run_one(max_split: int | None, iterations: int, warmup: int, root: Path, overrides: list[str]) -> dict:
-    from spillover.flows.train import grpo_train
-    from spillover.infra.config.run_config import load_config
-    from spillover.infra.tracking.run_tracker import read_metrics
+    from ..flows.train import grpo_train
+    from ..infra.config.run_config import load_config
+    from ..infra.tracking.run_tracker import read_metrics
 
     run_dir = root / f"split{max_split or 'config'}"
     split = [f"rollout.max_split={max_split}"] if max_split else []

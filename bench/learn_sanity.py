@@ -9,6 +9,9 @@ Prints one JSON line (the curve and summary) on stdout; progress goes to stderr.
 """
 from __future__ import annotations
 
+if not __package__:  # run as a file: relative imports resolve in the installed package (PEP 366)
+    __package__ = "spillover.bench"
+
 import argparse
 import collections
 import copy
@@ -20,13 +23,13 @@ import time
 import numpy as np
 import torch
 
-from spillover.infra.config.run_config import TinyModelConfig
-from spillover.infra.config.training import GRPOConfig, OptimizerConfig
-from spillover.infra.models import build_tiny_model, load_tokenizer
-from spillover.rollout.builtin import toy_task
-from spillover.rollout.batch import from_sequences
-from spillover.tasks.grpo_loss import group_advantages
-from spillover.tasks.learner.actor import LearnerActor
+from ..infra.config.run_config import TinyModelConfig
+from ..infra.config.training import GRPOConfig, OptimizerConfig
+from ..infra.models import build_tiny_model, load_tokenizer
+from ..rollout.builtin import toy_task
+from ..rollout.batch import from_sequences
+from ..tasks.grpo_loss import group_advantages
+from ..tasks.learner.actor import LearnerActor
 
 
 def sample_responses(model, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float,

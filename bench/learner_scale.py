@@ -9,6 +9,9 @@ Logs go to stderr.
 """
 from __future__ import annotations
 
+if not __package__:  # run as a file: relative imports resolve in the installed package (PEP 366)
+    __package__ = "spillover.bench"
+
 import argparse
 import json
 import socket
@@ -20,11 +23,11 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from spillover.infra.config.run_config import TinyModelConfig
-from spillover.infra.config.training import GRPOConfig, OptimizerConfig
-from spillover.infra.config.learner import LearnerConfig
-from spillover.infra.models import build_tiny_model
-from spillover.rollout.batch import RolloutBatch, from_sequences
+from ..infra.config.run_config import TinyModelConfig
+from ..infra.config.training import GRPOConfig, OptimizerConfig
+from ..infra.config.learner import LearnerConfig
+from ..infra.models import build_tiny_model
+from ..rollout.batch import RolloutBatch, from_sequences
 
 
 def random_batch(samples: int, tokens: int, seed: int, vocab: int = 40) -> RolloutBatch:
@@ -40,8 +43,8 @@ def random_batch(samples: int, tokens: int, seed: int, vocab: int = 40) -> Rollo
 
 
 def _rank(rank: int, world: int, port: int, args, model_dir: str, out) -> None:
-    from spillover.tasks.learner.actor import LearnerActor
-    from spillover.tasks.learner.state import full_model_state, local_state_bytes
+    from ..tasks.learner.actor import LearnerActor
+    from ..tasks.learner.state import full_model_state, local_state_bytes
 
     lcfg = LearnerConfig(world_size=world, device=args.device, cpu_threads=args.threads)
     learner = LearnerActor(model_dir, GRPOConfig(micro_batch_size=args.micro_batch), OptimizerConfig(), 1.0, 0, True,
@@ -84,9 +87,9 @@ def logprob_peaks(vocab: int, rows: int, seq: int, chunk: int) -> tuple[float, f
     """Peak MiB of live op outputs for the logprobs of one [rows, seq] micro-batch: full logits vs chunked."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from spillover.infra.tensor_memory import TensorMemoryProbe
-    from spillover.tasks.learner.micro_batches import make_micro_batch
-    from spillover.tasks.learner.token_logprobs import ResponseLogprobModel
+    from ..infra.tensor_memory import TensorMemoryProbe
+    from ..tasks.learner.micro_batches import make_micro_batch
+    from ..tasks.learner.token_logprobs import ResponseLogprobModel
 
     torch.manual_seed(0)
     lm = Qwen2ForCausalLM._from_config(Qwen2Config(

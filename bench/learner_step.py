@@ -4,6 +4,9 @@ One JSON line per (micro_batch, threads) configuration on stdout; logs to stderr
 """
 from __future__ import annotations
 
+if not __package__:  # run as a file: relative imports resolve in the installed package (PEP 366)
+    __package__ = "spillover.bench"
+
 import argparse
 import json
 import statistics
@@ -13,10 +16,10 @@ import time
 import numpy as np
 import torch
 
-from spillover.infra.config.training import GRPOConfig, OptimizerConfig
-from spillover.infra.models import build_tiny_model
-from spillover.rollout.batch import RolloutBatch, from_sequences
-from spillover.tasks.learner.actor import LearnerActor
+from ..infra.config.training import GRPOConfig, OptimizerConfig
+from ..infra.models import build_tiny_model
+from ..rollout.batch import RolloutBatch, from_sequences
+from ..tasks.learner.actor import LearnerActor
 
 
 def random_batch(samples: int, tokens: int, seed: int) -> RolloutBatch:

@@ -9,11 +9,11 @@ import asyncio
 import itertools
 from typing import Any
 
-from spillover.rollout.fleet.engine_client import EngineClient
-from spillover.rollout.fleet.weight_update import WeightUpdate
-from spillover.rollout.torch_engine.server import TorchEngineServer
-from spillover.rollout.fleet.generation import BatchGenerator
-from spillover.rollout.fleet.pinned_router import PinnedRouter
+from ..rollout.fleet.engine_client import EngineClient
+from ..rollout.fleet.weight_update import WeightUpdate
+from ..rollout.torch_engine.server import TorchEngineServer
+from ..rollout.fleet.generation import BatchGenerator
+from ..rollout.fleet.pinned_router import PinnedRouter
 
 
 class _RoundRobin:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spillover.infra.config.rollout import RolloutConfig
+from ..infra.config.rollout import RolloutConfig
 
 # mode -> (max_split, driver, max_age ("async": --async-max-age), over-sampled groups ("os": --over-sampling-groups),
 #          scheduling, tail_factor (tail batching; 0 off)[, tail_engines]); a "_pinned" name: the simulated pool

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.simulator.workload import LognormalLengths
-from spillover.rollout.fleet.weight_update import WeightUpdate
+from .mode_run import ModeRun
+from .simulator.workload import LognormalLengths
+from ..rollout.fleet.weight_update import WeightUpdate
 
 log = logging.getLogger("longtail.real")
 
@@ -128,14 +129,14 @@ class LoadSampler:
 
 class RealRun:
     def __init__(self, args):
-        from spillover.infra.config.engines import EnginesConfig
-        from spillover.infra.models import build_tiny_model, load_tokenizer
+        from ..infra.config.engines import EnginesConfig
+        from ..infra.models import build_tiny_model, load_tokenizer
 
         if args.token_scale != 1:
             raise SystemExit("--token-scale applies to the simulated engine only; drop it with --real")
         self.args = args
         if not args.local:
-            from spillover.infra.cluster import init_ray  # sets Ray's loopback environment before ray is imported
+            from ..infra.cluster import init_ray  # sets Ray's loopback environment before ray is imported
 
             init_ray()
         self.tmp = tempfile.TemporaryDirectory(prefix="longtail-")
@@ -146,11 +147,11 @@ class RealRun:
                             health_timeout_s=30.0)
         log.info("starting %d %s engines (%d slots each)", args.engines, "local" if args.local else "CPU", args.slots)
         if args.local:  # in this process, no Ray or router (the GPU machine has neither): bench/local_engines.py
-            from bench.local_engines import LocalEngines
+            from .local_engines import LocalEngines
 
             self.manager = LocalEngines(str(self.model_dir), args.engines, args.slots, args.device)
         else:
-            from spillover.rollout.fleet.manager import RolloutManager
+            from ..rollout.fleet.manager import RolloutManager
 
             self.manager = RolloutManager(cfg, self.model_dir, use_gpu=False)
         self.sampler = LoadSampler(self.manager.urls)
@@ -160,8 +161,6 @@ class RealRun:
 
     def mode_run(self, mode: str, work):
         """One mode's ModeRun on the shared engines; the engines are set to the mode's version first."""
-        from bench.longtail import ModeRun
-
         lengths = LognormalLengths(n=work.n, median=self.args.median, sigma=self.args.sigma, seed=self.args.seed,
                                    group_share=self.args.group_share)
         engine = NaturalLengths(self.manager, lengths)

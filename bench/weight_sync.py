@@ -13,6 +13,9 @@ Prints one JSON line on stdout; logs on stderr.
 """
 from __future__ import annotations
 
+if not __package__:  # run as a file: relative imports resolve in the installed package (PEP 366)
+    __package__ = "spillover.bench"
+
 import argparse
 import json
 import logging
@@ -23,7 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 log = logging.getLogger("bench.weight_sync")
 
@@ -74,12 +76,12 @@ def main() -> None:
 
     import ray
 
-    from spillover.infra.cluster import init_ray, set_loopback_env
-    from spillover.infra.config.engines import EnginesConfig
-    from spillover.infra.config.run_config import build_config
-    from spillover.rollout.fleet.manager import RolloutManager
-    from spillover.rollout.fleet.weight_update import WeightUpdate
-    from spillover.tasks.learner.group import create_learner_group
+    from ..infra.cluster import init_ray, set_loopback_env
+    from ..infra.config.engines import EnginesConfig
+    from ..infra.config.run_config import build_config
+    from ..rollout.fleet.manager import RolloutManager
+    from ..rollout.fleet.weight_update import WeightUpdate
+    from ..tasks.learner.group import create_learner_group
 
     set_loopback_env()
     bucket_bytes = int(args.bucket_mb * 2**20)

@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spillover.infra.config.memory import memory_lines, model_shape
-from spillover.infra.config.placement_plan import Cluster, PlacementPlan, placement_plan, plan_problems
+from ..infra.config.memory import memory_lines, model_shape
+from ..infra.config.placement_plan import Cluster, PlacementPlan, placement_plan, plan_problems
 
 __all__ = ["CheckReport", "cluster_from_ray", "local_cluster", "plan_table", "preflight"]
 
@@ -61,7 +61,7 @@ def cluster_from_ray(address: str | None) -> Cluster:
     """Join the Ray cluster at `address` (or the one this process already joined) and read its resources."""
     import ray
 
-    from spillover.infra.cluster import init_ray
+    from ..infra.cluster import init_ray
 
     if address and not ray.is_initialized():
         _reachable(address)  # ray.init retries an address where nothing listens for minutes
@@ -108,8 +108,8 @@ def preflight(cfg, *, gpus: float | None = None, nodes: int = 1, purpose: str = 
     RunConfig). model_dir: the folder engines load when not model.path (eval's exported policy); data_paths: more
     prompt files {setting: path} (eval's --data); resuming: `spillover resume` (what it starts: infra/config/placement_plan.py);
     fresh: a new run (`train`, `check`): its checkpoint location must hold no checkpoints yet."""
-    from spillover.flows.check_inputs import (check_data, check_fresh_run_dir, check_imports, check_model,
-                                              check_sglang_flags, check_storage_access)
+    from .check_inputs import (check_data, check_fresh_run_dir, check_imports, check_model,
+                               check_sglang_flags, check_storage_access)
 
     train = purpose == "train"
     tokenizer, problems = check_model(cfg, model_dir)

@@ -23,16 +23,16 @@ def check_model(cfg, model_dir: str | Path | None = None) -> tuple[Any, list[str
     tokenizer that loads, or a Hub id resolved to one (huggingface_hub's cache; a download when online). Empty
     model.path: the tiny model's tokenizer (the model is built at start); s3://: staged at start, so no tokenizer
     here."""
-    from spillover.infra.hub_models import HubModelError, is_hub_id, resolve_hub_model
-    from spillover.infra.storage.model_staging import is_remote_model
+    from ..infra.hub_models import HubModelError, is_hub_id, resolve_hub_model
+    from ..infra.storage.model_staging import is_remote_model
 
     path = model_dir or cfg.model.path
     if not path:
         if cfg.model.tiny.tokenizer == "bpe":
-            from spillover.infra.tiny_bpe import build_bpe_tokenizer
+            from ..infra.tiny_bpe import build_bpe_tokenizer
 
             return build_bpe_tokenizer(seed=cfg.model.seed), []
-        from spillover.infra.models import build_char_tokenizer
+        from ..infra.models import build_char_tokenizer
 
         return build_char_tokenizer(), []
     if is_remote_model(str(path)):
@@ -51,7 +51,7 @@ def check_model(cfg, model_dir: str | Path | None = None) -> tuple[Any, list[str
     problems = [f"model.path={str(path)!r} has no {' and no '.join(missing)}; {fix}"] if missing else []
     problems += check_model_length(cfg, folder)
     try:
-        from spillover.infra.models import load_tokenizer
+        from ..infra.models import load_tokenizer
 
         return load_tokenizer(folder), problems
     except Exception as err:  # noqa: BLE001 -- whatever transformers raises, the user needs one line
@@ -63,7 +63,7 @@ def check_data(cfg, tokenizer, extra_paths: dict[str, str] | None = None) -> lis
     """Every prompt file of the run (data.prompts_path, data.eval_paths, extra_paths) read whole with the run's own
     reader: the first bad line or row of each, named with file and line; then every label (null ones, and labels
     the built-in task's reward cannot read)."""
-    from spillover.rollout.prompt_data import PromptFileError, read_prompt_file
+    from ..rollout.prompt_data import PromptFileError, read_prompt_file
 
     files = {"data.prompts_path": cfg.data.prompts_path,
              **{f"data.eval_paths.{k}": v for k, v in cfg.data.eval_paths.items()}, **(extra_paths or {})}
@@ -87,7 +87,7 @@ def check_data(cfg, tokenizer, extra_paths: dict[str, str] | None = None) -> lis
 
 def _label_problems(path: str, cfg) -> list[str]:
     """The first row whose label the reward function cannot use: null, or (built-in task) not an integer."""
-    from spillover.rollout.prompt_data import PromptFileError, prompt_rows
+    from ..rollout.prompt_data import PromptFileError, prompt_rows
 
     key, builtin = cfg.data.label_key, cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD
     try:
@@ -108,9 +108,9 @@ def _label_problems(path: str, cfg) -> list[str]:
 def check_imports(cfg, reward_only: bool = False) -> list[str]:
     """The reward, rollout, eval and env functions import and take the arguments the run passes them (reward_only:
     `spillover eval`, which generates without the run's rollout function or tools)."""
-    from spillover.infra.imports import ImportPathError, load_function
-    from spillover.rollout.functions import load_rollout_function
-    from spillover.rollout.tools.env import load_env_factory
+    from ..infra.imports import ImportPathError, load_function
+    from ..rollout.functions import load_rollout_function
+    from ..rollout.tools.env import load_env_factory
 
     checks = [lambda: load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
                                     required_params=("response", "label"), optional_keywords=REWARD_KEYWORDS)]
@@ -132,8 +132,8 @@ def check_imports(cfg, reward_only: bool = False) -> list[str]:
 def check_fresh_run_dir(cfg) -> list[str]:
     """A fresh `train` on a checkpoint location that already holds checkpoints is refused at start (it would mix two
     runs): say so now, with the way on."""
-    from spillover.infra.storage.checkpoint_list import newest_complete_checkpoint
-    from spillover.infra.storage.store import StorageError
+    from ..infra.storage.checkpoint_list import newest_complete_checkpoint
+    from ..infra.storage.store import StorageError
 
     try:
         done = newest_complete_checkpoint(cfg)
@@ -162,7 +162,7 @@ def check_storage_access(cfg, deadline_s: float = 10.0) -> list[str]:
     """storage.url reachable and writable: an s3:// location by a probe object written, read back and deleted within
     deadline_s (spillover.infra.storage.store.check_storage); a local one by the nearest existing folder being writable (nothing is
     created)."""
-    from spillover.infra.config.placement_plan import is_local_storage
+    from ..infra.config.placement_plan import is_local_storage
 
     if is_local_storage(cfg.storage.url):
         target = Path((cfg.storage.url or "").removeprefix("file://") or Path(cfg.run_dir) / "checkpoints")
@@ -172,7 +172,7 @@ def check_storage_access(cfg, deadline_s: float = 10.0) -> list[str]:
             return [f"storage.url={cfg.storage.url or str(target)!r}: {existing} is not a writable folder; use a "
                     "writable path (or run_dir) or an s3:// URL"]
         return []
-    from spillover.infra.storage.store import StorageError, check_storage
+    from ..infra.storage.store import StorageError, check_storage
 
     try:
         check_storage(cfg.storage.url, cfg.storage, deadline_s=deadline_s)
@@ -186,8 +186,8 @@ def check_sglang_flags(cfg, model_dir: str | Path | None) -> list[str]:
     sglang is installed; elsewhere config validation checked engines.sglang_args against the recorded flag list."""
     if cfg.engines.backend != "sglang" or importlib.util.find_spec("sglang") is None:
         return []
-    from spillover.infra.config.sglang_flags import sglang_launch_options
-    from spillover.rollout.sglang.backend import SGLangLaunch, launch_command
+    from ..infra.config.sglang_flags import sglang_launch_options
+    from ..rollout.sglang.backend import SGLangLaunch, launch_command
 
     options = sglang_launch_options(cfg.engines, None, cfg.rollout.deterministic_sampling)
     spec = SGLangLaunch(str(model_dir or cfg.model.path), "127.0.0.1", 30000, 30001, tp_size=cfg.engines.gpus_per_engine,
@@ -204,7 +204,7 @@ def sglang_parser_refusal(argv: tuple[str, ...]) -> str | None:
     when it accepts, or when it cannot run here (the run's own start then reports what SGLang says)."""
     import subprocess
 
-    from spillover.infra.config.sglang_flags import sglang_refusal
+    from ..infra.config.sglang_flags import sglang_refusal
 
     try:
         return sglang_refusal(list(argv), timeout_s=180.0)

@@ -10,11 +10,11 @@ import sys
 import traceback
 from pathlib import Path
 
-from spillover.flows.parts import RunParts
-from spillover.flows.run_lock import RunLockedError
-from spillover.infra.config.parsing import ConfigError
-from spillover.infra.config.run_config import load_config
-from spillover.infra.prefect.env import apply_process_defaults, quiet_console
+from .parts import RunParts
+from .run_lock import RunLockedError
+from ..infra.config.parsing import ConfigError
+from ..infra.config.run_config import load_config
+from ..infra.prefect.env import apply_process_defaults, quiet_console
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 PACKAGE_DIRS = tuple(Path(__file__).resolve().parents[1] / name for name in ("flows", "tasks", "rollout", "infra"))
@@ -54,7 +54,7 @@ class InputRefused(Exception):
 def refuse_bad_inputs(args, cfg, **options) -> None:
     """Run the preflight (spillover.flows.check.preflight options) and raise InputRefused with its problems, if any; then make
     the process ready for flows (Prefect imported only now: ~1-3 CPU-s that a refused input does not pay)."""
-    from spillover.flows.check import preflight
+    from .check import preflight
 
     report = preflight(cfg, **options)
     if report.problems:
@@ -69,7 +69,7 @@ def ready_for_flows(args) -> None:
 
 
 def cmd_check(args) -> int:
-    from spillover.flows.check import plan_table, preflight
+    from .check import plan_table, preflight
 
     if args.nodes < 1 or (args.gpus is not None and args.gpus < 0):
         raise ConfigError("--gpus must be >= 0 and --nodes >= 1")
@@ -85,7 +85,7 @@ def cmd_check(args) -> int:
 def cmd_train(args, parts: RunParts | None) -> int:
     cfg = load_config(args.config, args.overrides)
     refuse_bad_inputs(args, cfg, fresh=True)
-    from spillover.flows.train import grpo_train
+    from .train import grpo_train
 
     summary = grpo_train(cfg, parts=parts)
     print(json.dumps(summary, indent=2))
@@ -93,8 +93,8 @@ def cmd_train(args, parts: RunParts | None) -> int:
 
 
 def cmd_resume(args, parts: RunParts | None) -> int:
-    from spillover.infra.config.run_config import load_run_config
-    from spillover.infra.storage.checkpoint_list import newest_complete_checkpoint
+    from ..infra.config.run_config import load_run_config
+    from ..infra.storage.checkpoint_list import newest_complete_checkpoint
 
     cfg = load_run_config(args.run_dir, args.overrides)
     done, total = newest_complete_checkpoint(cfg), cfg.schedule.num_iterations
@@ -106,7 +106,7 @@ def cmd_resume(args, parts: RunParts | None) -> int:
     where = "the start (no checkpoint yet)" if done is None else f"checkpoint {done} (iteration {done + 1} of {total})"
     print(f"resuming {args.run_dir} from {where}", file=sys.stderr)
     refuse_bad_inputs(args, cfg, resuming=True)
-    from spillover.flows.train import grpo_train
+    from .train import grpo_train
 
     summary = grpo_train(cfg, resume=True, parts=parts)
     print(json.dumps(summary, indent=2))
@@ -114,7 +114,7 @@ def cmd_resume(args, parts: RunParts | None) -> int:
 
 
 def cmd_eval(args, parts: RunParts | None) -> int:
-    from spillover.flows.eval import eval_data_sets, evaluate, format_table, resolve_target
+    from .eval import eval_data_sets, evaluate, format_table, resolve_target
 
     target = resolve_target(args.target, args.overrides, args.config)
     data_sets = eval_data_sets(target.cfg, args.data, args.name)
@@ -127,8 +127,8 @@ def cmd_eval(args, parts: RunParts | None) -> int:
 
 
 def cmd_export(args) -> int:
-    from spillover.flows.eval import export_newest_policy
-    from spillover.infra.config.run_config import load_run_config
+    from .eval import export_newest_policy
+    from ..infra.config.run_config import load_run_config
 
     out, source = export_newest_policy(load_run_config(args.run_dir, args.overrides), Path(args.run_dir), Path(args.to))
     print(json.dumps({"path": str(out), **source}))
@@ -138,7 +138,7 @@ def cmd_export(args) -> int:
 def cmd_serve(args) -> int:
     cfg = load_config(args.config, args.overrides)
     refuse_bad_inputs(args, cfg)
-    from spillover.flows.serve import serve_deployments
+    from .serve import serve_deployments
 
     only = [d.strip() for d in args.deployments.split(",") if d.strip()] if args.deployments else None
     serve_deployments(cfg, cron=args.cron, only=only, limit=args.limit)
@@ -146,7 +146,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from spillover.flows.serve import submit_run
+    from .serve import submit_run
 
     run = submit_run(args.deployment, args.config, args.overrides, wait_s=args.wait)
     outcome = run_outcome(run)
@@ -169,7 +169,7 @@ def run_outcome(run) -> dict:
 
 
 def cmd_report(args) -> int:
-    from spillover.flows.report import write_report
+    from .report import write_report
 
     for path in write_report(args.run_dir):
         print(path)

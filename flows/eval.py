@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from spillover.flows.parts import NewParts, RunParts
-from spillover.infra.config.parsing import ConfigError
-from spillover.infra.config.run_config import RunConfig
+from .parts import NewParts, RunParts
+from ..infra.config.parsing import ConfigError
+from ..infra.config.run_config import RunConfig
 
 EXPORT_MARKER = "spillover_weights.json"
 
@@ -40,10 +40,10 @@ class EvalTarget:
 def resolve_target(target: str | Path, overrides: list[str], config: str | None = None) -> EvalTarget:
     """A run dir (its config.json and newest verified checkpoint), an HF model folder or a Hub id (settings from
     `config`, a YAML run config, else the defaults; e.g. a recipe of configs/gpu/) -> what to evaluate."""
-    from spillover.infra.hub_models import is_hub_id, resolve_hub_model
+    from ..infra.hub_models import is_hub_id, resolve_hub_model
 
     if is_hub_id(str(target)):  # results go under ./eval-<org>--<name>; the engines load the cached snapshot
-        from spillover.infra.config.run_config import load_config
+        from ..infra.config.run_config import load_config
 
         out = Path(f"eval-{str(target).replace('/', '--')}")
         cfg = load_config(config, [*overrides, f"model.path={target}", f"run_dir={out}"])
@@ -60,11 +60,11 @@ def resolve_target(target: str | Path, overrides: list[str], config: str | None 
     except json.JSONDecodeError as err:
         raise ConfigError(f"{folder_config} is not valid JSON ({err.msg})") from None
     if "model_type" in data:  # an HF model folder
-        from spillover.infra.config.run_config import load_config
+        from ..infra.config.run_config import load_config
 
         cfg = load_config(config, [*overrides, f"model.path={path}", f"run_dir={path}"])
         return EvalTarget(cfg, path, path, {"kind": "model_folder", "path": str(path)})
-    from spillover.infra.config.run_config import load_run_config
+    from ..infra.config.run_config import load_run_config
 
     if config is not None:
         raise ConfigError(f"--config is for HF model folders; {path} is a run dir, which evaluates with its own "
@@ -77,9 +77,9 @@ def resolve_target(target: str | Path, overrides: list[str], config: str | None 
 def export_newest_policy(cfg: RunConfig, run_dir: Path, out: Path | None = None) -> tuple[Path, dict]:
     """The newest verified checkpoint's policy weights as an HF folder: `out`, or under <run_dir>/eval (kept for
     reuse; `spillover export RUN_DIR --to DIR` and `spillover eval RUN_DIR` both come here)."""
-    from spillover.infra.storage.checkpoint import load_latest_checkpoint
-    from spillover.infra.models import resolve_model_path
-    from spillover.tasks.checkpoint import open_checkpoint_store
+    from ..infra.storage.checkpoint import load_latest_checkpoint
+    from ..infra.models import resolve_model_path
+    from ..tasks.checkpoint import open_checkpoint_store
 
     state = load_latest_checkpoint(open_checkpoint_store(cfg))
     if state is None:
@@ -99,7 +99,7 @@ def policy_state(state) -> dict:
     """The checkpoint's full learner state: rank 0's, or every rank's slices put together (learner.world_size > 1,
     as spillover.tasks.checkpoint.restore_weights does)."""
     if "learner_shards" in state.meta:
-        from spillover.tasks.learner.shards import assemble
+        from ..tasks.learner.shards import assemble
 
         return assemble([(state.tensors[f"policy-rank{info['rank']:03d}"], info)
                          for info in state.meta["learner_shards"]])[0]
@@ -116,7 +116,7 @@ def write_policy_folder(learner_tensors: dict, base_model: Path, out: Path, sour
                for k, v in learner_tensors.items() if k.startswith("model/")}
     if not weights:
         raise ConfigError("the checkpoint's policy state holds no model weights ('model/...' tensors)")
-    from spillover.infra.storage.model_staging import SOURCE_DIGESTS, STAGED_MANIFEST, file_sha256
+    from ..infra.storage.model_staging import SOURCE_DIGESTS, STAGED_MANIFEST, file_sha256
 
     out.mkdir(parents=True, exist_ok=True)
     for f in base_model.iterdir():
@@ -172,12 +172,12 @@ def evaluate(target: EvalTarget, data_sets: dict[str, Path], parts: RunParts | N
     greedy and k sampled responses per prompt of each data set, write <out_dir>/eval/<name>.json for each ->
     [(result, its path)]. Sampling is seeded with model.seed when the run samples seeded
     (rollout.deterministic_sampling): two evals of one policy then give the same pass@k."""
-    from spillover.infra.cluster import init_ray
-    from spillover.infra.imports import load_function
-    from spillover.infra.models import end_token_ids, load_tokenizer
-    from spillover.rollout.prompt_data import read_prompt_file
-    from spillover.rollout.scoring.evaluation import run_eval
-    from spillover.tasks.reward import REWARD_KEYWORDS
+    from ..infra.cluster import init_ray
+    from ..infra.imports import load_function
+    from ..infra.models import end_token_ids, load_tokenizer
+    from ..rollout.prompt_data import read_prompt_file
+    from ..rollout.scoring.evaluation import run_eval
+    from ..tasks.reward import REWARD_KEYWORDS
 
     cfg = target.cfg
     reward_fn = load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",

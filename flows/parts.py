@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from spillover.infra.config.engines import EnginesConfig
-    from spillover.infra.config.run_config import RunConfig
-    from spillover.rollout.fleet.manager import RolloutManager
-    from spillover.tasks.learner.group import LearnerGroup
+    from ..infra.config.engines import EnginesConfig
+    from ..infra.config.run_config import RunConfig
+    from ..rollout.fleet.manager import RolloutManager
+    from ..tasks.learner.group import LearnerGroup
 
 
 @runtime_checkable  # Prefect checks a flow's parameters against their annotations (isinstance for this one)
@@ -47,13 +47,13 @@ class NewParts:
     __slots__ = ()  # see RunParts: Prefect stores the parameter as "<NewParts>"
 
     def learners(self, model_path: Path, cfg: RunConfig) -> tuple[LearnerGroup, LearnerGroup | None]:
-        from spillover.tasks.learner.group import create_learners
+        from ..tasks.learner.group import create_learners
 
         return create_learners(model_path, cfg)
 
     def engine(self, engines_cfg: EnginesConfig, model_path: Path, deterministic: bool = False,
                seed: int = 0) -> RolloutManager:
-        from spillover.rollout.fleet.manager import RolloutManager
+        from ..rollout.fleet.manager import RolloutManager
 
         return RolloutManager(engines_cfg, str(model_path), deterministic_inference=deterministic, seed=seed)
 

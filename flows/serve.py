@@ -19,9 +19,9 @@ from typing import Any
 import yaml
 from prefect import flow
 
-from spillover.flows.parts import RunParts
-from spillover.infra.config.parsing import ConfigError
-from spillover.infra.config.run_config import RunConfig, build_config, load_config
+from .parts import RunParts
+from ..infra.config.parsing import ConfigError
+from ..infra.config.run_config import RunConfig, build_config, load_config
 
 log = logging.getLogger("spillover")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def nightly_smoke(config_path: str = "configs/tiny.yaml", iterations: int = 3, r
     run (smoke_run_dir): does the whole pipeline still train? parts: as grpo_train's (None: started for the run)."""
     from prefect.runtime import flow_run
 
-    from spillover.flows.train import grpo_train
+    from .train import grpo_train
 
     run_dir = smoke_run_dir(runs_dir, flow_run.scheduled_start_time, flow_run.name)
     cfg = load_config(_config_path(config_path),

@@ -11,29 +11,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
-from spillover.flows.parts import NewParts, RunParts
-from spillover.infra.cluster import init_ray
-from spillover.infra.config.parsing import ConfigError
-from spillover.infra.config.run_config import RunConfig, save_run_config
-from spillover.infra.config.placement_plan import needs_engines as plan_needs_engines, placement_plan, plan_problems
-from spillover.infra.imports import load_function
-from spillover.infra.storage.model_staging import is_remote_model, stage_on_other_nodes
-from spillover.infra.hub_models import is_hub_id
-from spillover.infra.models import end_token_ids, load_tokenizer, resolve_model_path
-from spillover.rollout.builtin import toy_task
-from spillover.rollout.context import EvalSets, RolloutContext
-from spillover.rollout.controller import RolloutController
-from spillover.rollout.prompt_data import PromptCursor, read_prompt_file
-from spillover.rollout.dock.transfer_dock import TransferDock
-from spillover.rollout.drivers.rounds import DetachedRows
-from spillover.rollout.tools.env_pool import EnvPool
-from spillover.rollout.scoring.reward_models import start_reward_models
-from spillover.tasks.reward import REWARD_KEYWORDS, RewardSetup
+from .parts import NewParts, RunParts
+from ..infra.cluster import init_ray
+from ..infra.config.parsing import ConfigError
+from ..infra.config.run_config import RunConfig, save_run_config
+from ..infra.config.placement_plan import needs_engines as plan_needs_engines, placement_plan, plan_problems
+from ..infra.imports import load_function
+from ..infra.storage.model_staging import is_remote_model, stage_on_other_nodes
+from ..infra.hub_models import is_hub_id
+from ..infra.models import end_token_ids, load_tokenizer, resolve_model_path
+from ..rollout.builtin import toy_task
+from ..rollout.context import EvalSets, RolloutContext
+from ..rollout.controller import RolloutController
+from ..rollout.prompt_data import PromptCursor, read_prompt_file
+from ..rollout.dock.transfer_dock import TransferDock
+from ..rollout.drivers.rounds import DetachedRows
+from ..rollout.tools.env_pool import EnvPool
+from ..rollout.scoring.reward_models import start_reward_models
+from ..tasks.reward import REWARD_KEYWORDS, RewardSetup
 
 if TYPE_CHECKING:
-    from spillover.infra.storage.checkpoint import CheckpointState
-    from spillover.rollout.fleet.manager import RolloutManager
-    from spillover.tasks.learner.group import LearnerGroup
+    from ..infra.storage.checkpoint import CheckpointState
+    from ..rollout.fleet.manager import RolloutManager
+    from ..tasks.learner.group import LearnerGroup
 
 log = logging.getLogger(__name__)
 BUILTIN_TASK_REWARD = "spillover.rollout.builtin.toy_task.reward"
@@ -65,11 +65,11 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> Path:
     if cfg.data.prompts_path:
         return Path(cfg.data.prompts_path)
     if cfg.data.builtin_task == "calculator":
-        from spillover.rollout.builtin import calculator
+        from ..rollout.builtin import calculator
 
         return calculator.generate_dataset(run_dir / "data" / "train.jsonl", cfg.data.num_prompts, cfg.model.seed)
     if cfg.data.builtin_task == "arithmetic":
-        from spillover.rollout.builtin import arith_task
+        from ..rollout.builtin import arith_task
 
         return arith_task.generate_dataset(run_dir / "data" / "train.parquet", cfg.data.num_prompts, cfg.model.seed)
     return toy_task.generate_dataset(run_dir / "data" / "train.jsonl", cfg.data.num_prompts, cfg.model.seed)
@@ -83,7 +83,7 @@ def needs_engines(cfg: RunConfig) -> bool:
 def refuse_unplaceable(cfg: RunConfig, resuming: bool) -> None:
     """Refuse, before any placement group waits for resources (120-600 s), a placement plan that the joined Ray
     cluster cannot hold, or multi-node placement with node-local storage (`spillover check` says the same earlier)."""
-    from spillover.flows.check import cluster_from_ray
+    from .check import cluster_from_ray
 
     cluster = cluster_from_ray(cfg.engines.ray_address)
     problems = plan_problems(placement_plan(cfg, cluster.gpus, resuming=resuming), cluster, cfg.storage.url)
@@ -119,12 +119,12 @@ def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunPa
         log.warning("%d prompts for %d groups: the run goes over the data more than once", len(prompts), needed)
     stop_ids = end_token_ids(model_path, tokenizer)
     if saved is not None:
-        from spillover.tasks.checkpoint import restore_dock_and_cursor
+        from ..tasks.checkpoint import restore_dock_and_cursor
 
         dock, cursor = restore_dock_and_cursor(saved)
         dock.require_max_age_all_finished = cfg.rollout.require_max_age_all_finished  # the config's rule, not the snapshot's
         if cfg.rollout.env_path:
-            from spillover.rollout.dock.turns import enable
+            from ..rollout.dock.turns import enable
 
             enable(dock)  # a checkpoint without tool turns: every token so far is a policy token
     else:
@@ -173,8 +173,8 @@ def start_learners_and_engines(cfg: RunConfig, model_path: Path, parts: RunParts
 
 def start_colocated(cfg: RunConfig, model_path: Path, parts: RunParts
                     ) -> tuple[tuple[LearnerGroup, LearnerGroup | None], RolloutManager | None]:
-    from spillover.rollout.fleet.manager import RolloutManager
-    from spillover.tasks.learner.group import create_learners
+    from ..rollout.fleet.manager import RolloutManager
+    from ..tasks.learner.group import create_learners
 
     learners = create_learners(model_path, cfg)
     if not needs_engines(cfg):

@@ -16,23 +16,23 @@ from prefect import Task, flow
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.utilities.annotations import quote
 
-from spillover.flows.parts import RunParts
-from spillover.flows.report import build_report
-from spillover.flows.run_lock import acquire_run_lock
-from spillover.flows.setup import Run, build_run, shutdown_run
-from spillover.infra.config.run_config import RunConfig
-from spillover.infra.gc_pauses import long_lived_heap_frozen
-from spillover.infra.hooks import hook_point
-from spillover.infra.tracking.prefect_artifacts import current_run_ids
-from spillover.infra.tracking.run_tracker import RunTracker
-from spillover.tasks.checkpoint import open_and_check, restore_weights, rewind_metrics, save_run_checkpoint
-from spillover.tasks.clear import clear_and_age_sort
-from spillover.tasks.generate import generate_until_ready
-from spillover.tasks.logprob import compute_old_logprob, compute_ref_logprob
-from spillover.tasks.prompts import load_prompts
-from spillover.tasks.results import Evaluated, iteration_row, iteration_scalars
-from spillover.tasks.reward import compute_reward
-from spillover.tasks.update import update
+from .parts import RunParts
+from .report import build_report
+from .run_lock import acquire_run_lock
+from .setup import Run, build_run, shutdown_run
+from ..infra.config.run_config import RunConfig
+from ..infra.gc_pauses import long_lived_heap_frozen
+from ..infra.hooks import hook_point
+from ..infra.tracking.prefect_artifacts import current_run_ids
+from ..infra.tracking.run_tracker import RunTracker
+from ..tasks.checkpoint import open_and_check, restore_weights, rewind_metrics, save_run_checkpoint
+from ..tasks.clear import clear_and_age_sort
+from ..tasks.generate import generate_until_ready
+from ..tasks.logprob import compute_old_logprob, compute_ref_logprob
+from ..tasks.prompts import load_prompts
+from ..tasks.results import Evaluated, iteration_row, iteration_scalars
+from ..tasks.reward import compute_reward
+from ..tasks.update import update
 
 log = logging.getLogger("spillover")
 P = ParamSpec("P")

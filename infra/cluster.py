@@ -5,7 +5,7 @@ import os
 
 import ray
 
-from spillover.infra.ray_env import set_loopback_env
+from .ray_env import set_loopback_env
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, system_config: dict | None = None) -> dict:

@@ -14,8 +14,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 # less per process start).
 from transformers import PreTrainedTokenizerFast
 
-from spillover.infra.config.run_config import TinyModelConfig
-from spillover.infra.hub_models import is_hub_id, resolve_hub_model
+from .config.run_config import TinyModelConfig
+from .hub_models import is_hub_id, resolve_hub_model
 
 PAD, EOS = "<pad>", "<eos>"
 TINY_ALPHABET = " \n0123456789abcdefghijklmnopqrstuvwxyz:=+-*.,?!"
@@ -68,7 +68,7 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelConfig | None = None, se
     if (out / TINY_MARKER).is_file() and json.loads((out / TINY_MARKER).read_text()) == marker:
         return out
     if cfg.tokenizer == "bpe":
-        from spillover.infra.tiny_bpe import build_bpe_tokenizer
+        from .tiny_bpe import build_bpe_tokenizer
 
         tokenizer = build_bpe_tokenizer(seed=seed)
     else:
@@ -138,10 +138,10 @@ def resolve_model_path(model_cfg, run_dir: str | Path, max_position: int = 512, 
     """The HF folder a run uses: `model.path`, its copy in this node's model.cache_dir when it is an s3:// URL
     (infra/storage/model_staging.py; `storage` gives the endpoint and credentials), its snapshot in huggingface_hub's
     cache when it is a Hub id (infra/hub_models.py), or the tiny model built into `<run_dir>/tiny_model`."""
-    from spillover.infra.storage.model_staging import is_remote_model, stage_model
+    from .storage.model_staging import is_remote_model, stage_model
 
     if is_remote_model(model_cfg.path):
-        from spillover.infra.config.run_config import StorageConfig
+        from .config.run_config import StorageConfig
 
         return Path(stage_model(model_cfg.path, storage or StorageConfig(), model_cfg.cache_dir)[0])
     if is_hub_id(model_cfg.path):

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from spillover.rollout.sample import Sample, Status
+from .sample import Sample, Status
 
 UNTRAINED = (Status.FAILED, Status.ABORTED)
 

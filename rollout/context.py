@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable
 
-from spillover.rollout.drivers.rounds import DetachedRows
-from spillover.rollout.prompt_data import PromptCursor, PromptSet, read_prompt_file
+from .drivers.rounds import DetachedRows
+from .prompt_data import PromptCursor, PromptSet, read_prompt_file
 
 
 class EvalSets:

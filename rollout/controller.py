@@ -8,10 +8,10 @@ after every rollout when `storage.save_debug_rollout_data` is set.
 """
 from __future__ import annotations
 
-from spillover.infra.config.run_config import RunConfig
-from spillover.rollout.debug_data import load_debug_rollout_data, save_debug_rollout_data
-from spillover.rollout.scoring.evaluation import eval_log_dict, eval_step
-from spillover.rollout.functions import RolloutOutput, flatten_rollout, load_rollout_function, to_rollout_output
+from ..infra.config.run_config import RunConfig
+from .debug_data import load_debug_rollout_data, save_debug_rollout_data
+from .scoring.evaluation import eval_log_dict, eval_step
+from .functions import RolloutOutput, flatten_rollout, load_rollout_function, to_rollout_output
 
 DEFAULT_ROLLOUT = "spillover.rollout.drivers.default_rollout.generate_rollout"
 

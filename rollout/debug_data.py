@@ -19,9 +19,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from spillover.infra.config.run_config import StorageConfig
-from spillover.infra.storage.store import ObjectMissing, Store, open_store
-from spillover.rollout.sample import Sample
+from ..infra.config.run_config import StorageConfig
+from ..infra.storage.store import ObjectMissing, Store, open_store
+from .sample import Sample
 
 FORMAT = b"spillover.debug_rollout_data.v1"
 

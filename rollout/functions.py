@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from spillover.infra.imports import ImportPathError, load_function
-from spillover.rollout.batch import RolloutBatch
-from spillover.rollout.sample import Sample
-from spillover.rollout.builtin.sft import is_sft_batch
+from ..infra.imports import ImportPathError, load_function
+from .batch import RolloutBatch
+from .sample import Sample
+from .builtin.sft import is_sft_batch
 
 ROLLOUT_PARAMS = ("args", "rollout_id", "data_source")
 ROLLOUT_KEYWORDS = ("evaluation",)

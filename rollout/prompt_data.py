@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from spillover.rollout.chat import ChatPromptError, check_prompt, render_messages, to_messages
+from .chat import ChatPromptError, check_prompt, render_messages, to_messages
 
 
 class PromptFileError(ValueError):
@@ -189,7 +189,7 @@ def formatted_rows(path: str, row_format: str, keys: list[str]) -> Iterator[tupl
     if row_format == "prompt_label":
         yield from prompt_rows(path, keys)
         return
-    from spillover.rollout.builtin.formats import CONVERTERS, SOURCE_COLUMNS, ConvertError
+    from .builtin.formats import CONVERTERS, SOURCE_COLUMNS, ConvertError
 
     convert = CONVERTERS[row_format][0]
     required, optional = SOURCE_COLUMNS[row_format]

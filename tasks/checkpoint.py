@@ -11,18 +11,18 @@ import ray
 from prefect import task
 from prefect.cache_policies import NONE
 
-from spillover.infra.storage.checkpoint import CheckpointState, load_latest_checkpoint, save_checkpoint
-from spillover.infra.storage.checkpoint_list import checkpoint_url
-from spillover.infra.config.parsing import ConfigError
-from spillover.infra.config.run_config import RunConfig
-from spillover.infra.storage.store import Store, open_store
-from spillover.rollout.prompt_data import PromptCursor
-from spillover.rollout.dock.transfer_dock import TransferDock
-from spillover.rollout.fleet.manager import RolloutManager
-from spillover.rollout.fleet.weights import policy_update
-from spillover.tasks.learner.group import LearnerGroup
-from spillover.tasks.learner.state import from_format_1
-from spillover.tasks.results import Checkpointed
+from ..infra.storage.checkpoint import CheckpointState, load_latest_checkpoint, save_checkpoint
+from ..infra.storage.checkpoint_list import checkpoint_url
+from ..infra.config.parsing import ConfigError
+from ..infra.config.run_config import RunConfig
+from ..infra.storage.store import Store, open_store
+from ..rollout.prompt_data import PromptCursor
+from ..rollout.dock.transfer_dock import TransferDock
+from ..rollout.fleet.manager import RolloutManager
+from ..rollout.fleet.weights import policy_update
+from .learner.group import LearnerGroup
+from .learner.state import from_format_1
+from .results import Checkpointed
 
 log = logging.getLogger("spillover")
 
@@ -58,7 +58,7 @@ def write_learner_shards(store: Store, policy: LearnerGroup, cfg: RunConfig, ite
     full state goes with the rest."""
     if getattr(policy, "world_size", 1) <= 1:
         return None
-    from spillover.infra.storage.checkpoint import checkpoint_name
+    from ..infra.storage.checkpoint import checkpoint_name
 
     return ray.get(policy.each("write_state_shards", checkpoint_url(cfg), cfg.storage, checkpoint_name(iteration)))
 
@@ -126,7 +126,7 @@ def restore_weights(policy: LearnerGroup, engine: RolloutManager | None, state: 
     """Learner state into the policy actor, its weights to the engines -> the weight version."""
     meta = state.meta
     if "learner_shards" in meta:  # written rank by rank: put the slices together, each rank keeps its own
-        from spillover.tasks.learner.shards import assemble
+        from .learner.shards import assemble
 
         parts = [(state.tensors[f"policy-rank{info['rank']:03d}"], info) for info in meta["learner_shards"]]
         tensors, learner_meta = assemble(parts)
@@ -145,7 +145,7 @@ def restore_weights(policy: LearnerGroup, engine: RolloutManager | None, state: 
 def rewind_metrics(run_dir: Path, next_iteration: int, saved_row: dict | None) -> None:
     """metrics.jsonl as of the checkpoint: rows of iterations that will be redone go; the checkpoint's own
     row comes back if the crash happened before it was appended."""
-    from spillover.infra.tracking.run_tracker import read_metrics, append_metrics
+    from ..infra.tracking.run_tracker import read_metrics, append_metrics
 
     rows = [r for r in read_metrics(run_dir) if r.get("iteration", 0) < next_iteration]
     if saved_row is not None and not any(r.get("iteration") == saved_row.get("iteration") for r in rows):
@@ -160,10 +160,10 @@ def open_and_check(cfg: RunConfig, resume: bool) -> tuple[Store, CheckpointState
 
     A fresh start on a location that already holds checkpoints is refused: it would mix two runs.
     """
-    from spillover.infra.storage.checkpoint import list_checkpoints
-    from spillover.infra.storage.store import check_storage
+    from ..infra.storage.checkpoint import list_checkpoints
+    from ..infra.storage.store import check_storage
 
-    from spillover.infra.storage.store import StorageError
+    from ..infra.storage.store import StorageError
 
     try:
         store = check_storage(checkpoint_url(cfg), cfg.storage)

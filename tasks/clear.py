@@ -4,9 +4,9 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NONE
 
-from spillover.rollout.dock.transfer_dock import TransferDock
-from spillover.rollout.prompt_data import PromptCursor
-from spillover.tasks.results import Cleared, Rollout
+from ..rollout.dock.transfer_dock import TransferDock
+from ..rollout.prompt_data import PromptCursor
+from .results import Cleared, Rollout
 
 
 @task(name="clear_and_age_sort", cache_policy=NONE)

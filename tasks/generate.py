@@ -5,9 +5,9 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NONE
 
-from spillover.rollout.context import RolloutContext
-from spillover.rollout.controller import RolloutController
-from spillover.tasks.results import Rollout
+from ..rollout.context import RolloutContext
+from ..rollout.controller import RolloutController
+from .results import Rollout
 
 
 @task(name="generate_until_ready", cache_policy=NONE)

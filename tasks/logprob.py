@@ -7,8 +7,8 @@ import ray
 from prefect import task
 from prefect.cache_policies import NONE
 
-from spillover.tasks.learner.group import LearnerGroup
-from spillover.tasks.results import Logprobs, Scored
+from .learner.group import LearnerGroup
+from .results import Logprobs, Scored
 
 
 def needs_old_logprob_pass(token_versions: tuple[int, int], current_version: int, skip_old_logprob: bool) -> bool:

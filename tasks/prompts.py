@@ -6,9 +6,9 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NONE
 
-from spillover.rollout.dock.transfer_dock import TransferDock
-from spillover.rollout.prompt_data import PromptCursor, PromptSet, groups_for_iteration
-from spillover.tasks.results import Loaded
+from ..rollout.dock.transfer_dock import TransferDock
+from ..rollout.prompt_data import PromptCursor, PromptSet, groups_for_iteration
+from .results import Loaded
 
 
 def load_prompt_groups(dock: TransferDock, cursor: PromptCursor, prompts: PromptSet, iteration: int, count: int) -> int:

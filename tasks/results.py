@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from spillover.rollout.batch import RolloutBatch
+from ..rollout.batch import RolloutBatch
 
 Scalar = (int, float, bool, np.integer, np.floating)
 

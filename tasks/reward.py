@@ -9,10 +9,10 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NONE
 
-from spillover.rollout.batch import RolloutBatch, label_of_rows, metadata_of_rows
-from spillover.rollout.scoring.rule_reward import batch_decode, score_responses, wants_samples
-from spillover.tasks.grpo_loss import group_advantages
-from spillover.tasks.results import Rollout, Scored
+from ..rollout.batch import RolloutBatch, label_of_rows, metadata_of_rows
+from ..rollout.scoring.rule_reward import batch_decode, score_responses, wants_samples
+from .grpo_loss import group_advantages
+from .results import Rollout, Scored
 
 REWARD_KEYWORDS = ("sample", "samples", "metadata")  # passed only to reward functions that name them
 

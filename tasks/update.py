@@ -10,10 +10,10 @@ import ray
 from prefect import task
 from prefect.cache_policies import NONE
 
-from spillover.rollout.fleet.manager import RolloutManager
-from spillover.rollout.fleet.weights import policy_update
-from spillover.tasks.learner.group import LearnerGroup
-from spillover.tasks.results import Logprobs, Scored, Updated
+from ..rollout.fleet.manager import RolloutManager
+from ..rollout.fleet.weights import policy_update
+from .learner.group import LearnerGroup
+from .results import Logprobs, Scored, Updated
 
 LOGGED = ("loss", "pg_loss", "kl", "kl_coef", "clip_fraction", "grad_norm", "tis_weight_mean", "tis_weight_max",
           "stale_token_share", "entropy", "old_logprob_source", "weight_version", "update_s", "lr",

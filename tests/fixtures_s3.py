@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from spillover.infra.config.run_config import StorageConfig
-from seaweed_server import SeaweedS3
+from spillover.bench.seaweed_server import SeaweedS3
 
 
 def _running_server(directory):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.simulator.workload import DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, simulated_prompt
+from spillover.bench.simulator.workload import DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, simulated_prompt
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.prompt_data import groups_for_iteration
 

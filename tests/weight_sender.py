@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from safetensors.torch import load_file
 
-from safetensors.torch import load_file  # noqa: E402
-
-from spillover.rollout.sglang.update_group import destroy_group, init_group, send_bucket  # noqa: E402
+from spillover.rollout.sglang.update_group import destroy_group, init_group, send_bucket
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from bench.simulator.workload import DEFAULT_EOS, answer, parse_simulated_input, response_tokens
+from .workload import DEFAULT_EOS, answer, parse_simulated_input, response_tokens
 
 NS = 1_000_000_000
 PAUSE_MODES = ("abort", "retract", "in_place")

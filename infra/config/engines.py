@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from spillover.infra.config.base import Section
+from .base import Section
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sglang-router 0.3.2's regular ones
 
@@ -65,7 +65,7 @@ class EnginesConfig(Section):
     @field_validator("sglang_args")
     @classmethod
     def _known_flags(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from spillover.infra.config.sglang_flags import check_sglang_args
+        from .sglang_flags import check_sglang_args
 
         return check_sglang_args(v)
 

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from spillover.infra.config.base import Section
+from .base import Section
 
 __all__ = ["LearnerConfig", "check_learner_batch", "check_learner_start"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from spillover.infra.config.base import Section
+from .base import Section
 
 __all__ = ["PlacementConfig", "check_colocated_engines", "check_placement"]
 

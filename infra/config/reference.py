@@ -76,7 +76,7 @@ def _rows(model: type[BaseModel], prefix: str, sections: list[tuple[str, type[Ba
 def render_reference(model: type[BaseModel] | None = None) -> str:
     """Markdown: one table per section (top-level fields first), every field's name, type, default, description."""
     if model is None:
-        from spillover.infra.config.run_config import RunConfig
+        from .run_config import RunConfig
 
         model = RunConfig
     out = [HEADER.rstrip("\n")]

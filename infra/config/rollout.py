@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from spillover.infra.config.base import Section
+from .base import Section
 
 
 SFT_ROLLOUT_FUNCTION = "spillover.rollout.builtin.sft.generate_sft_rollout"

@@ -13,14 +13,14 @@ from typing import Literal
 import yaml
 from pydantic import Field, SecretStr, ValidationError, model_validator
 
-from spillover.infra.config.parsing import ConfigError, apply_overrides, format_validation_error
-from spillover.infra.config.engines import EnginesConfig
-from spillover.infra.config.learner import LearnerConfig, check_learner_batch
-from spillover.infra.config.placement import PlacementConfig, check_placement
-from spillover.infra.config.base import Section
-from spillover.infra.config.rollout import SFT_ROLLOUT_FUNCTION, RolloutConfig
-from spillover.infra.config.scoring import EvalConfig
-from spillover.infra.config.training import GRPOConfig, OptimizerConfig
+from .parsing import ConfigError, apply_overrides, format_validation_error
+from .engines import EnginesConfig
+from .learner import LearnerConfig, check_learner_batch
+from .placement import PlacementConfig, check_placement
+from .base import Section
+from .rollout import SFT_ROLLOUT_FUNCTION, RolloutConfig
+from .scoring import EvalConfig
+from .training import GRPOConfig, OptimizerConfig
 
 
 class TinyModelConfig(Section):

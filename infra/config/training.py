@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from spillover.infra.config.base import Section
-from spillover.infra.config.scoring import RewardModelConfig
+from .base import Section
+from .scoring import RewardModelConfig
 
 __all__ = ["DecaySpan", "GRPOConfig", "OFF_POLICY_NEEDS_OLD_LOGPROBS", "OptimizerConfig"]
 

@@ -54,7 +54,7 @@ def apply_process_defaults(prefect: bool = True) -> None:
     for key, value in {**PREFECT_SERVER_DEFAULTS, **ephemeral, **RUNTIME_DEFAULTS}.items():
         os.environ.setdefault(key, value)
     if prefect and "PREFECT_API_URL" not in os.environ:
-        from spillover.infra.prefect import server as prefect_server
+        from . import server as prefect_server
 
         prefect_server.install()
 

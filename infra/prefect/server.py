@@ -18,7 +18,7 @@ import prefect
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import get_current_settings
 
-from spillover.infra.fate_share import fate_shared
+from ..fate_share import fate_shared
 
 
 class FateSharedServer(SubprocessASGIServer):

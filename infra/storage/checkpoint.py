@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from spillover.infra.storage import checkpoint_objects as objects_io
-from spillover.infra.storage.checkpoint_objects import ARRAYS, TENSORS, ObjectFormatError
-from spillover.infra.storage.format_version import check_format_version, format_tag
-from spillover.infra.hooks import hook_point
-from spillover.infra.storage.checkpoint_list import MANIFEST, CheckpointInfo, checkpoint_name, list_checkpoints
-from spillover.infra.storage.store import ObjectInfo, ObjectMissing, Store
+from . import checkpoint_objects as objects_io
+from .checkpoint_objects import ARRAYS, TENSORS, ObjectFormatError
+from .format_version import check_format_version, format_tag
+from ..hooks import hook_point
+from .checkpoint_list import MANIFEST, CheckpointInfo, checkpoint_name, list_checkpoints
+from .store import ObjectInfo, ObjectMissing, Store
 
 log = logging.getLogger("spillover.checkpoint")
 

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from spillover.infra.storage.store import Store, open_store
+from .store import Store, open_store
 
 MANIFEST = "manifest.json"  # written last: a checkpoint with one is complete
 _NAME = re.compile(r"^ckpt-(\d{8,})$")

@@ -17,8 +17,8 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError, safe_open
 
-from spillover.infra.storage.store import ObjectInfo, ObjectMissing, Store
-from spillover.infra.storage.hashed_io import MMAP_MIN_BYTES as MAP_MIN_BYTES
+from .store import ObjectInfo, ObjectMissing, Store
+from .hashed_io import MMAP_MIN_BYTES as MAP_MIN_BYTES
 
 TENSORS, ARRAYS = "tensors", "arrays"
 _FRAMEWORK = {TENSORS: "pt", ARRAYS: "numpy"}

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from filelock import FileLock
 
-from spillover.infra.config.run_config import StorageConfig
+from ..config.run_config import StorageConfig
 
 __all__ = ["SOURCE_DIGESTS", "STAGED_MANIFEST", "is_remote_model", "stage_model", "stage_on_other_nodes"]
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def _verified_copy(target: Path, url: str, expected: dict[str, str] | None) -> d
 
 
 def _download(url: str, storage: StorageConfig, target: Path, expected: dict[str, str] | None) -> dict[str, str]:
-    from spillover.infra.storage.store import open_store
+    from .store import open_store
 
     store = open_store(url, storage)
     names = store.list_all()

@@ -17,11 +17,11 @@ from urllib.parse import urlsplit
 
 from fsspec.implementations.local import LocalFileSystem
 
-from spillover.infra.config.run_config import StorageConfig
-from spillover.infra.storage.errors import (Fixes, ObjectMissing, Redactor, RetryPolicy, StorageAuthError, StorageError,
-                                  StorageUnreachable, log, with_retries)
-from spillover.infra.storage.hashed_io import (CallTimeout, ObjectInfo, local_get, local_get_bytes, local_put, local_put_written, s3_delete,
-                              s3_get, s3_put)
+from ..config.run_config import StorageConfig
+from .errors import (Fixes, ObjectMissing, Redactor, RetryPolicy, StorageAuthError, StorageError,
+                     StorageUnreachable, log, with_retries)
+from .hashed_io import (CallTimeout, ObjectInfo, local_get, local_get_bytes, local_put, local_put_written, s3_delete,
+                        s3_get, s3_put)
 
 __all__ = ["Store", "ObjectInfo", "open_store", "check_storage", "resolve_storage_url", "StorageError", "StorageAuthError",
            "StorageUnreachable", "ObjectMissing", "RetryPolicy"]

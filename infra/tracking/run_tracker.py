@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from spillover.infra.prefect import env as prefect_env
+from ..prefect import env as prefect_env
 
 if TYPE_CHECKING:
-    from spillover.infra.config.run_config import TrackingConfig
+    from ..config.run_config import TrackingConfig
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,8 @@ class RunTracker:
 
     def __init__(self, run_dir: Path, tracking_cfg: TrackingConfig, echo=None, *, run_config=None,
                  resume_wandb_id: str | None = None, progress_stream=None):
-        from spillover.infra.tracking.prefect_artifacts import RunArtifacts
-        from spillover.infra.tracking.terminal_progress import TerminalProgress
+        from .prefect_artifacts import RunArtifacts
+        from .terminal_progress import TerminalProgress
 
         # print looked up at call time: Prefect's log_prints swaps builtins.print inside a flow run
         echo = echo or (lambda text: print(text))
@@ -155,7 +155,7 @@ class RunTracker:
         return self.wandb_run.id if self.wandb_run is not None else None
 
     def start(self, resumed: bool = False, first_iteration: int = 0) -> None:
-        from spillover.infra.tracking import wandb_shared
+        from . import wandb_shared
 
         if not resumed:
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -177,7 +177,7 @@ class RunTracker:
         """Record one finished iteration: row goes to metrics.jsonl, scalars (already under train/, rollout/,
         eval/, time/: tasks/results.py) to wandb. response_lengths / ages of the trained samples add the
         length histogram used by the report."""
-        from spillover.infra.tracking import wandb_shared
+        from . import wandb_shared
 
         if response_lengths is not None and self.run_config is not None:
             rollout = self.run_config.rollout
@@ -206,7 +206,7 @@ class RunTracker:
         return summary
 
     def _attach_report(self, summary: dict, report) -> None:
-        from spillover.infra.tracking import wandb_shared
+        from . import wandb_shared
 
         try:
             plots, markdown = report(self.run_dir, summary)
@@ -223,7 +223,7 @@ class RunTracker:
             self.artifacts.drain()
 
     def close(self) -> None:
-        from spillover.infra.tracking import wandb_shared
+        from . import wandb_shared
 
         self.terminal.close()
         self.artifacts.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spillover.rollout.tools.env import StepResult
+from ..tools.env import StepResult
 
 MAX_EXPRESSION_CHARS = 200
 MAX_MAGNITUDE = 1e15

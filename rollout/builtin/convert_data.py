@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from spillover.rollout.builtin.formats import CONVERTERS, ConvertError
-from spillover.rollout.prompt_data import jsonl_lines, parse_json_object
+from .formats import CONVERTERS, ConvertError
+from ..prompt_data import jsonl_lines, parse_json_object
 
 
 def convert(kind: str, src: str | Path, dst: str | Path) -> int:

@@ -28,8 +28,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from spillover.rollout.prompt_data import jsonl_lines, parse_json_object
-from spillover.rollout.sample import Sample, Status
+from ..prompt_data import jsonl_lines, parse_json_object
+from ..sample import Sample, Status
 
 SFT_WEIGHT_VERSION = -1
 SFT_KEY = "sft"
@@ -136,7 +136,7 @@ def _loss_mask(value: Any, length: int, where: str) -> list[int] | None:
 
 
 def _run_tokenizer(args):
-    from spillover.infra.models import load_tokenizer, resolve_model_path
+    from ...infra.models import load_tokenizer, resolve_model_path
 
     # the same max_position as flows/setup.py, so an existing tiny model is found, not rebuilt
     return load_tokenizer(resolve_model_path(args.model, args.run_dir, max(512, args.rollout.max_model_len)))

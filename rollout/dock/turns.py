@@ -5,7 +5,7 @@ has a loss mask (1: made by the policy, with its rollout logprob and weight vers
 tool/observation token, logprob 0.0 and the weight version of the policy token before it, so the staleness of a
 trajectory is that of its policy tokens). Per row: `turns` (tool calls made, the pending one included),
 `awaiting_tool` (a tool call was made and its observation is not in the dock yet: take_rows skips the row) and
-`env_reward` (the env's latest reward, NaN: none). A snapshot carries all of it (spillover.rollout.dock.export).
+`env_reward` (the env's latest reward, NaN: none). A snapshot carries all of it (spillover.rollout.dock.transfer_dock.snapshot).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from spillover.rollout.dock.checks import DockError
+from .checks import DockError
 
 
 def enable(dock) -> None:

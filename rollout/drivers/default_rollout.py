@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from spillover.infra.config.rollout import RolloutConfig
-from spillover.rollout.dock.transfer_dock import TransferDock
-from spillover.rollout.drivers.requests import GenerationStats, Generator, SamplingSettings
-from spillover.rollout.drivers.rounds import DetachedRows, OnRound, RoundHooks, generate_rounds
-from spillover.rollout.drivers.tool_turns import ToolTurns, turn_metrics
-from spillover.rollout.functions import RolloutOutput
-from spillover.rollout.stop_strings import Decode
-from spillover.rollout.scoring.evaluation import run_eval
+from ...infra.config.rollout import RolloutConfig
+from ..dock.transfer_dock import TransferDock
+from .requests import GenerationStats, Generator, SamplingSettings
+from .rounds import DetachedRows, OnRound, RoundHooks, generate_rounds
+from .tool_turns import ToolTurns, turn_metrics
+from ..functions import RolloutOutput
+from ..stop_strings import Decode
+from ..scoring.evaluation import run_eval
 
 
 def generate_training_batch(dock: TransferDock, engine: Generator, rollout_cfg: RolloutConfig,

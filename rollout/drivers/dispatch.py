@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from spillover.rollout.drivers.scheduling import plan_dispatch
+from .scheduling import plan_dispatch
 
 
 def engine_count(engine) -> int:

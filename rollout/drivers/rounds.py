@@ -32,12 +32,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from spillover.infra.config.rollout import RolloutConfig
-from spillover.rollout.dock.transfer_dock import TransferDock
-from spillover.rollout.drivers.dispatch import DispatchPlanner
-from spillover.rollout.drivers.requests import (GenerationStats, Generator, SamplingSettings, build_requests,
-                                                parse_responses, request_seeds)
-from spillover.rollout.stop_strings import Decode, completing_token, stop_window
+from ...infra.config.rollout import RolloutConfig
+from ..dock.transfer_dock import TransferDock
+from .dispatch import DispatchPlanner
+from .requests import (GenerationStats, Generator, SamplingSettings, build_requests,
+                       parse_responses, request_seeds)
+from ..stop_strings import Decode, completing_token, stop_window
 
 OnRound = Callable[[dict], None]
 """on_round(progress): round, ready_groups, target_groups, tokens, elapsed_s (the terminal and Prefect progress)."""

@@ -30,16 +30,16 @@ from typing import TypeVar
 
 import numpy as np
 
-from spillover.infra.config.rollout import RolloutConfig
-from spillover.rollout.batch import RolloutBatch
-from spillover.rollout.dock import turns as dock_turns
-from spillover.rollout.dock.transfer_dock import TransferDock
-from spillover.rollout.drivers.requests import parse_responses
-from spillover.rollout.drivers.rounds import RoundHooks
-from spillover.rollout.sample import Sample
-from spillover.rollout.stop_strings import completing_token, stop_window
-from spillover.rollout.tools.env import ToolOutcome, observation_tokens, split_actions
-from spillover.rollout.tools.env_pool import EnvPool
+from ...infra.config.rollout import RolloutConfig
+from ..batch import RolloutBatch
+from ..dock import turns as dock_turns
+from ..dock.transfer_dock import TransferDock
+from .requests import parse_responses
+from .rounds import RoundHooks
+from ..sample import Sample
+from ..stop_strings import completing_token, stop_window
+from ..tools.env import ToolOutcome, observation_tokens, split_actions
+from ..tools.env_pool import EnvPool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

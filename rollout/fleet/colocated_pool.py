@@ -13,8 +13,8 @@ from typing import Any
 
 import ray
 
-from spillover.infra.config.placement import check_colocated_engines
-from spillover.rollout.fleet.engine_pool import EngineHandle, EnginePool
+from ...infra.config.placement import check_colocated_engines
+from .engine_pool import EngineHandle, EnginePool
 
 
 class _HostedMethod:

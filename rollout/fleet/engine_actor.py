@@ -18,8 +18,8 @@ import os
 import socket
 from typing import Any
 
-from spillover.rollout.sglang import backend as sgl
-from spillover.rollout.fleet.weight_poster import WeightPoster
+from ..sglang import backend as sgl
+from .weight_poster import WeightPoster
 
 BACKENDS = ("torch", "sglang")
 
@@ -82,7 +82,7 @@ class EngineActor:
         if self.backend == "torch":
             if self.node_rank > 0:
                 return None
-            from spillover.rollout.torch_engine.server import TorchEngineServer
+            from ..torch_engine.server import TorchEngineServer
 
             self._server = TorchEngineServer(
                 self.model_path, host=self.host, port=port, max_running_requests=self.max_running_requests,
@@ -146,7 +146,7 @@ class EngineActor:
 
     def weight_digests(self) -> dict[str, str]:
         """sha256 of every loaded tensor's bytes (torch backend; benchmarks compare them with the learner's)."""
-        from spillover.rollout.sglang.update_group import tensor_digest
+        from ..sglang.update_group import tensor_digest
 
         return {name: tensor_digest(t) for name, t in self._server.batcher.decoder.weights.items()}
 
@@ -161,11 +161,11 @@ class EngineActor:
         return peak
 
     def reset_peak_rss(self) -> int:
-        from spillover.infra.process_memory import reset_peak_rss
+        from ...infra.process_memory import reset_peak_rss
 
         return reset_peak_rss()
 
     def peak_rss(self) -> int:
-        from spillover.infra.process_memory import peak_rss_bytes
+        from ...infra.process_memory import peak_rss_bytes
 
         return peak_rss_bytes()

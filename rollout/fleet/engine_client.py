@@ -21,9 +21,9 @@ import aiohttp
 import httpx
 import orjson
 
-from spillover.rollout.sglang import backend as sgl
-from spillover.rollout.sglang.protocol import (GenerateResponse, LoadsResponse, ModelInfo, UpdateWeightsResponse,
-                                      new_rid)
+from ..sglang import backend as sgl
+from ..sglang.protocol import (GenerateResponse, LoadsResponse, ModelInfo, UpdateWeightsResponse,
+                               new_rid)
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 CONTROL_PATHS = frozenset(sgl.ENDPOINTS[route] for route in sgl.CONTROL_ROUTES)

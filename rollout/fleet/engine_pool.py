@@ -16,9 +16,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from spillover.infra.config.engines import EnginesConfig
-from spillover.rollout.fleet.engine_actor import EngineActor
-from spillover.infra.config.sglang_flags import sglang_launch_options
+from ...infra.config.engines import EnginesConfig
+from .engine_actor import EngineActor
+from ...infra.config.sglang_flags import sglang_launch_options
 
 MIN_BUNDLE_CPU = 0.01  # Ray bundles must hold something; CPU engines reserve almost nothing (see MACHINE-NOTES)
 GPU_ACTOR_FRACTION = 0.2  # the actor only supervises; the SGLang process uses the bundle's whole GPU

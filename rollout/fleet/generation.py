@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 
-from spillover.rollout.fleet.engine_client import EngineClient, EngineError
-from spillover.rollout.sglang.protocol import new_rid
-from spillover.rollout.drivers.requests import OnResult
+from .engine_client import EngineClient, EngineError
+from ..sglang.protocol import new_rid
+from ..drivers.requests import OnResult
 
 log = logging.getLogger(__name__)
 

@@ -26,17 +26,17 @@ from typing import Any, TypeVar
 import ray
 from anyio.from_thread import start_blocking_portal
 
-from spillover.infra.config.engines import EnginesConfig
-from spillover.rollout.fleet.colocated_pool import ColocatedEnginePool
-from spillover.rollout.fleet.engine_pool import EngineHandle, EnginePool, default_torch_threads
-from spillover.rollout.sglang import backend as sgl
-from spillover.rollout.fleet.engine_client import EngineClient
-from spillover.rollout.fleet.router import Router
-from spillover.rollout.fleet.generation import BatchGenerator
-from spillover.rollout.fleet.pinned_router import PinnedRouter
-from spillover.rollout.drivers.requests import OnResult
-from spillover.rollout.fleet.weight_update import WeightUpdate
-from spillover.rollout.fleet.weights import ENGINE_GONE, FleetWeights
+from ...infra.config.engines import EnginesConfig
+from .colocated_pool import ColocatedEnginePool
+from .engine_pool import EngineHandle, EnginePool, default_torch_threads
+from ..sglang import backend as sgl
+from .engine_client import EngineClient
+from .router import Router
+from .generation import BatchGenerator
+from .pinned_router import PinnedRouter
+from ..drivers.requests import OnResult
+from .weight_update import WeightUpdate
+from .weights import ENGINE_GONE, FleetWeights
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,7 +48,7 @@ class RolloutManager:
         """Start the engines (pool_options: see `EnginePool`), the router (or join engines_cfg.router_address),
         register every engine's node 0 with it; engines_cfg.health_interval_s > 0 starts the health monitor.
         hosts: the policy learner's rank actors, one engine in each (placement.colocate; rollout/fleet/colocated_pool.py)."""
-        from spillover.infra.cluster import init_ray
+        from ...infra.cluster import init_ray
 
         if not ray.is_initialized():
             init_ray(engines_cfg.ray_address)

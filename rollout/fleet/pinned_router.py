@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from spillover.rollout.fleet.engine_client import EngineClient
+from .engine_client import EngineClient
 
 
 class PinnedRouter:

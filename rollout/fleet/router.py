@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from spillover.infra.fate_share import fate_shared
+from ...infra.fate_share import fate_shared
 
 log = logging.getLogger(__name__)
 

@@ -32,12 +32,12 @@ from typing import Protocol
 import httpx
 import ray
 
-from spillover.infra.config.engines import EnginesConfig
-from spillover.rollout.fleet.engine_client import EngineClient
-from spillover.rollout.fleet.engine_pool import EngineHandle
-from spillover.rollout.fleet.weight_update import LearnerHandle, WeightKind, WeightUpdate, reported_version
-from spillover.rollout.sglang import backend as sgl
-from spillover.rollout.sglang.update_group import plan_buckets
+from ...infra.config.engines import EnginesConfig
+from .engine_client import EngineClient
+from .engine_pool import EngineHandle
+from .weight_update import LearnerHandle, WeightKind, WeightUpdate, reported_version
+from ..sglang import backend as sgl
+from ..sglang.update_group import plan_buckets
 
 log = logging.getLogger("spillover.rollout.fleet.manager")
 ENGINE_GONE = (ray.exceptions.RayActorError, httpx.TransportError)

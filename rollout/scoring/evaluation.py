@@ -11,9 +11,9 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from spillover.rollout.drivers.requests import SamplingSettings, build_requests, mix_seeds, parse_responses
-from spillover.rollout.sample import Sample, Status
-from spillover.rollout.scoring.rule_reward import decode_responses, score_samples
+from ..drivers.requests import SamplingSettings, build_requests, mix_seeds, parse_responses
+from ..sample import Sample, Status
+from .rule_reward import decode_responses, score_samples
 
 GenerateFn = Callable[[list[dict]], list[dict]]
 

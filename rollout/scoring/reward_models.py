@@ -25,7 +25,7 @@ class RewardModelActor:
         import torch
         from transformers import AutoModelForSequenceClassification
 
-        from spillover.infra.models import load_tokenizer
+        from ...infra.models import load_tokenizer
 
         torch.set_num_threads(threads)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"

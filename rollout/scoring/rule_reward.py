@@ -10,7 +10,7 @@ from numbers import Real
 
 import numpy as np
 
-from spillover.rollout.sample import Sample
+from ..sample import Sample
 
 
 # what a user does about a reward function that failed mid-run: nothing after the last checkpoint is lost

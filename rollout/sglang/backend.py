@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from spillover.rollout.sglang.protocol import ContinueGenerationRequest, PauseGenerationRequest
+from .protocol import ContinueGenerationRequest, PauseGenerationRequest
 
 # Route names of SGLang's native HTTP server (http_server.py).
 ENDPOINTS = {
@@ -211,7 +211,7 @@ def serialize_named_tensors(named_tensors: list[tuple[str, Any]], tp_size: int, 
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1; got {tp_size}")
     if backend == "torch":
-        from spillover.rollout.sglang.tensor_wire import encode_named_tensors
+        from .tensor_wire import encode_named_tensors
 
         entry = encode_named_tensors(named_tensors)
         return [entry] * tp_size
@@ -232,7 +232,7 @@ class SGLangProcess:
 
     def __init__(self, spec: SGLangLaunch, env: dict[str, str] | None = None):
         """env: added to this process's environment (ENGINE_ENV first, which env may override)."""
-        from spillover.infra.fate_share import fate_shared
+        from ...infra.fate_share import fate_shared
 
         self.spec = spec
         self.url = f"http://{spec.host}:{spec.port}"

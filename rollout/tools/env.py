@@ -32,8 +32,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from spillover.infra.imports import ImportPathError, load_function
-from spillover.rollout.stop_strings import stop_window
+from ...infra.imports import ImportPathError, load_function
+from ..stop_strings import stop_window
 
 TRUNCATION_MARKER = " ...truncated"
 

@@ -13,10 +13,10 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from spillover.infra.config.rollout import RolloutConfig
-from spillover.infra.hooks import hook_point
-from spillover.rollout.sample import Sample
-from spillover.rollout.tools.env import Env, ToolOutcome, guarded_call, load_env_factory
+from ...infra.config.rollout import RolloutConfig
+from ...infra.hooks import hook_point
+from ..sample import Sample
+from .env import Env, ToolOutcome, guarded_call, load_env_factory
 
 Key = tuple[int, int]  # (group id, sample index)
 

@@ -20,9 +20,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from spillover.rollout.torch_engine.lean_forward import LeanDecoder
-from spillover.rollout.sglang.protocol import SamplingParams
-from spillover.rollout.torch_engine.slot_runner import SlotRunner
+from .lean_forward import LeanDecoder
+from ..sglang.protocol import SamplingParams
+from .slot_runner import SlotRunner
 
 log = logging.getLogger(__name__)
 # An idle loop wakes only to see a stop; work wakes it at once. At 20 Hz the ticks cost an idle engine ~2.5 ms of

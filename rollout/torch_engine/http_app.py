@@ -7,18 +7,16 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from spillover.rollout.sglang.protocol import (AbortRequest, BadRequest, ContinueGenerationRequest, GenerateRequest,
-                                               PauseGenerationRequest, UpdateWeightsFromDiskRequest, new_rid)
-
-if TYPE_CHECKING:
-    from spillover.rollout.torch_engine.server import TorchEngineServer
+from ..sglang.protocol import (AbortRequest, BadRequest, ContinueGenerationRequest, GenerateRequest,
+                               PauseGenerationRequest, UpdateWeightsFromDiskRequest, new_rid)
+from .served_engine import ServedEngine
 
 ENGINE_VERSION = "spillover-torch-0.1"
 HEALTH_TIMEOUT_S = 20.0
@@ -50,7 +48,7 @@ async def wait_disconnect(request: Request) -> None:
         pass
 
 
-def build_app(server: "TorchEngineServer") -> FastAPI:
+def build_app(server: ServedEngine) -> FastAPI:
     app = FastAPI(title="spillover torch engine", openapi_url=None)
     batcher = server.batcher
 
@@ -266,7 +264,7 @@ def build_app(server: "TorchEngineServer") -> FastAPI:
         return {"success": True, "message": f"Weight version updated to {body['new_version']}",
                 "new_version": body["new_version"]}
 
-    from spillover.rollout.torch_engine.weight_routes import add_weight_routes
+    from .weight_routes import add_weight_routes
 
     add_weight_routes(app, server, parse, read_json)
     return app

@@ -24,12 +24,13 @@ import httpx
 import torch
 import uvicorn
 
-from spillover.infra.tensor_memory import TensorMemoryProbe
-from spillover.rollout.torch_engine.batcher import ContinuousBatcher, EngineRequest
-from spillover.rollout.torch_engine.lean_forward import LeanDecoder, read_safetensors, read_shape
-from spillover.rollout.sglang.protocol import (BadRequest, GenerateRequest, InitWeightsUpdateGroupRequest,
-                                      UpdateWeightsFromDistributedRequest, new_rid)
-from spillover.rollout.sglang.update_group import destroy_group, init_group, receive_bucket
+from ...infra.tensor_memory import TensorMemoryProbe
+from .batcher import ContinuousBatcher, EngineRequest
+from .http_app import build_app
+from .lean_forward import LeanDecoder, read_safetensors, read_shape
+from ..sglang.protocol import (BadRequest, GenerateRequest, InitWeightsUpdateGroupRequest,
+                               UpdateWeightsFromDistributedRequest, new_rid)
+from ..sglang.update_group import destroy_group, init_group, receive_bucket
 
 FALSE_WORDS = ("false", "0", "no", "n")  # what SGLang's boolean variables read as false (srt/environ.py)
 log = logging.getLogger(__name__)
@@ -107,8 +108,6 @@ class TorchEngineServer:
                                          weight_version=self.initial_weight_version)
         self.batcher.start()
         self.tokenizer = self._load_tokenizer()
-        from spillover.rollout.torch_engine.http_app import build_app
-
         # proto must be IPPROTO_TCP for asyncio to set TCP_NODELAY on accepted connections; without it
         # Nagle + delayed ACK add ~40 ms to every response with a body
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -127,7 +126,7 @@ class TorchEngineServer:
 
     def _load_tokenizer(self):
         try:
-            from spillover.rollout.torch_engine.tokenizer import load_engine_tokenizer
+            from .tokenizer import load_engine_tokenizer
 
             return load_engine_tokenizer(self.model_path)
         except Exception:  # a checkpoint without a tokenizer still serves token ids

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from spillover.rollout.torch_engine.attn_plan import plan_attention
-from spillover.rollout.torch_engine.lean_forward import AttnGroup, KVCache, LeanDecoder
-from spillover.rollout.sglang.protocol import SamplingParams
-from spillover.rollout.torch_engine.sampling import GREEDY_EPS, sample_tokens, seed_key
+from .attn_plan import plan_attention
+from .lean_forward import AttnGroup, KVCache, LeanDecoder
+from ..sglang.protocol import SamplingParams
+from .sampling import GREEDY_EPS, sample_tokens, seed_key
 
 StepOutput = tuple[list[int], list[float] | None]  # sampled token per row, and its logprob (if wanted)
 

@@ -53,6 +53,6 @@ def load_engine_tokenizer(model_path: str | Path):
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         if backend_is_enough(json.loads(text), config):
             return BackendTokenizer(Tokenizer.from_str(text))
-    from spillover.infra.models import load_tokenizer
+    from ...infra.models import load_tokenizer
 
     return load_tokenizer(folder)

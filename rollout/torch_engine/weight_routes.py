@@ -17,19 +17,16 @@ Group and weight routes answer {success, message} with 200 or 400, as SGLang's d
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from spillover.rollout.sglang.protocol import (DestroyWeightsUpdateGroupRequest, GetWeightsByNameRequest,
-                                               InitWeightsUpdateGroupRequest, TensorUpdateFields,
-                                               UpdateWeightsFromDistributedRequest, UpdateWeightsFromTensorRequest)
-from spillover.rollout.sglang.tensor_wire import SAFETENSORS_MEDIA_TYPE, decode_named_tensors, parse_safetensors
-
-if TYPE_CHECKING:
-    from spillover.rollout.torch_engine.server import TorchEngineServer
+from ..sglang.protocol import (DestroyWeightsUpdateGroupRequest, GetWeightsByNameRequest,
+                               InitWeightsUpdateGroupRequest, TensorUpdateFields,
+                               UpdateWeightsFromDistributedRequest, UpdateWeightsFromTensorRequest)
+from ..sglang.tensor_wire import SAFETENSORS_MEDIA_TYPE, decode_named_tensors, parse_safetensors
+from .served_engine import ServedEngine
 
 SELECTORS = ("all", "target", "draft")
 
@@ -76,7 +73,7 @@ def is_safetensors(request: Request) -> bool:
     return request.headers.get("content-type", "").split(";")[0].strip() == SAFETENSORS_MEDIA_TYPE
 
 
-def add_weight_routes(app: FastAPI, server: "TorchEngineServer", parse, read_json) -> None:
+def add_weight_routes(app: FastAPI, server: ServedEngine, parse, read_json) -> None:
     """parse(request, model) -> (body, error response | None); read_json(request) -> dict (http_app's helpers)."""
     batcher = server.batcher
     body_buffer = BodyBuffer()  # binary tensor bodies, one at a time

@@ -26,22 +26,22 @@ from dataclasses import asdict, replace
 import numpy as np
 import torch
 
-from spillover.infra.process_memory import peak_rss_bytes, reset_peak_rss
-from spillover.infra.config.training import OFF_POLICY_NEEDS_OLD_LOGPROBS, DecaySpan, GRPOConfig, OptimizerConfig
-from spillover.infra.config.learner import LearnerConfig
-from spillover.rollout.batch import RolloutBatch
-from spillover.tasks.learner.micro_batches import MicroBatch, check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
-from spillover.tasks.learner.token_budget import token_budget_micro_batches
-from spillover.tasks.grpo_loss import aggregate, clipped_policy_loss, kl_penalty, off_policy_correction
-from spillover.tasks.learner.kl_control import next_kl_coef
-from spillover.tasks.learner.distributed import (all_reduce, balanced_shards, checkpoint_layers, compute_precision, init_distributed,
-                                load_learner_lm, shard_model)
-from spillover.tasks.learner.state import (STATE_FORMAT, full_model_state, load_state, save_hf_folder, save_state,
-                                 unique_state_keys)
-from spillover.tasks.learner.engine_host import EngineHost
-from spillover.tasks.learner.token_logprobs import ResponseLogprobModel
-from spillover.tasks.learner.offpolicy_metrics import OffPolicyStats
-from spillover.tasks.learner.weight_sender import WeightSender, for_engines, free_address
+from ...infra.process_memory import peak_rss_bytes, reset_peak_rss
+from ...infra.config.training import OFF_POLICY_NEEDS_OLD_LOGPROBS, DecaySpan, GRPOConfig, OptimizerConfig
+from ...infra.config.learner import LearnerConfig
+from ...rollout.batch import RolloutBatch
+from .micro_batches import MicroBatch, check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
+from .token_budget import token_budget_micro_batches
+from ..grpo_loss import aggregate, clipped_policy_loss, kl_penalty, off_policy_correction
+from .kl_control import next_kl_coef
+from .distributed import (all_reduce, balanced_shards, checkpoint_layers, compute_precision, init_distributed,
+                          load_learner_lm, shard_model)
+from .state import (STATE_FORMAT, full_model_state, load_state, save_hf_folder, save_state,
+                    unique_state_keys)
+from .engine_host import EngineHost
+from .token_logprobs import ResponseLogprobModel
+from .offpolicy_metrics import OffPolicyStats
+from .weight_sender import WeightSender, for_engines, free_address
 
 __all__ = ["LearnerActor"]
 DEVICE_SUMS = ("pg_loss", "kl_loss", "loss", "clipped", "tis", "kl", "entropy", "ppo_kl")  # summed on the device
@@ -320,9 +320,9 @@ class LearnerActor:
     def write_state_shards(self, store_url: str, storage_cfg, prefix: str, group: str = "policy") -> dict:
         """This rank's slices of the learner state, written by this rank under `prefix` of the checkpoint store
         (tasks/learner/shards.py) -> what the manifest lists of them."""
-        from spillover.infra.storage.checkpoint import MAX_OBJECT_BYTES
-        from spillover.infra.storage.store import open_store
-        from spillover.tasks.learner.shards import local_state, write_local_state
+        from ...infra.storage.checkpoint import MAX_OBJECT_BYTES
+        from ...infra.storage.store import open_store
+        from .shards import local_state, write_local_state
 
         meta = {"format": STATE_FORMAT, "weight_version": self._version, "trainable": self.trainable,
                 "model_keys": self.state_keys, "kl_coef": self.kl_coef, "lr_decay": asdict(self.lr_decay)}

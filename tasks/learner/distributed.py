@@ -20,9 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from spillover.infra.config.learner import LearnerConfig
-from spillover.rollout.sglang.update_group import tcp_store
-from spillover.tasks.learner.packed_attention import use_packed_attention
+from ...infra.config.learner import LearnerConfig
+from ...rollout.sglang.update_group import tcp_store
+from .packed_attention import use_packed_attention
 
 __all__ = ["MASTER_DTYPE", "all_reduce", "balanced_shards", "checkpoint_layers", "compute_precision",
            "init_distributed", "load_learner_lm", "shard_model"]

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from spillover.rollout.sglang.update_group import plan_buckets
-from spillover.tasks.learner.weight_sender import WeightSender, full_tensor
+from ...rollout.sglang.update_group import plan_buckets
+from .weight_sender import WeightSender, full_tensor
 
 if TYPE_CHECKING:  # imported where an engine is hosted: a rank that hosts none never loads the engine's code
-    from spillover.rollout.fleet.engine_actor import EngineActor
+    from ...rollout.fleet.engine_actor import EngineActor
 
 __all__ = ["EngineHost"]
 
@@ -45,7 +45,7 @@ class EngineHost:
 
     def host(self, backend: str, model_path: str, engine_index: int, **engine_kwargs: Any) -> dict:
         """Build engine engine_index in this process (replacing a hosted one); returns its info()."""
-        from spillover.rollout.fleet.engine_actor import EngineActor
+        from ...rollout.fleet.engine_actor import EngineActor
 
         self.drop()
         self.engine = EngineActor(backend, model_path, engine_index, **engine_kwargs)

@@ -19,8 +19,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from spillover.infra.config.learner import LearnerConfig, check_learner_start
-from spillover.tasks.learner.actor import LearnerActor
+from ...infra.config.learner import LearnerConfig, check_learner_start
+from .actor import LearnerActor
 
 __all__ = ["LearnerGroup", "create_learner_group", "create_learners", "reset_learner_group"]
 log = logging.getLogger(__name__)

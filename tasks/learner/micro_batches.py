@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from spillover.rollout.batch import RolloutBatch, offsets
+from ...rollout.batch import RolloutBatch, offsets
 
 __all__ = ["MicroBatch", "check_per_token", "make_micro_batch", "micro_batch_indices", "pad_per_token"]
 

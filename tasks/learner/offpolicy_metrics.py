@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from spillover.tasks.grpo_loss import kl_penalty
+from ..grpo_loss import kl_penalty
 
 # log-spaced bins of the IS weight exp(old - rollout), two per factor of 2 from 2^-4.25 to 2^4.25 (~1/19 ... 19),
 # the middle one [2^-0.25, 2^0.25) centred on 1 (so on-policy rounding noise stays in one bin); weights beyond

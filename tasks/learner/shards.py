@@ -90,8 +90,8 @@ def write_local_state(store, prefix: str, group: str, tensors: dict, info: dict,
     sha256}}, "groups": {"tensors": {<group>-rank<r>: [keys]}}, "info": layout and meta} (keys relative to prefix:
     the run's one manifest, written last by the driver, lists them; the driver keeps `info` in the checkpoint's
     meta.json)."""
-    from spillover.infra.storage import checkpoint_objects as objects_io
-    from spillover.infra.storage.checkpoint_objects import TENSORS
+    from ...infra.storage import checkpoint_objects as objects_io
+    from ...infra.storage.checkpoint_objects import TENSORS
 
     name = f"{group}-rank{info['rank']:03d}"
     values = objects_io.tensors_for_save(name, tensors)

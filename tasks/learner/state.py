@@ -16,7 +16,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from spillover.infra.config.training import DecaySpan
+from ...infra.config.training import DecaySpan
 
 __all__ = ["STATE_FORMAT", "from_format_1", "full_model_state", "load_state", "local_state_bytes", "save_hf_folder",
            "save_state", "unique_state_keys"]
@@ -162,7 +162,7 @@ def save_hf_folder(lm, state: dict[str, torch.Tensor], model_path: str, folder: 
     for /update_weights_from_disk."""
     from pathlib import Path
 
-    from spillover.infra.models import load_tokenizer
+    from ...infra.models import load_tokenizer
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)

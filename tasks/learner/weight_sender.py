@@ -17,8 +17,8 @@ from concurrent.futures import Future
 
 import torch
 
-from spillover.rollout.sglang.update_group import (TensorSpec, destroy_group, dtype_name, init_group, send_bucket,
-                                          tensor_digest)
+from ...rollout.sglang.update_group import (TensorSpec, destroy_group, dtype_name, init_group, send_bucket,
+                                            tensor_digest)
 
 __all__ = ["WeightSender", "for_engines", "full_tensor"]
 

@@ -17,8 +17,8 @@ from contract_checks import accepted
 from spillover.infra.config.rollout import RolloutConfig
 from spillover.infra.config.run_config import load_config
 from spillover.rollout.dock.transfer_dock import TransferDock
-from bench.simulator.engine import EngineTiming, SimulatedEngine
-from bench.simulator.workload import DEFAULT_EOS, TableLengths, simulated_prompt
+from spillover.bench.simulator.engine import EngineTiming, SimulatedEngine
+from spillover.bench.simulator.workload import DEFAULT_EOS, TableLengths, simulated_prompt
 from spillover.rollout.fleet.generation import request_body
 from spillover.rollout.drivers.default_rollout import generate_training_batch
 from spillover.rollout.drivers.requests import SamplingSettings, build_requests

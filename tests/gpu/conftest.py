@@ -10,13 +10,10 @@ On a machine without Ray or Prefect (the lent GPU machine) tests/conftest.py can
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # bench/ is not installed; --confcutdir leaves out tests/conftest.py's path set-up
 REQUIRE_GPU = "SPILLOVER_REQUIRE_GPU"
 
 
@@ -53,7 +50,7 @@ def pytest_make_collect_report(collector):
 def recipe_model_dir(tmp_path_factory) -> Path:
     """A random-init Qwen2 of configs/gpu/qwen2.5-0.5b-*.yaml's shape (Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads,
     2 KV heads, intermediate 4864, vocabulary 151936), bfloat16 like the real checkpoint, with a small tokenizer."""
-    from bench.gpu_learner import random_qwen2
+    from spillover.bench.gpu_learner import random_qwen2
 
     import torch
 

@@ -4,8 +4,6 @@ without CUDA; the CPU path runs
 in tests/integration/test_colocate.py (and the same script as a dry run there)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +12,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_colocated_engine_frees_the_gpu_and_comes_back_with_the_learners_weights():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench/ is not a package
-    from bench.gpu_smoke import main
+    from spillover.bench.gpu_smoke import main
 
     out = main(["--device", "cuda", "--bucket-mb", "1"])
     assert not out["errors"], out["errors"]

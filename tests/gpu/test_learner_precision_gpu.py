@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_recipe_learner_steps_at_lr_1e6_on_float32_masters_with_bf16_compute():
-    from bench.gpu_learner import learner_smoke
+    from spillover.bench.gpu_learner import learner_smoke
 
     out = learner_smoke("0.5b", "cuda", iterations=2, samples=32, tokens=256)
     assert out["params"] > 4e8 and out["lr"] == 1e-6

@@ -52,6 +52,8 @@ def test_generate_through_router(sglang_manager):
 def test_update_weights_from_tensor_changes_outputs_and_version(sglang_manager, model_path):
     from safetensors.torch import load_file
 
+    from spillover.rollout.fleet.weight_update import WeightUpdate
+
     path = model_path
     before = sglang_manager.generate(batch(GREEDY))
     state = {}

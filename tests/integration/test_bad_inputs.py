@@ -120,7 +120,7 @@ def test_unreachable_storage_at_start_exits_2_with_the_fix(prefect_harness, tmp_
     import dataclasses
 
     import spillover.infra.storage.store
-    from seaweed_server import free_ports
+    from spillover.bench.seaweed_server import free_ports
 
     now = [0.0]
     real_policy = spillover.infra.storage.store.RetryPolicy

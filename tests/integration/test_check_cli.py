@@ -87,7 +87,7 @@ def test_check_refuses_multi_node_placement_with_local_storage():
 
 
 def test_check_refuses_an_unreachable_ray_cluster_at_once():
-    from seaweed_server import free_ports
+    from spillover.bench.seaweed_server import free_ports
 
     address = f"127.0.0.1:{free_ports(1)[0]}"  # nothing listens there (ray.init would retry for minutes)
     code, _, err, seconds = spillover("check", "--config", "configs/tiny.yaml", RAY_ADDRESS=address)

@@ -105,7 +105,7 @@ class Missing:  # the GPU machine has torch and transformers, but no Ray, Prefec
         if name.split(".")[0] in ("ray", "prefect", "wandb", "s3fs", "sglang_router"):
             raise ImportError(f"{name} is not installed on the GPU machine")
 sys.meta_path.insert(0, Missing())
-from bench.gpu_smoke import main
+from spillover.bench.gpu_smoke import main
 main(sys.argv[1:])
 """
 

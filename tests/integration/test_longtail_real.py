@@ -2,14 +2,11 @@
 router), the real async driver with aborts, and the real dock, for three iterations."""
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.longtail import Workload, run_mode  # noqa: E402
-from bench.longtail_real import NaturalLengths  # noqa: E402
-from bench.simulator.workload import LognormalLengths  # noqa: E402
+from spillover.bench.longtail import Workload, run_mode
+from spillover.bench.longtail_real import NaturalLengths
+from spillover.bench.simulator.workload import LognormalLengths
 
 EOS = 1
 

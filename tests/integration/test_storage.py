@@ -13,7 +13,7 @@ import pytest
 from pydantic import SecretStr
 
 from spillover.infra.config.run_config import StorageConfig
-from seaweed_server import free_ports
+from spillover.bench.seaweed_server import free_ports
 from spillover.infra.storage.store import (ObjectMissing, StorageAuthError, StorageError, StorageUnreachable, check_storage,
                            open_store, resolve_storage_url)
 from spillover.infra.storage.errors import Fixes, Redactor, RetryPolicy, is_transient, with_retries

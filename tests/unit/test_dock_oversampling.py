@@ -112,8 +112,8 @@ class CountingEngine:
     """A simulated engine (bench/simulator/engine.py) that records how many requests each round sent."""
 
     def __init__(self, lengths):
-        from bench.simulator.engine import EngineTiming, SimulatedEngine
-        from bench.simulator.workload import TableLengths
+        from spillover.bench.simulator.engine import EngineTiming, SimulatedEngine
+        from spillover.bench.simulator.workload import TableLengths
 
         self.engine = SimulatedEngine(EngineTiming(num_engines=1, slots_per_engine=64), TableLengths(lengths), EOS)
         self.rounds: list[int] = []
@@ -127,7 +127,7 @@ class CountingEngine:
 def test_sync_rounds_dispatch_the_over_sampled_groups_from_the_first_round(max_split):
     """README: the K extra groups are loaded and dispatched (APRIL) -- in sync mode too, not only once earlier
     rows finish: the first round sends (GBS + K) x n requests."""
-    from bench.simulator.workload import simulated_prompt
+    from spillover.bench.simulator.workload import simulated_prompt
     from spillover.rollout.drivers.rounds import generate_rounds
     from spillover.rollout.drivers.requests import SamplingSettings
 

@@ -1,5 +1,6 @@
-"""The layers import cleanly and without cycles: every module of flows/, tasks/, rollout/ and infra/ imports on
-its own, and the graph of their imports (read with ast from the source) has no cycle. Function-level imports
+"""The layers import cleanly and without cycles: every module of bench/, flows/, tasks/, rollout/ and infra/ imports
+on its own, every import inside the package resolves from the checkout's folders alone (relative imports: no reader
+needs setuptools' package-dir mapping), and the graph of their imports (read with ast from the source) has no cycle. Function-level imports
 count (a lazy import is still a dependency); imports under `if TYPE_CHECKING:` do not (annotations only).
 
 "On its own" means in a process that holds no other project module (the test's own process holds them all, so an
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("flows", "tasks", "rollout", "infra")
+PACKAGES = ("bench", "flows", "tasks", "rollout", "infra")
 # Cycles not fixed yet, each as its sorted modules (the test refuses stale entries: remove one once fixed).
 KNOWN_CYCLES: set[tuple[str, ...]] = set()
 
@@ -28,8 +29,8 @@ def module_name(path: Path) -> str:
 
 
 def project_modules() -> dict[str, Path]:
-    """module name -> source file, for every .py under the four packages."""
-    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    """module name -> source file, for every .py under the packages (and the package's own __init__.py)."""
+    return {module_name(p): p for p in [ROOT / "__init__.py", *(p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py")))]}
 
 
 def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
@@ -193,17 +194,19 @@ def test_the_alone_check_sees_a_module_that_imports_only_after_another(tmp_path)
 
 def test_every_module_imports_on_its_own():
     modules = project_modules()
-    assert len(modules) > 100  # the four packages were found
+    assert len(modules) > 100  # the packages were found
     failing = modules_failing_alone(sorted(modules), top_level_third_party(modules), ROOT)
     assert failing == {}, failing
 
 
-# The layers from the top down: a module may import its own layer and the layers below it, never one above.
-LAYERS = ("flows", "tasks", "rollout", "infra")
+# The layers from the top down: a module may import its own layer and the layers below it, never one above. bench/
+# drives everything (flows included); the package's own __init__.py holds nothing.
+LAYERS = ("bench", "flows", "tasks", "rollout", "infra")
 
 
 def layer(module: str) -> int:
-    return LAYERS.index(module.split(".")[1])
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 else len(LAYERS)
 
 
 def test_no_layer_imports_a_layer_above_it():
@@ -219,3 +222,71 @@ def test_every_package_folder_is_installed_under_spillover():
     folders = {module_name(init) for pkg in PACKAGES for init in (ROOT / pkg).rglob("__init__.py")} | {"spillover"}
     assert listed == folders, f"pyproject.toml [tool.setuptools] packages: add {sorted(folders - listed)}, " \
                               f"remove {sorted(listed - folders)}"
+
+
+def unresolved_imports(root: Path, package: str, files: list[Path]) -> list[str]:
+    """Every import in `files` (the package `package`, whose folder is `root`) that a reader mapping imports to
+    folders cannot follow from the checkout, as "file:line: import -> why". A relative import must name a module file
+    or package folder that exists (`from . import x`: x may also be a name the package defines); an absolute import
+    must not name the package itself (`package.x` resolves only through the installer's package-dir mapping) nor one
+    of its folders as a top-level package (a second copy of the module), and must be importable here (a third-party
+    or standard module) from outside the checkout."""
+    import importlib.util
+
+    folders = {p.name for p in root.iterdir() if (p / "__init__.py").exists()}
+    found: list[str] = []
+
+    def exists(parts: list[str]) -> bool:
+        base = root.joinpath(*parts)
+        return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+    for path in files:
+        rel = path.relative_to(root)
+        here = list(rel.parent.parts)  # the importing file's package, as folders under root
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{rel}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.ImportFrom) and node.level:
+                if node.level - 1 > len(here):
+                    found.append(f"{where}: {'.' * node.level}{node.module or ''} -> above the package")
+                    continue
+                base = here[:len(here) - node.level + 1] + (node.module.split(".") if node.module else [])
+                if base and not exists(base):
+                    found.append(f"{where}: {'.' * node.level}{node.module or ''} -> no file {'/'.join(base)}.py")
+                elif not node.module:
+                    defined = (root.joinpath(*base, "__init__.py") if base else root / "__init__.py").read_text()
+                    found.extend(f"{where}: from {'.' * node.level} import {alias.name} -> no module or name"
+                                 for alias in node.names if not exists(base + [alias.name]) and alias.name not in defined)
+                continue
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                top = name.split(".")[0]
+                if top == package:
+                    found.append(f"{where}: {name} -> the installed name: import it relatively")
+                elif top in folders:
+                    found.append(f"{where}: {name} -> a folder of the package as a top-level package: import it relatively")
+                elif top != "__future__":
+                    spec = importlib.util.find_spec(top)
+                    if spec is None:
+                        found.append(f"{where}: {name} -> not installed")
+                    elif spec.has_location and Path(spec.origin).resolve().is_relative_to(root.resolve()) \
+                            and not Path(spec.origin).resolve().is_relative_to(Path(sys.prefix).resolve()):
+                        found.append(f"{where}: {name} -> a file of the checkout outside the package (tests/?)")
+    return found
+
+
+def test_the_resolver_sees_an_installed_name_a_missing_file_and_a_top_level_folder(tmp_path):
+    (tmp_path / "__init__.py").write_text("DEFINED = 1\n")
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "b" / "c.py").write_text("")
+    (tmp_path / "a" / "ok.py").write_text("import json\nfrom ..b.c import x\nfrom .. import DEFINED, b\nfrom . import ok\n")
+    (tmp_path / "a" / "bad.py").write_text("import pkg.b.c\nfrom ..b.missing import x\nfrom b.c import y\n"
+                                           "from ... import z\nimport no_such_module_here\n")
+    problems = unresolved_imports(tmp_path, "pkg", [tmp_path / "a" / "ok.py", tmp_path / "a" / "bad.py"])
+    assert [p.split(": ", 1)[0] for p in problems] == [f"a/bad.py:{n}" for n in (1, 2, 3, 4, 5)], problems
+
+
+def test_every_import_in_the_package_resolves_from_the_checkout():
+    assert unresolved_imports(ROOT, "spillover", sorted(project_modules().values())) == []

@@ -10,8 +10,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from bench.simulator.engine import EngineTiming, SimulatedEngine
-from bench.simulator.workload import DEFAULT_EOS, LognormalLengths, TableLengths, simulated_prompt
+from spillover.bench.simulator.engine import EngineTiming, SimulatedEngine
+from spillover.bench.simulator.workload import DEFAULT_EOS, LognormalLengths, TableLengths, simulated_prompt
 from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.dock.staleness import token_staleness_max
 from spillover.rollout.dock.transfer_dock import TransferDock

@@ -8,8 +8,8 @@ import pytest
 
 from spillover.rollout.drivers.dispatch import DispatchPlanner
 from spillover.rollout.dock.transfer_dock import TransferDock
-from bench.simulator.engine import EngineTiming, SimulatedEngine
-from bench.simulator.workload import DEFAULT_EOS, TableLengths, simulated_prompt
+from spillover.bench.simulator.engine import EngineTiming, SimulatedEngine
+from spillover.bench.simulator.workload import DEFAULT_EOS, TableLengths, simulated_prompt
 from spillover.rollout.drivers.requests import SamplingSettings, build_requests, parse_responses
 from spillover.rollout.drivers.scheduling import (balance_engines, expected_remaining, longest_first, plan_dispatch,
                                 reserve_tail_engines, split_tail)
@@ -131,7 +131,7 @@ def test_tail_rows_get_the_reserved_engines():
 
 
 def test_correlated_lengths_keep_the_marginal_and_tie_a_group_together():
-    from bench.simulator.workload import LognormalLengths
+    from spillover.bench.simulator.workload import LognormalLengths
 
     groups = [LognormalLengths(16, 100.0, 1.0, seed=3, group_share=0.8).group_lengths(g) for g in range(400)]
     logs = np.log(np.stack(groups).astype(float))

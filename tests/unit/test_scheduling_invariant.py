@@ -12,8 +12,8 @@ from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.drivers import dispatch
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.dock.staleness import token_staleness_max
-from bench.simulator.engine import EngineTiming, SimulatedEngine
-from bench.simulator.workload import DEFAULT_EOS, LognormalLengths
+from spillover.bench.simulator.engine import EngineTiming, SimulatedEngine
+from spillover.bench.simulator.workload import DEFAULT_EOS, LognormalLengths
 from spillover.rollout.drivers.default_rollout import generate_training_batch
 from simulated_dock import check_trained_group, load_iteration
 

@@ -10,8 +10,8 @@ from spillover.rollout.batch import to_samples
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.dock.staleness import token_staleness_max
 from spillover.rollout.sglang.protocol import GenerateResponse
-from bench.simulator.engine import EngineTiming, SimulatedEngine
-from bench.simulator.workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths,
+from spillover.bench.simulator.engine import EngineTiming, SimulatedEngine
+from spillover.bench.simulator.workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths,
                                                 TableLengths, answer, parse_simulated_input, simulated_prompt)
 from spillover.rollout.drivers.rounds import generate_rounds
 from spillover.rollout.drivers.requests import SamplingSettings, parse_responses
@@ -214,11 +214,8 @@ def test_the_driver_loop_keeps_the_staleness_bound(mode, max_split, extra):
 
 def test_longtail_bench_prints_one_json_line_per_mode(capsys):
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from bench.longtail import TODAY_MODES, main
+    from spillover.bench.longtail import TODAY_MODES, main
 
     import logging
 
@@ -238,11 +235,7 @@ def test_longtail_bench_prints_one_json_line_per_mode(capsys):
 
 
 def test_longtail_bench_refuses_overlap_modes_on_real_engines(capsys):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from bench.longtail import parse_args
+    from spillover.bench.longtail import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--real", "--modes", "no_partial,overlap_in_place"])

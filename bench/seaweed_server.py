@@ -23,9 +23,8 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from spillover.infra.config.run_config import StorageConfig
-from spillover.infra.storage.errors import is_transient
-from waiting import wait_for
+from ..infra.config.run_config import StorageConfig
+from ..infra.storage.errors import is_transient
 
 _PORT_NAMES = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
                "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc")
@@ -142,8 +141,12 @@ class SeaweedS3:
                 return err
 
         try:
-            wait_for(write_error, timeout_s, f"weed mini accepting writes (log: {self.log_path})",
-                     until=lambda err: err is None)
+            deadline = time.monotonic() + timeout_s
+            while (last := write_error()) is not None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"weed mini accepting writes (log: {self.log_path}): not within {timeout_s:g} s;"
+                                       f" last seen: {last!r}")
+                time.sleep(0.1)
         except BaseException:
             self.stop()
             raise
