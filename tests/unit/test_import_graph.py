@@ -1,7 +1,8 @@
 """The layers import cleanly and without cycles: every module of bench/, flows/, tasks/, rollout/ and infra/ imports
 on its own, every import inside the package resolves from the checkout's folders alone (relative imports: no reader
 needs setuptools' package-dir mapping), and the graph of their imports (read with ast from the source) has no cycle. Function-level imports
-count (a lazy import is still a dependency); imports under `if TYPE_CHECKING:` do not (annotations only).
+count (a lazy import is still a dependency), and so do imports under `if TYPE_CHECKING:` (a reader of the code
+meets the circle all the same).
 
 "On its own" means in a process that holds no other project module (the test's own process holds them all, so an
 import there proves nothing): one `python -c` process imports the third-party packages the modules import at top
@@ -37,7 +38,7 @@ def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
     """Project modules that `name` imports anywhere in its source (`from pkg import sub` counts pkg.sub)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -48,18 +49,6 @@ def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
     return {m for m in found if m in known and m != name}
-
-
-def runtime_nodes(tree: ast.AST):
-    """Every node of the tree except what sits under `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`)."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        yield node
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-            todo.extend(node.orelse)
-            continue
-        todo.extend(ast.iter_child_nodes(node))
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -107,8 +96,7 @@ def test_the_graph_reader_sees_lazy_relative_and_submodule_imports(tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("def f():\n    from . import b\n")
-    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nfrom pkg.c import thing\n"
-                               "if TYPE_CHECKING:\n    from pkg import a\n")
+    (pkg / "b.py").write_text("from pkg.c import thing\n")
     (pkg / "c.py").write_text("import pkg.a\nthing = 1\n")
     known = {"pkg", "pkg.a", "pkg.b", "pkg.c"}
     assert imported_modules("pkg.a", pkg / "a.py", known) == {"pkg", "pkg.b"}
