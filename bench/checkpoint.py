@@ -51,7 +51,7 @@ def tiny_state(work: Path) -> CheckpointState:
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     tensors, meta = save_state(model, model, opt, [], unique_state_keys(model), sharded=False, version=0, trainable=True)
-    return CheckpointState(0, {"policy": tensors}, {}, {"learner": meta})  # the layout tasks/checkpoint.py writes
+    return CheckpointState(0, {"policy": tensors}, {}, {"learner": meta})  # the layout tasks/run_state.py writes
 
 
 def synthetic_state(n_params: int, hidden: int = 1024, vocab: int = 32000) -> CheckpointState:

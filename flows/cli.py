@@ -169,7 +169,7 @@ def run_outcome(run) -> dict:
 
 
 def cmd_report(args) -> int:
-    from .report import write_report
+    from ..infra.tracking.report import write_report
 
     for path in write_report(args.run_dir):
         print(path)

@@ -79,7 +79,7 @@ def export_newest_policy(cfg: RunConfig, run_dir: Path, out: Path | None = None)
     reuse; `spillover export RUN_DIR --to DIR` and `spillover eval RUN_DIR` both come here)."""
     from ..infra.storage.checkpoint import load_latest_checkpoint
     from ..infra.models import resolve_model_path
-    from ..tasks.checkpoint import open_checkpoint_store
+    from ..tasks.run_state import open_checkpoint_store
 
     state = load_latest_checkpoint(open_checkpoint_store(cfg))
     if state is None:
@@ -97,7 +97,7 @@ def export_newest_policy(cfg: RunConfig, run_dir: Path, out: Path | None = None)
 
 def policy_state(state) -> dict:
     """The checkpoint's full learner state: rank 0's, or every rank's slices put together (learner.world_size > 1,
-    as spillover.tasks.checkpoint.restore_weights does)."""
+    as spillover.tasks.run_state.restore_weights does)."""
     if "learner_shards" in state.meta:
         from ..tasks.learner.shards import assemble
 

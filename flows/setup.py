@@ -95,7 +95,7 @@ def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunPa
     """Everything the tasks need. Fails early on bad config or input.
 
     saved: the checkpoint to resume from (the dock and cursor come from it; weights are restored by
-    spillover.tasks.checkpoint.restore_weights). parts: where engines and learner groups come from (flows/parts.py;
+    spillover.tasks.run_state.restore_weights). parts: where engines and learner groups come from (flows/parts.py;
     None: started for this run, shut down by shutdown_run)."""
     parts = parts if parts is not None else NewParts()
     run_dir = Path(cfg.run_dir)
@@ -119,7 +119,7 @@ def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunPa
         log.warning("%d prompts for %d groups: the run goes over the data more than once", len(prompts), needed)
     stop_ids = end_token_ids(model_path, tokenizer)
     if saved is not None:
-        from ..tasks.checkpoint import restore_dock_and_cursor
+        from ..tasks.run_state import restore_dock_and_cursor
 
         dock, cursor = restore_dock_and_cursor(saved)
         dock.require_max_age_all_finished = cfg.rollout.require_max_age_all_finished  # the config's rule, not the snapshot's

@@ -17,7 +17,7 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settin
 from prefect.utilities.annotations import quote
 
 from .parts import RunParts
-from .report import build_report
+from ..infra.tracking.report import build_report
 from .run_lock import acquire_run_lock
 from .setup import Run, build_run, shutdown_run
 from ..infra.config.run_config import RunConfig
@@ -25,7 +25,7 @@ from ..infra.gc_pauses import long_lived_heap_frozen
 from ..infra.hooks import hook_point
 from ..infra.tracking.prefect_artifacts import current_run_ids
 from ..infra.tracking.run_tracker import RunTracker
-from ..tasks.checkpoint import open_and_check, restore_weights, rewind_metrics, save_run_checkpoint
+from ..tasks.run_state import open_and_check, restore_weights, rewind_metrics, save_run_checkpoint
 from ..tasks.clear import clear_and_age_sort
 from ..tasks.generate import generate_until_ready
 from ..tasks.logprob import compute_old_logprob, compute_ref_logprob

@@ -3,7 +3,7 @@ framework calls, by name. Decorated framework entry points (pydantic validators,
 tasks) are recognised by their decorator and need no line here. Vulture reads this file; nothing imports it."""
 
 # Ray actor methods called by name on every rank of a learner group (LearnerGroup.each("<name>", ...)).
-write_state_shards  # tasks/checkpoint.py write_learner_shards
+write_state_shards  # tasks/run_state.py write_learner_shards
 load_colocated_weights  # rollout/fleet/weights.py, colocated engines
 
 # torch's TorchDispatchMode asks its subclasses this (infra/tensor_memory.py).

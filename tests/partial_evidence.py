@@ -1,5 +1,5 @@
 """Evidence that partial rollout happened in a run, read from what the run left in storage: the rows a checkpoint's
-dock carried over cut (read with the project's own loaders, spillover.infra.storage.checkpoint and spillover.tasks.checkpoint), and the samples
+dock carried over cut (read with the project's own loaders, spillover.infra.storage.checkpoint and spillover.tasks.run_state), and the samples
 a later rollout trained (its debug rollout data, storage.save_debug_rollout_data).
 
 Shared by tests/integration/test_train_flow.py and the kill -9 chains (tests/e2e/kill_chains.py)."""
@@ -23,7 +23,7 @@ class CutRow:
 def cut_rows(store, iteration: int) -> list[CutRow]:
     """Checkpoint `iteration`'s dock -> its cut rows: generated, not complete (callers check 0 < length < max_tokens)."""
     from spillover.infra.storage.checkpoint import load_checkpoint
-    from spillover.tasks.checkpoint import restore_dock_and_cursor
+    from spillover.tasks.run_state import restore_dock_and_cursor
 
     dock, _ = restore_dock_and_cursor(load_checkpoint(store, iteration))
     occupied = np.repeat(dock.group_ids >= 0, dock.n)

@@ -1,6 +1,6 @@
-"""The configuration reference (docs/config.md), rendered from the pydantic models so it cannot drift from them.
+"""The configuration reference (docs/config-fields.md), rendered from the pydantic models so it cannot drift from them.
 
-`python -m spillover.infra.config.reference > docs/config.md` rewrites it; tests/unit/test_config_reference.py checks that the
+`python -m spillover.infra.config.reference > docs/config-fields.md` rewrites it; tests/unit/test_config_reference.py checks that the
 committed page is current.
 """
 from __future__ import annotations
@@ -14,13 +14,13 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-HEADER = """# Configuration reference
+HEADER = """# Config fields: every field, its type, default and meaning (generated)
 
 Every field of the run configuration (`infra/config/run_config.py`, `RunConfig`), generated from the pydantic models by
-`python -m spillover.infra.config.reference > docs/config.md`. Set a field in the YAML file (`configs/tiny.yaml`) or on the
+`python -m spillover.infra.config.reference > docs/config-fields.md`. Set a field in the YAML file (`configs/tiny.yaml`) or on the
 command line with its dotted name (`rollout.max_split=4`). Unknown keys are refused. The defaults below are the models'
 own: a config file overrides them (`configs/tiny.yaml`, the demo's, sets a few: its comments say which and why). How to
-write prompt files and reward functions, and what the sections are for: [configuration.md](configuration.md).
+write prompt files and reward functions, and what the sections are for (the guide): [configuration.md](configuration.md).
 """
 
 

@@ -195,7 +195,7 @@ class RunTracker:
 
     def finish(self, baseline: float | None, loop_wall_s: float | None = None, report=None) -> dict:
         """loop_wall_s: wall time of this process's iteration loop (Prefect, reporting and all); report:
-        (run_dir, summary) -> (plot paths, markdown), attached to wandb and Prefect (spillover.flows.report.build_report)."""
+        (run_dir, summary) -> (plot paths, markdown), attached to wandb and Prefect (spillover.infra.tracking.report.build_report)."""
         summary = summarize(read_metrics(self.run_dir), baseline)
         if loop_wall_s is not None:
             summary["loop_wall_s"] = loop_wall_s

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from spillover.flows.report import PLOTS
+from spillover.infra.tracking.report import PLOTS
 from spillover.flows.serve import SHUTDOWN_GRACE_S
 from fixtures_prefect import copy_migrated_database
 from processes import free_port, running, stop_group, wait_http

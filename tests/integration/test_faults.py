@@ -70,7 +70,7 @@ def test_s3_down_during_two_checkpoint_writes_the_run_goes_on(prefect_harness, r
                                                                outage_s3_server, monkeypatch, tmp_path):
     """One run, two outages of OUTAGE_S each, after the first object of a checkpoint: iteration 1's
     checkpoint meets a killed server (restarted on the same ports), iteration 2's a paused one."""
-    import spillover.tasks.checkpoint as checkpoint_task
+    import spillover.tasks.run_state as run_state
     from spillover.infra.storage.checkpoint import list_checkpoints, load_checkpoint
     from spillover.infra.storage.store import open_store
     from spillover.flows.train import grpo_train
@@ -81,7 +81,7 @@ def test_s3_down_during_two_checkpoint_writes_the_run_goes_on(prefect_harness, r
         "storage.access_key_id": outage_s3_server.access_key, "storage.secret_access_key": outage_s3_server.secret_key})
     server = outage_s3_server
     outages = {1: (server.kill, server.start), 2: (server.pause, server.resume)}
-    real_save = checkpoint_task.save_checkpoint
+    real_save = run_state.save_checkpoint
     log: dict[int, dict] = {}
     timers: list[threading.Timer] = []
 
@@ -108,7 +108,7 @@ def test_s3_down_during_two_checkpoint_writes_the_run_goes_on(prefect_harness, r
             del store.put_buffers
             seen["done"] = time.monotonic()
 
-    monkeypatch.setattr(checkpoint_task, "save_checkpoint", save_with_outage)
+    monkeypatch.setattr(run_state, "save_checkpoint", save_with_outage)
     storage_log, caplog = logging.getLogger("spillover.storage"), Records()
     storage_log.addHandler(caplog)
     try:

@@ -60,7 +60,7 @@ def test_a_manifest_of_another_version_is_refused_not_skipped(tmp_path, caplog, 
 
 
 def test_a_dock_snapshot_of_another_version_is_refused_naming_the_checkpoints_meta(tmp_path):
-    from spillover.tasks.checkpoint import restore_dock_and_cursor
+    from spillover.tasks.run_state import restore_dock_and_cursor
 
     dock = TransferDock(1, 2, 2, 8, 16, [0])
     dock.load_groups([0], [[3, 4]], ["a"])
@@ -81,10 +81,10 @@ def test_a_dock_snapshot_of_another_version_is_refused_naming_the_checkpoints_me
 
 
 def test_a_format_1_learner_state_gets_the_decay_its_config_gave():
-    """Learner state format 2 records the lr decay span; a format-1 one (tasks/checkpoint.py restore_weights) gets the
+    """Learner state format 2 records the lr decay span; a format-1 one (tasks/run_state.py restore_weights) gets the
     span its run followed: from update 0 over the horizon of the config its checkpoint records."""
     from spillover.infra.config.run_config import build_config
-    from spillover.tasks.checkpoint import written_decay_horizon
+    from spillover.tasks.run_state import written_decay_horizon
     from spillover.tasks.learner.state import from_format_1
 
     saved = build_config(overrides=["schedule.num_iterations=5", "grpo.num_steps_per_rollout=2"])

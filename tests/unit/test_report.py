@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spillover.flows.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from spillover.flows.report import PLOTS, report_markdown, write_report
+from spillover.infra.tracking.report import PLOTS, report_markdown, write_report
 from spillover.infra.tracking.run_tracker import append_metrics, length_histogram
 from spillover.tasks.learner.offpolicy_metrics import OffPolicyStats
 
@@ -71,7 +71,7 @@ def test_report_cli_exit_codes(tmp_path, capsys):
 def test_plots_keep_short_runs_readable(tmp_path, monkeypatch):
     """A short run's rewards far below the baseline keep the axis (the baseline is named at the edge, not drawn);
     p90 and max draw above the max_tokens line; the task-time legend sits beside the bars."""
-    import spillover.flows.report as report
+    import spillover.infra.tracking.report as report
 
     figures = {}
     monkeypatch.setattr(report, "_save", lambda fig, path: figures.__setitem__(path.stem, fig))

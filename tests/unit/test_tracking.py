@@ -6,7 +6,7 @@ import io
 import json
 import threading
 
-from spillover.flows.report import build_report
+from spillover.infra.tracking.report import build_report
 from spillover.infra.config.run_config import load_config
 from spillover.infra.tracking.prefect_artifacts import RunArtifacts, artifact_key, metrics_table
 from spillover.infra.tracking.terminal_progress import TerminalProgress, progress_fields

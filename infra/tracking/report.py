@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..infra.tracking.run_tracker import read_metrics
+from .run_tracker import read_metrics
 
 PLOTS = ("reward", "lengths", "carryover", "task_time", "is_weights")
 TASK_ORDER = ["load_prompts", "generate_until_ready", "compute_reward", "compute_ref_logprob",
