@@ -15,6 +15,8 @@ import numpy as np
 
 from .sample import Sample, Status
 
+SFT_KEY = "sft"  # a sample's metadata mark: a supervised target (rollout/builtin/sft.py makes them)
+
 UNTRAINED = (Status.FAILED, Status.ABORTED)
 
 
@@ -273,3 +275,12 @@ def _group_metadata(metadata) -> tuple:
     """Per-group metadata -> a tuple, or () when there is none at all."""
     metadata = tuple(metadata) if metadata is not None else ()
     return metadata if any(m is not None for m in metadata) else ()
+
+
+def is_sft_batch(groups: list[list[Sample]]) -> bool:
+    """True when every sample is an SFT sample, False when none is; a mix is refused."""
+    marks = {bool(s.metadata.get(SFT_KEY)) for g in groups for s in g}
+    if len(marks) > 1:
+        raise ValueError("the batch mixes SFT samples (metadata 'sft') with generated ones; the flow trains "
+                         "either with advantage 1 (SFT) or with group advantages (RL), not both")
+    return marks == {True}

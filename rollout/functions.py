@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..infra.imports import ImportPathError, load_function
-from .batch import RolloutBatch
+from .batch import RolloutBatch, is_sft_batch
 from .sample import Sample
-from .builtin.sft import is_sft_batch
 
 ROLLOUT_PARAMS = ("args", "rollout_id", "data_source")
 ROLLOUT_KEYWORDS = ("evaluation",)

@@ -13,7 +13,7 @@ model.path), prompt and response separately and without special tokens, exactly 
 the tokenizer's EOS is appended to a text response (always trained) so the model learns to stop. A
 loss_mask on a text row covers the response as written, before that EOS. Token rows are taken as is.
 
-How the flow trains on them (samples carry metadata {"sft": True}, see `is_sft_batch`):
+How the flow trains on them (samples carry metadata {"sft": True}, see rollout/batch.py `is_sft_batch`):
   * skip the reward step's group advantages (a group of one has none): advantage = 1 for every token;
   * compute old logprobs with the learner (never take them from the samples: their rollout_logprobs
     are placeholders, 0.0, and weight_versions are SFT_WEIGHT_VERSION = -1, "no policy made this");
@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from ..prompt_data import jsonl_lines, parse_json_object
+from ..batch import SFT_KEY
 from ..sample import Sample, Status
 
 SFT_WEIGHT_VERSION = -1
-SFT_KEY = "sft"
 
 
 class SFTDataError(ValueError):
@@ -61,15 +61,6 @@ def generate_sft_rollout(args, rollout_id: int, data_source, evaluation: bool = 
                                f"rollout.max_model_len ({args.rollout.max_model_len}); shorten the row or raise it")
         groups.append([sample])
     return groups
-
-
-def is_sft_batch(groups: list[list[Sample]]) -> bool:
-    """True when every sample is an SFT sample, False when none is; a mix is refused."""
-    marks = {bool(s.metadata.get(SFT_KEY)) for g in groups for s in g}
-    if len(marks) > 1:
-        raise ValueError("the batch mixes SFT samples (metadata 'sft') with generated ones; the flow trains "
-                         "either with advantage 1 (SFT) or with group advantages (RL), not both")
-    return marks == {True}
 
 
 def read_sft_lines(path: str | Path) -> list[tuple[int, str]]:
