@@ -2,10 +2,10 @@
 model, and that users run alone to learn in seconds what would stop a run.
 
 It checks the config (infra/config's validation), the data files read whole, the reward/rollout/env functions, the
-storage, the model folder and tokenizer, SGLang's flags (flows/check_inputs.py), and the placement plan
-(infra/config/placement_plan.py) against the Ray cluster (`RAY_ADDRESS` or engines.ray_address: joined, never started), this
-machine (what a local Ray would get), or `--gpus N [--nodes M]` for a machine you are not on. A report is one line per
-problem, or the plan as a short table.
+storage, the model folder and tokenizer (and reward models named by Hub id), SGLang's flags (flows/check_inputs.py),
+and the placement plan (infra/config/placement_plan.py) against the Ray cluster (`RAY_ADDRESS` or
+engines.ray_address: joined, never started), this machine (what a local Ray would get), or `--gpus N [--nodes M]` for
+a machine you are not on. A report is one line per problem, or the plan as a short table.
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def preflight(cfg, *, gpus: float | None = None, nodes: int = 1, purpose: str = 
     RunConfig). model_dir: the folder engines load when not model.path (eval's exported policy); data_paths: more
     prompt files {setting: path} (eval's --data); resuming: `spillover resume` (what it starts: infra/config/placement_plan.py);
     fresh: a new run (`train`, `check`): its checkpoint location must hold no checkpoints yet."""
-    from .check_inputs import (check_data, check_fresh_run_dir, check_imports, check_model,
+    from .check_inputs import (check_data, check_fresh_run_dir, check_imports, check_model, check_reward_models,
                                check_sglang_flags, check_storage_access)
 
     train = purpose == "train"
@@ -116,6 +116,7 @@ def preflight(cfg, *, gpus: float | None = None, nodes: int = 1, purpose: str = 
     problems += check_data(cfg if train else _without_training_data(cfg), tokenizer, data_paths)
     problems += check_imports(cfg, reward_only=not train)
     if train:
+        problems += check_reward_models(cfg)
         problems += check_storage_access(cfg, storage_deadline_s)
     if train and fresh and not problems:
         problems += check_fresh_run_dir(cfg)

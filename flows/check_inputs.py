@@ -12,7 +12,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REWARD_KEYWORDS", "check_data", "check_imports", "check_model", "check_sglang_flags", "check_storage_access"]
+__all__ = ["REWARD_KEYWORDS", "check_data", "check_imports", "check_model", "check_reward_models", "check_sglang_flags",
+           "check_storage_access"]
 
 REWARD_KEYWORDS = ("sample", "samples", "metadata")  # tasks/reward.py's (which imports Prefect); a unit test compares
 BUILTIN_TASK_REWARD = "spillover.rollout.builtin.toy_task.reward"
@@ -62,7 +63,9 @@ def check_model(cfg, model_dir: str | Path | None = None) -> tuple[Any, list[str
 def check_data(cfg, tokenizer, extra_paths: dict[str, str] | None = None) -> list[str]:
     """Every prompt file of the run (data.prompts_path, data.eval_paths, extra_paths) read whole with the run's own
     reader: the first bad line or row of each, named with file and line; then every label (null ones, and labels
-    the built-in task's reward cannot read)."""
+    the built-in task's reward cannot read). A Hub file (hf://) is fetched into huggingface_hub's cache, where the
+    run finds it."""
+    from ..infra.data_files import DataFileError, data_file
     from ..rollout.prompt_data import PromptFileError, read_prompt_file
 
     files = {"data.prompts_path": cfg.data.prompts_path,
@@ -72,6 +75,11 @@ def check_data(cfg, tokenizer, extra_paths: dict[str, str] | None = None) -> lis
     for setting, path in files.items():
         if not path:
             continue  # data.prompts_path empty: the built-in task is generated at start
+        try:
+            path = data_file(path, setting)
+        except DataFileError as err:
+            problems.append(str(err))
+            continue
         if not Path(path).is_file():
             problems.append(f"{setting}={path!r} does not exist; give a JSON Lines or Parquet prompt file")
             continue
@@ -85,13 +93,15 @@ def check_data(cfg, tokenizer, extra_paths: dict[str, str] | None = None) -> lis
     return problems
 
 
-def _label_problems(path: str, cfg) -> list[str]:
-    """The first row whose label the reward function cannot use: null, or (built-in task) not an integer."""
-    from ..rollout.prompt_data import PromptFileError, prompt_rows
+def _label_problems(path, cfg) -> list[str]:
+    """The first row whose label the reward function cannot use: null, or (built-in task) not an integer. Rows of a
+    built-in format (data.format) are read converted, as the run reads them (their label is `label`)."""
+    from ..rollout.prompt_data import PromptFileError, formatted_rows
 
-    key, builtin = cfg.data.label_key, cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD
+    key = cfg.data.label_key if cfg.data.format == "prompt_label" else "label"
+    builtin = cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD
     try:
-        for where, row in prompt_rows(path, [key]):
+        for where, row in formatted_rows(path, cfg.data.format, [key]):
             label = row.get(key)
             if label is None and key in row:
                 return [f"{where}: label {key!r} is null; expected the answer the reward function "
@@ -143,6 +153,21 @@ def check_fresh_run_dir(cfg) -> list[str]:
         return []
     return [f"run_dir={cfg.run_dir} already holds checkpoints (up to iteration {done}): resume it with "
             f"`spillover resume {cfg.run_dir}`, or choose another run_dir (or storage.url)"]
+
+
+def check_reward_models(cfg) -> list[str]:
+    """Each grpo.reward_models entry named by Hub id resolves (huggingface_hub's cache; a download when online), as
+    the run resolves it at start; a local folder is the reward model actor's to load."""
+    from ..infra.hub_models import HubModelError, is_hub_id, resolve_hub_model
+
+    problems = []
+    for i, entry in enumerate(cfg.grpo.reward_models):
+        if is_hub_id(entry.path):
+            try:
+                resolve_hub_model(entry.path, entry.revision, field=f"grpo.reward_models[{i}].path")
+            except HubModelError as err:
+                problems.append(str(err))
+    return problems
 
 
 def check_model_length(cfg, folder: Path) -> list[str]:

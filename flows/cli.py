@@ -13,6 +13,8 @@ from pathlib import Path
 from .parts import RunParts
 from .run_lock import RunLockedError
 from ..infra.config.parsing import ConfigError
+from ..infra.data_files import DataFileError
+from ..infra.hub_models import HubModelError
 from ..infra.config.run_config import load_config
 from ..infra.prefect.env import apply_process_defaults, quiet_console
 
@@ -290,7 +292,7 @@ def main(argv: list[str] | None = None, parts: RunParts | None = None) -> int:
         for problem in err.problems:
             print(f"spillover: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except ConfigError as err:
+    except (ConfigError, DataFileError, HubModelError) as err:  # each names the setting and the fix
         print(f"spillover: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except RunLockedError as err:

@@ -24,6 +24,7 @@ import numpy as np
 
 from .parts import NewParts, RunParts
 from ..infra.config.parsing import ConfigError
+from ..infra.data_files import DataFile, data_file
 from ..infra.config.run_config import RunConfig
 
 EXPORT_MARKER = "spillover_weights.json"
@@ -157,17 +158,19 @@ def summarize(greedy: list, sampled: list, k: int, threshold: float) -> dict:
     }
 
 
-def eval_data_sets(cfg: RunConfig, data: str | None, name: str | None) -> dict[str, Path]:
+def eval_data_sets(cfg: RunConfig, data: str | None, name: str | None) -> dict[str, DataFile]:
     """What `spillover eval` scores: --data (named --name, else its file stem), else every data set of the run's
-    data.eval_paths (each under its key)."""
+    data.eval_paths (each under its key); a Hub file (hf://) from huggingface_hub's cache, a run's at the commit
+    it recorded."""
     if data:
-        return {name or Path(data).stem: Path(data)}
+        return {name or Path(data).stem: data_file(data, "--data")}
     if not cfg.data.eval_paths:
         raise ConfigError("nothing to evaluate: pass --data FILE, or set data.eval_paths (the run's config has none)")
-    return {key: Path(path) for key, path in cfg.data.eval_paths.items()}
+    return {key: data_file(path, f"data.eval_paths.{key}") for key, path in cfg.data.eval_paths.items()}
 
 
-def evaluate(target: EvalTarget, data_sets: dict[str, Path], parts: RunParts | None = None) -> list[tuple[dict, Path]]:
+def evaluate(target: EvalTarget, data_sets: dict[str, DataFile], parts: RunParts | None = None
+             ) -> list[tuple[dict, Path]]:
     """Start engines on the target's policy once (from `parts`; None: started for this and shut down after it), score
     greedy and k sampled responses per prompt of each data set, write <out_dir>/eval/<name>.json for each ->
     [(result, its path)]. Sampling is seeded with model.seed when the run samples seeded
@@ -199,7 +202,7 @@ def evaluate(target: EvalTarget, data_sets: dict[str, Path], parts: RunParts | N
             greedy = run_eval({name: prompts[name]}, engines.generate, reward_fn, temperature=0.0, **common)[name]
             sampled = run_eval({name: prompts[name]}, engines.generate, reward_fn, temperature=cfg.eval.temperature,
                                top_p=cfg.eval.top_p, n_samples_per_prompt=cfg.eval.k, seed=seed, **common)[name]
-            result = {"name": name, "data": str(path), **target.source,
+            result = {"name": name, "data": data_file(path).pinned, **target.source,
                       **summarize(greedy, sampled, cfg.eval.k, cfg.eval.pass_threshold),
                       "reward_function": cfg.grpo.reward_function_path, "temperature": cfg.eval.temperature,
                       "seed": seed, "time_s": round(time.perf_counter() - start, 3)}

@@ -18,7 +18,8 @@ from ..infra.config.run_config import RunConfig, save_run_config
 from ..infra.config.placement_plan import needs_engines as plan_needs_engines, placement_plan, plan_problems
 from ..infra.imports import load_function
 from ..infra.storage.model_staging import is_remote_model, stage_on_other_nodes
-from ..infra.hub_models import is_hub_id
+from ..infra.data_files import DataFile, data_file, pin_hub_data
+from ..infra.hub_models import is_hub_id, resolve_reward_models
 from ..infra.models import end_token_ids, load_tokenizer, resolve_model_path
 from ..rollout.builtin import toy_task
 from ..rollout.context import EvalSets, RolloutContext
@@ -60,10 +61,11 @@ class Run:
         return self.context.prompts
 
 
-def prepare_data(cfg: RunConfig, run_dir: Path) -> Path:
-    """The prompt file of the run: data.prompts_path, or the built-in task generated into the run dir."""
+def prepare_data(cfg: RunConfig, run_dir: Path) -> Path | DataFile:
+    """The prompt file of the run: data.prompts_path (a Hub file from huggingface_hub's cache), or the built-in task
+    generated into the run dir."""
     if cfg.data.prompts_path:
-        return Path(cfg.data.prompts_path)
+        return data_file(cfg.data.prompts_path, "data.prompts_path")
     if cfg.data.builtin_task == "calculator":
         from ..rollout.builtin import calculator
 
@@ -107,6 +109,8 @@ def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunPa
     model_path = resolve_model_path(cfg.model, run_dir, max(512, cfg.rollout.max_model_len), cfg.storage)
     if is_hub_id(cfg.model.path):  # the run's config keeps the commit: a resume loads these weights, not the Hub's newest
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"revision": model_path.name})})
+    cfg, reward_model_entries = resolve_reward_models(cfg)  # likewise: Hub ids at their commits, actors load snapshots
+    cfg = pin_hub_data(cfg)  # hf:// data fetched here, once; the config names the commit each file was read at
     tokenizer = load_tokenizer(model_path)
     max_prompt = cfg.rollout.max_model_len - cfg.rollout.max_tokens
     prompts = read_prompt_file(prepare_data(cfg, run_dir), tokenizer, cfg.data, max_prompt)
@@ -134,7 +138,7 @@ def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunPa
     refuse_unplaceable(cfg, resuming=saved is not None)
     if is_remote_model(cfg.model.path):  # every node reads the model from its own local copy
         stage_on_other_nodes(str(model_path), cfg.storage)
-    reward_models = start_reward_models(cfg.grpo.reward_models, cfg.model.dtype)  # first: a bad folder fails early
+    reward_models = start_reward_models(reward_model_entries, cfg.model.dtype)  # first: a bad folder fails early
     learners, engine = start_learners_and_engines(cfg, model_path, parts, resuming=saved is not None)
     builtin = cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD
     context = RolloutContext(dock=dock, engine=engine, tokenizer=tokenizer, prompts=prompts, cursor=cursor,

@@ -1,7 +1,8 @@
-"""Models named by Hugging Face Hub id (`model.path: Qwen/Qwen2.5-0.5B-Instruct`), resolved through huggingface_hub:
-its cache first (HF_HOME, HF_HUB_CACHE), HF_HUB_OFFLINE honoured, a download of the files a run needs when online.
-The driver resolves once, before any actor starts, and every actor loads that snapshot folder; the run's config
-records the commit it resolved to (model.revision), so a resumed run loads the same weights even if the Hub moved."""
+"""Models named by Hugging Face Hub id (`model.path: Qwen/Qwen2.5-0.5B-Instruct`, and grpo.reward_models[i].path),
+resolved through huggingface_hub: its cache first (HF_HOME, HF_HUB_CACHE), HF_HUB_OFFLINE honoured, a download of the
+files a run needs when online. The driver resolves once, before any actor starts, and every actor (learners, the
+reference, engines, reward models) loads that snapshot folder; the run's config records the commit it resolved to
+(model.revision, grpo.reward_models[i].revision), so a resumed run loads the same weights even if the Hub moved."""
 from __future__ import annotations
 
 import re
@@ -31,24 +32,43 @@ def resolve_hub_model(repo_id: str, revision: str | None = None, field: str = "m
                                         RevisionNotFoundError)
 
     at = f" at revision {revision}" if revision else ""
+    revision_field = f"{field.rpartition('.')[0]}.revision"  # model.revision, grpo.reward_models[i].revision
     try:
         folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=RUN_FILES))
     except GatedRepoError:
         raise HubModelError(f"{field}={repo_id!r} is a gated Hub repo: accept its terms on huggingface.co and log in "
-                            "(`huggingface-cli login`, or HF_TOKEN)") from None
+                            "(`hf auth login`, or HF_TOKEN)") from None
     except RevisionNotFoundError:
-        raise HubModelError(f"model.revision={revision!r} is not a branch, tag or commit of {repo_id!r}") from None
+        raise HubModelError(f"{revision_field}={revision!r} is not a branch, tag or commit of {repo_id!r}") from None
     except RepositoryNotFoundError:
         raise HubModelError(f"{field}={repo_id!r} is no model on the Hub (a private one needs HF_TOKEN), and no "
                             "local folder of that name exists") from None
     except LocalEntryNotFoundError:
         if constants.HF_HUB_OFFLINE:
-            raise HubModelError(f"{repo_id}{at} is not in the cache at {constants.HF_HUB_CACHE} and HF_HUB_OFFLINE=1: "
-                                f"run `huggingface-cli download {repo_id}` or unset HF_HUB_OFFLINE") from None
-        raise HubModelError(f"{repo_id}{at} is not in the cache at {constants.HF_HUB_CACHE} and the Hub cannot be "
-                            f"reached: run `huggingface-cli download {repo_id}` where it can, or point {field} at a "
+            raise HubModelError(f"{field}: {repo_id}{at} is not in the cache at {constants.HF_HUB_CACHE} and "
+                                f"HF_HUB_OFFLINE=1: run `hf download {repo_id}` or unset HF_HUB_OFFLINE") from None
+        raise HubModelError(f"{field}: {repo_id}{at} is not in the cache at {constants.HF_HUB_CACHE} and the Hub "
+                            f"cannot be reached: run `hf download {repo_id}` where it can, or point {field} at a "
                             "local folder") from None
     if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
-        raise HubModelError(f"{repo_id}{at} holds no config.json and *.safetensors weights: spillover loads "
+        raise HubModelError(f"{field}: {repo_id}{at} holds no config.json and *.safetensors weights: spillover loads "
                             "safetensors only (never pickles)")
     return folder, folder.name
+
+
+def resolve_reward_models(cfg) -> tuple[object, list]:
+    """(cfg, a RunConfig, with each grpo.reward_models entry named by Hub id at the commit it resolved to; the entries
+    the reward model actors load, a Hub id's path replaced by its snapshot folder). The driver calls this once,
+    before any actor starts; a resume then loads the recorded commits. Local folders pass as they are."""
+    recorded, loaded = [], []
+    for i, entry in enumerate(cfg.grpo.reward_models):
+        if is_hub_id(entry.path):
+            folder, commit = resolve_hub_model(entry.path, entry.revision, field=f"grpo.reward_models[{i}].path")
+            entry = entry.model_copy(update={"revision": commit})
+            loaded.append(entry.model_copy(update={"path": str(folder)}))
+        else:
+            loaded.append(entry)
+        recorded.append(entry)
+    if recorded == list(cfg.grpo.reward_models):
+        return cfg, loaded
+    return cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"reward_models": recorded})}), loaded

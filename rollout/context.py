@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from .drivers.rounds import DetachedRows
 from .prompt_data import PromptCursor, PromptSet, read_prompt_file
+from ..infra.data_files import data_file
 
 
 class EvalSets:
@@ -24,7 +25,8 @@ class EvalSets:
     def sets(self) -> dict[str, PromptSet]:
         data, rollout = self.cfg.data, self.cfg.rollout
         max_prompt = rollout.max_model_len - rollout.max_tokens
-        return {key: read_prompt_file(path, self.tokenizer, data, max_prompt) for key, path in data.eval_paths.items()}
+        return {key: read_prompt_file(data_file(path, f"data.eval_paths.{key}"), self.tokenizer, data, max_prompt)
+                for key, path in data.eval_paths.items()}
 
 
 @dataclass(frozen=True)

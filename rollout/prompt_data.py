@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .chat import ChatPromptError, check_prompt, render_messages, to_messages
+from ..infra.data_files import DataFile, data_file
 
 
 class PromptFileError(ValueError):
@@ -74,7 +75,7 @@ def is_parquet(path: str | Path) -> bool:
         return fh.read(4) == PARQUET_MAGIC
 
 
-def prompt_rows(path: str, keys: list[str], optional: list[str] = ()) -> Iterator[tuple[str, dict]]:
+def prompt_rows(path: str | DataFile, keys: list[str], optional: list[str] = ()) -> Iterator[tuple[str, dict]]:
     """("path:line" or "path row N", row) of a JSONL or Parquet prompt file. Parquet rows hold only `keys` and
     those of `optional` the file has (the columns read); a missing key column is one error naming the file and the
     columns present."""
@@ -131,7 +132,7 @@ class PromptKeys:
     additional: tuple[str, ...] = ()
 
 
-def read_prompts(path: str | Path, tokenizer, max_prompt_tokens: int, prompt_key: str = "prompt",
+def read_prompts(path: str | Path | DataFile, tokenizer, max_prompt_tokens: int, prompt_key: str = "prompt",
                  label_key: str = "label", over_long: str = "refuse", additional_keys=(),
                  system_prompt: str | None = None, apply_chat_template: bool = False,
                  row_format: str = "prompt_label") -> PromptSet:
@@ -140,8 +141,9 @@ def read_prompts(path: str | Path, tokenizer, max_prompt_tokens: int, prompt_key
     tokenizer's chat template, with system_prompt first (spillover.rollout.chat). Over-long prompts are refused (error
     naming the line) or, with over_long="truncate", cut to their last `max_prompt_tokens` tokens and counted.
     row_format (data.format): gsm8k or math rows are converted on read (spillover.rollout.builtin.formats) into
-    prompt / label / id rows; the keys are then those."""
-    path = str(path)
+    prompt / label / id rows; the keys are then those. path: a local path, file:// URL or Hub file
+    (spillover.infra.data_files), named as given in every message."""
+    path = data_file(path)
     if not Path(path).is_file():
         raise PromptFileError(f"prompt file {path!r} does not exist (data.prompts_path)")
     if row_format != "prompt_label":
@@ -184,7 +186,7 @@ def read_prompts(path: str | Path, tokenizer, max_prompt_tokens: int, prompt_key
                      metadata if keys.additional else None)
 
 
-def formatted_rows(path: str, row_format: str, keys: list[str]) -> Iterator[tuple[str, dict]]:
+def formatted_rows(path: str | DataFile, row_format: str, keys: list[str]) -> Iterator[tuple[str, dict]]:
     """prompt_rows, converted from a built-in format (data.format) when one is named."""
     if row_format == "prompt_label":
         yield from prompt_rows(path, keys)
@@ -201,7 +203,7 @@ def formatted_rows(path: str, row_format: str, keys: list[str]) -> Iterator[tupl
                                   "rows)") from None
 
 
-def read_prompt_file(path: str | Path, tokenizer, data_cfg, max_prompt_tokens: int) -> PromptSet:
+def read_prompt_file(path: str | Path | DataFile, tokenizer, data_cfg, max_prompt_tokens: int) -> PromptSet:
     """read_prompts with the settings of an spillover.infra.config.run_config.DataConfig."""
     return read_prompts(path, tokenizer, max_prompt_tokens, data_cfg.prompt_key, data_cfg.label_key,
                         data_cfg.over_long_prompts, data_cfg.additional_keys, data_cfg.system_prompt,

@@ -95,6 +95,18 @@ def placement_child(background, tiny_model_dir, s3_server, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def unreachable_hub_check(background, tmp_path_factory):
+    """tests/integration/test_hub_data.py's `spillover check` of a Hub file the Hub cannot be asked for (it waits out
+    huggingface_hub's retries, ~23 s, mostly asleep) -> (future of (returncode, stdout, stderr), its folder, its
+    HF_ENDPOINT)."""
+    from test_hub_data import unreachable_check
+
+    tmp = tmp_path_factory.mktemp("unreachable-hub")
+    argv, env, endpoint = unreachable_check(tmp)
+    return background.submit(run_background, argv, 300, cwd=TESTS.parent, env=env), tmp, endpoint
+
+
+@pytest.fixture(scope="session")
 def gpu_smoke_dry_run(background):
     """tests/integration/test_colocate.py's bench/gpu_smoke.py on CPU -> (returncode, stdout, stderr)."""
     from test_colocate import GPU_SMOKE_CPU_ARGS, WITHOUT_RAY_OR_PREFECT

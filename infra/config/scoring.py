@@ -10,8 +10,11 @@ __all__ = ["EvalConfig", "RewardModelConfig"]
 
 
 class RewardModelConfig(Section):
-    path: str = Field(..., description="HF sequence-classification folder (num_labels=1, a pad token): scores "
-                      "prompt text + response text with its own tokenizer.")
+    path: str = Field(..., description="HF sequence-classification folder (num_labels=1, a pad token), or a Hugging "
+                      "Face Hub id (org/name, resolved as model.path is): scores prompt text + response text with its "
+                      "own tokenizer.")
+    revision: str | None = Field(None, description="A Hub id's branch, tag or commit; empty = main. A run records "
+                                 "the commit it resolved to here, so a resume loads the same weights.")
     weight: float = Field(1.0, description="Weight of its score in the total reward.")
     name: str | None = Field(None, description="Name in metrics (reward_model_<name>_mean); empty = its index.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs its Ray actor reserves (0: CPU).")
