@@ -63,8 +63,8 @@ def check_model(cfg, model_dir: str | Path | None = None) -> tuple[Any, list[str
 def check_data(cfg, tokenizer, extra_paths: dict[str, str] | None = None) -> list[str]:
     """Every prompt file of the run (data.prompts_path, data.eval_paths, extra_paths) read whole with the run's own
     reader: the first bad line or row of each, named with file and line; then every label (null ones, and labels
-    the built-in task's reward cannot read). A Hub file (hf://) is fetched into huggingface_hub's cache, where the
-    run finds it."""
+    the built-in task's reward cannot read). A Hub file (hf://) is fetched into huggingface_hub's cache, an S3 object
+    (s3://) into data.cache_dir, where the run finds them; a missing or unreachable one is one line."""
     from ..infra.data_files import DataFileError, data_file
     from ..rollout.prompt_data import PromptFileError, read_prompt_file
 
@@ -76,7 +76,7 @@ def check_data(cfg, tokenizer, extra_paths: dict[str, str] | None = None) -> lis
         if not path:
             continue  # data.prompts_path empty: the built-in task is generated at start
         try:
-            path = data_file(path, setting)
+            path = data_file(path, setting, cfg, recheck=True)
         except DataFileError as err:
             problems.append(str(err))
             continue

@@ -161,12 +161,12 @@ def summarize(greedy: list, sampled: list, k: int, threshold: float) -> dict:
 def eval_data_sets(cfg: RunConfig, data: str | None, name: str | None) -> dict[str, DataFile]:
     """What `spillover eval` scores: --data (named --name, else its file stem), else every data set of the run's
     data.eval_paths (each under its key); a Hub file (hf://) from huggingface_hub's cache, a run's at the commit
-    it recorded."""
+    it recorded; an S3 object (s3://) from its copy in data.cache_dir."""
     if data:
-        return {name or Path(data).stem: data_file(data, "--data")}
+        return {name or Path(data).stem: data_file(data, "--data", cfg)}
     if not cfg.data.eval_paths:
         raise ConfigError("nothing to evaluate: pass --data FILE, or set data.eval_paths (the run's config has none)")
-    return {key: data_file(path, f"data.eval_paths.{key}") for key, path in cfg.data.eval_paths.items()}
+    return {key: data_file(path, f"data.eval_paths.{key}", cfg) for key, path in cfg.data.eval_paths.items()}
 
 
 def evaluate(target: EvalTarget, data_sets: dict[str, DataFile], parts: RunParts | None = None

@@ -18,7 +18,7 @@ from ..infra.config.run_config import RunConfig, save_run_config
 from ..infra.config.placement_plan import needs_engines as plan_needs_engines, placement_plan, plan_problems
 from ..infra.imports import load_function
 from ..infra.storage.model_staging import is_remote_model, stage_on_other_nodes
-from ..infra.data_files import DataFile, data_file, pin_hub_data
+from ..infra.data_files import DataFile, data_file, pin_data
 from ..infra.hub_models import is_hub_id, resolve_reward_models
 from ..infra.models import end_token_ids, load_tokenizer, resolve_model_path
 from ..rollout.builtin import toy_task
@@ -62,10 +62,10 @@ class Run:
 
 
 def prepare_data(cfg: RunConfig, run_dir: Path) -> Path | DataFile:
-    """The prompt file of the run: data.prompts_path (a Hub file from huggingface_hub's cache), or the built-in task
-    generated into the run dir."""
+    """The prompt file of the run: data.prompts_path (a Hub file from huggingface_hub's cache, an S3 object's copy in
+    data.cache_dir), or the built-in task generated into the run dir."""
     if cfg.data.prompts_path:
-        return data_file(cfg.data.prompts_path, "data.prompts_path")
+        return data_file(cfg.data.prompts_path, "data.prompts_path", cfg)
     if cfg.data.builtin_task == "calculator":
         from ..rollout.builtin import calculator
 
@@ -110,7 +110,7 @@ def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunPa
     if is_hub_id(cfg.model.path):  # the run's config keeps the commit: a resume loads these weights, not the Hub's newest
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"revision": model_path.name})})
     cfg, reward_model_entries = resolve_reward_models(cfg)  # likewise: Hub ids at their commits, actors load snapshots
-    cfg = pin_hub_data(cfg)  # hf:// data fetched here, once; the config names the commit each file was read at
+    cfg = pin_data(cfg)  # hf:// and s3:// data fetched here, once; the config names the Hub commit each was read at
     tokenizer = load_tokenizer(model_path)
     max_prompt = cfg.rollout.max_model_len - cfg.rollout.max_tokens
     prompts = read_prompt_file(prepare_data(cfg, run_dir), tokenizer, cfg.data, max_prompt)

@@ -1,24 +1,35 @@
-"""Data files (data.prompts_path, data.eval_paths, `spillover eval --data`): a local path, a file:// URL, or a file of a
+"""Data files (data.prompts_path, data.eval_paths, `spillover eval --data`): a local path, a file:// URL, a file of a
 Hugging Face Hub repo, `hf://datasets/ORG/NAME[@REVISION]/FILE` (JSON Lines or Parquet; the grammar of
-huggingface_hub's HF URIs, which HfFileSystem reads too).
+huggingface_hub's HF URIs, which HfFileSystem reads too), or an S3 object, `s3://BUCKET/KEY`.
 
 A Hub file is fetched by huggingface_hub's hf_hub_download into its cache (HF_HOME, HF_HUB_CACHE), the cache that
 models by Hub id use and `hf download --repo-type dataset ORG/NAME FILE` fills: the cache first, HF_HUB_OFFLINE
 honoured, a download when online. (HfFileSystem, fsspec's `hf://`, reads the same files but keeps no copy on disk and
 asks the Hub on every read, so an offline node could not read them.) The driver fetches every data file once, before
-any actor starts (`pin_hub_data`), and the run's config names the commit each was read at
+any actor starts (`pin_data`), and the run's config names the commit each was read at
 (hf://datasets/ORG/NAME@COMMIT/FILE): a resumed run and `spillover eval RUN_DIR` read those bytes from the cache even
 after the data set changed on the Hub.
+
+An S3 object is read through s3fs with the run's storage settings (storage.endpoint_url, region and credentials, or
+the AWS_* environment: infra/storage/store.py, whose errors never show a secret) and copied into data.cache_dir, one
+copy per version of the object (its ETag), so it is downloaded again only when it changed. The driver fetches it in
+`pin_data`; the rest of that process (the prompts, the eval sets read mid-run) reads the copy without asking S3
+again. Its name stays the s3:// path: readers' messages name it and its line.
 """
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
-__all__ = ["DataFile", "DataFileError", "HubFile", "data_file", "is_hub_path", "parse_hub_path", "pin_hub_data"]
+__all__ = ["DataFile", "DataFileError", "HubFile", "data_file", "is_hub_path", "is_s3_path", "parse_hub_path",
+           "pin_data"]
+log = logging.getLogger(__name__)
 
 HUB_SCHEME = "hf://"
 # hf://TYPE/ORG/NAME[@REVISION]/FILE. A revision that holds '/' is a special ref (refs/pr/N, refs/convert/NAME, as
@@ -28,6 +39,11 @@ HUB_PATH = re.compile(r"^hf://(?P<kind>datasets|models)/(?P<repo>[\w.-]+/[\w.-]+
 SPECIAL_REF = re.compile(r"^refs/(?:pr/\d+|convert/[\w.-]+)$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 EXPECTED = "expected hf://datasets/ORG/NAME[@REVISION]/FILE, one JSON Lines or Parquet file of a Hub data set"
+S3_SCHEMES = ("s3://", "s3a://")  # s3a: as storage.url and model.path accept it
+S3_PATH = re.compile(r"^s3a?://(?P<bucket>[^/@:]+)/(?P<key>.*[^/])$")
+EXPECTED_S3 = "expected s3://BUCKET/KEY, one JSON Lines or Parquet object"
+S3_CHECK_DEADLINE_S = 10.0  # the first request's retries, as check_storage's: a server down this long is named then
+_fetched: dict[tuple[str, str], "DataFile"] = {}  # (s3:// path, its cache folder) -> the copy this process fetched
 
 
 class DataFileError(ValueError):
@@ -79,20 +95,28 @@ def parse_hub_path(path: str, setting: str) -> HubFile:
     return HubFile(match["kind"][:-1], match["repo"], revision, match["file"])
 
 
-def data_file(path: str | os.PathLike, setting: str = "data.prompts_path") -> DataFile:
+def is_s3_path(path) -> bool:
+    return isinstance(path, str) and path.startswith(S3_SCHEMES)
+
+
+def data_file(path: str | os.PathLike, setting: str = "data.prompts_path", cfg=None, *,
+              recheck: bool = False) -> DataFile:
     """The file `setting` names, on this machine: a local path or file:// URL as it is (whether it exists is the
-    reader's to say, with its line numbers), a Hub path fetched into huggingface_hub's cache. A DataFile passes as
-    it is."""
+    reader's to say, with its line numbers), a Hub path fetched into huggingface_hub's cache, an S3 object copied into
+    data.cache_dir with cfg's (a RunConfig's) storage settings (None: the defaults and the AWS_* environment); an S3
+    object this process already fetched is not asked for again unless `recheck`. A DataFile passes as it is."""
     if isinstance(path, DataFile):
         return path
     source = os.fspath(path)
     if is_hub_path(source):
         return fetch_hub_file(source, setting)
+    if is_s3_path(source):
+        return fetch_s3_file(source, setting, cfg, recheck=recheck)
     if source.startswith("file://"):
         return DataFile(source, Path(source[len("file://"):]), source)
     if "://" in source:
-        raise DataFileError(f"{setting}={source!r}: data files are read from a local path, a file:// URL or the "
-                            f"Hugging Face Hub ({EXPECTED}); copy it to this machine or publish it on the Hub")
+        raise DataFileError(f"{setting}={source!r}: data files are read from a local path, a file:// URL, the "
+                            f"Hugging Face Hub ({EXPECTED}) or S3 (s3://BUCKET/KEY); copy it to one of them")
     return DataFile(source, Path(source), source)
 
 
@@ -143,10 +167,86 @@ def hub_tree_url(hub: HubFile, revision: str, endpoint: str) -> str:
     return f"{endpoint}/{prefix}{hub.repo_id}/tree/{revision.replace('/', '%2F')}"
 
 
-def pin_hub_data(cfg):
-    """cfg (a RunConfig) with every Hub file of data.prompts_path and data.eval_paths fetched (once: the driver calls
-    this before any actor starts) and named at the commit it was read at."""
+def fetch_s3_file(path: str, setting: str, cfg=None, *, recheck: bool = False) -> DataFile:
+    """An S3 object -> its copy at <data.cache_dir>/<hash of server and path>/<ETag>/<file name>, downloaded when that
+    version is not there yet. Every way it cannot be had is one DataFileError naming the setting and the fix."""
+    from .config.run_config import DataConfig, StorageConfig
+    from .storage.store import ObjectMissing, RetryPolicy, StorageError, open_store, s3_server
+
+    parts = urlsplit(path)
+    if parts.username or parts.password:
+        shown = path.replace(parts.netloc, parts.hostname or "", 1)
+        raise DataFileError(f"{setting}={shown!r} carries credentials; put them in storage.access_key_id / "
+                            "storage.secret_access_key or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY instead")
+    match = S3_PATH.match(path)
+    if match is None:
+        raise DataFileError(f"{setting}={path!r} is not an S3 object path: {EXPECTED_S3}")
+    bucket, key = match["bucket"], match["key"]
+    storage = cfg.storage if cfg is not None else StorageConfig()
+    server = s3_server(storage)
+    cache_dir = Path(cfg.data.cache_dir if cfg is not None else DataConfig().cache_dir).expanduser().absolute()
+    folder = cache_dir / hashlib.sha256(f"{server}\n{bucket}/{key}".encode()).hexdigest()[:20]
+    fetched = _fetched.get((path, str(folder)))
+    if fetched is not None and not recheck and fetched.local.is_file():
+        return fetched
+    named = f"{setting}={path!r}"
+
+    def refused(err: StorageError) -> DataFileError:
+        if isinstance(err, ObjectMissing):
+            return DataFileError(f"{named}: {server} has no object {key!r} in bucket {bucket!r}: upload the file "
+                                 f"there or correct {setting}")
+        return DataFileError(f"{named}: {' '.join(str(err).split())}")
+
+    store = open_store(f"s3://{bucket}", storage, retry=RetryPolicy(deadline_s=S3_CHECK_DEADLINE_S, max_backoff_s=2.0))
+    try:
+        info = store.info(key)
+    except StorageError as err:
+        raise refused(err) from None
+    if info.get("type") != "file":
+        raise DataFileError(f"{named} is a folder of bucket {bucket!r}, not one object: {EXPECTED_S3}")
+    version = s3_version(info)
+    local = folder / version / PurePosixPath(key).name
+    if not (local.is_file() and local.stat().st_size == info["size"]):
+        local.parent.mkdir(parents=True, exist_ok=True)
+        fd, part = tempfile.mkstemp(dir=local.parent, prefix=f".{local.name}.", suffix=".part")
+        os.close(fd)
+        try:
+            # the default deadline: a download that fails late is retried longer than a first request
+            download = open_store(f"s3://{bucket}", storage)
+            download.get_file(key, part)
+            # s3fs reads every range If-Match the ETag it saw when it opened the object: the bytes are one version,
+            # this one if the object still has it
+            after = download.info(key)
+            if s3_version(after) != version or os.path.getsize(part) != info["size"]:
+                raise DataFileError(f"{named} changed while it was read ({version} -> {s3_version(after)}): run "
+                                    "again once its upload is done")
+            os.replace(part, local)
+        except StorageError as err:
+            raise refused(err) from None
+        finally:
+            if os.path.exists(part):
+                os.unlink(part)
+        log.info("%s: %s (%d bytes, ETag %s) copied to %s", setting, path, info["size"], version, local)
+    fetched = DataFile(path, local, path)
+    _fetched[(path, str(folder))] = fetched
+    return fetched
+
+
+def s3_version(info: dict) -> str:
+    """The name of an object's version in the cache: its ETag (a digest of its bytes), else its size and time."""
+    etag = re.sub(r"[^0-9A-Za-z-]", "", str(info.get("ETag") or ""))
+    return etag or re.sub(r"[^0-9A-Za-z-]", "-", f"{info['size']}-{info.get('LastModified', '')}")
+
+
+def pin_data(cfg):
+    """cfg (a RunConfig) with every remote file of data.prompts_path and data.eval_paths fetched, once: the driver
+    calls this before any actor starts. A Hub file is named at the commit it was read at; an S3 object keeps its
+    name, and this process reads the copy fetched here from then on."""
     data = cfg.data
+    remote = {"data.prompts_path": data.prompts_path, **{f"data.eval_paths.{k}": v for k, v in data.eval_paths.items()}}
+    for setting, path in remote.items():
+        if is_s3_path(path):
+            data_file(path, setting, cfg, recheck=True)
     update = {}
     if is_hub_path(data.prompts_path):
         update["prompts_path"] = data_file(data.prompts_path, "data.prompts_path").pinned

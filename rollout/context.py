@@ -25,7 +25,8 @@ class EvalSets:
     def sets(self) -> dict[str, PromptSet]:
         data, rollout = self.cfg.data, self.cfg.rollout
         max_prompt = rollout.max_model_len - rollout.max_tokens
-        return {key: read_prompt_file(data_file(path, f"data.eval_paths.{key}"), self.tokenizer, data, max_prompt)
+        return {key: read_prompt_file(data_file(path, f"data.eval_paths.{key}", self.cfg), self.tokenizer, data,
+                                      max_prompt)
                 for key, path in data.eval_paths.items()}
 
 

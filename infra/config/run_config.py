@@ -61,9 +61,10 @@ class ModelConfig(Section):
 class DataConfig(Section):
     prompts_path: str | None = Field(
         None, description="Prompt file: JSON Lines (one object per line) or Parquet (one row per prompt); a local "
-        "path, a file:// URL or a Hub file, hf://datasets/ORG/NAME[@REVISION]/FILE (huggingface_hub's cache first, "
-        "HF_HUB_OFFLINE honoured, downloaded when online; the run records the commit it read). Empty: generate the "
-        "built-in repeat task into <run_dir>/data/train.jsonl.")
+        "path, a file:// URL, a Hub file, hf://datasets/ORG/NAME[@REVISION]/FILE (huggingface_hub's cache first, "
+        "HF_HUB_OFFLINE honoured, downloaded when online; the run records the commit it read), or an S3 object, "
+        "s3://BUCKET/KEY (endpoint and credentials from the storage section; copied once into data.cache_dir). Empty: "
+        "generate the built-in repeat task into <run_dir>/data/train.jsonl.")
     format: Literal["prompt_label", "gsm8k", "math"] = Field(
         "prompt_label", description="What a prompt file's rows are: prompt_label (data.prompt_key / data.label_key); "
         "gsm8k ({question, answer ending '#### N'}, label N) or math ({problem, solution with \\boxed{...}}, label "
@@ -87,7 +88,9 @@ class DataConfig(Section):
         "arithmetic (chat prompts 'What is a + b?' with the value as label, Parquet; rollout/builtin/arith_task.py) or "
         "calculator (multi-step expressions such as '12*7+5' for the calculator tool, JSONL; rollout/builtin/calculator.py).")
     eval_paths: dict[str, str] = Field(default_factory=dict, description="Eval data sets: key -> JSONL or Parquet "
-                                       "file, named as data.prompts_path is (a path, file:// or hf://).")
+                                       "file, named as data.prompts_path is (a path, file://, hf:// or s3://).")
+    cache_dir: str = Field("~/.cache/spillover/data", description="Where the driver keeps its copy of each s3:// data "
+                           "file, one per version of the object (its ETag): fetched again only when the object changed.")
     sft_path: str | None = Field(
         None, description="SFT mode (rollout.rollout_function_path=spillover.rollout.builtin.sft.generate_sft_rollout): JSONL of "
         "pre-generated samples, {prompt, response} or {prompt_tokens, response_tokens}, optional loss_mask.")

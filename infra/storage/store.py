@@ -23,7 +23,7 @@ from .errors import (Fixes, ObjectMissing, Redactor, RetryPolicy, StorageAuthErr
 from .hashed_io import (CallTimeout, ObjectInfo, local_get, local_get_bytes, local_put, local_put_written, s3_delete,
                         s3_get, s3_put)
 
-__all__ = ["Store", "ObjectInfo", "open_store", "check_storage", "resolve_storage_url", "StorageError", "StorageAuthError",
+__all__ = ["Store", "ObjectInfo", "open_store", "check_storage", "s3_server", "StorageError", "StorageAuthError",
            "StorageUnreachable", "ObjectMissing", "RetryPolicy"]
 
 def _plain_url(url: str) -> str:
@@ -117,6 +117,10 @@ class Store:
     def exists(self, key: str) -> bool:
         return self._retry("check", key, lambda: self.fs.exists(self.path(key), **self._kw()))
 
+    def info(self, key: str) -> dict:
+        """The object's metadata as fsspec gives it: name, size, type (file or directory); on S3 also ETag."""
+        return self._retry("check", key, lambda: self.fs.info(self.path(key), **self._kw()))
+
     def list(self, prefix: str = "") -> list[str]:
         """Names of the direct children (objects and 'directories') under `prefix`; [] if none."""
         def ls():
@@ -168,9 +172,10 @@ def _secret(value) -> str | None:
     return value.get_secret_value() if value is not None else None
 
 
-def resolve_storage_url(cfg: StorageConfig, run_dir: str) -> str:
-    """storage.url, or <run_dir>/checkpoints when it is empty."""
-    return cfg.url or os.path.join(os.path.abspath(run_dir), "checkpoints")
+def s3_server(cfg: StorageConfig) -> str:
+    """How messages name the S3 server that cfg (or the environment) points at, without credentials."""
+    endpoint = cfg.endpoint_url or _env("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+    return f"the S3 server at {_plain_url(endpoint)}" if endpoint else "AWS S3 (no endpoint set)"
 
 
 def open_store(url: str, cfg: StorageConfig | None = None, *, retry: RetryPolicy | None = None,
@@ -211,7 +216,7 @@ def open_store(url: str, cfg: StorageConfig | None = None, *, retry: RetryPolicy
                        "request_checksum_calculation": "when_required",
                        "response_checksum_validation": "when_required"})
     fs.retries = 2  # s3fs's own quick retries; the deadline-bounded retries are ours
-    server = f"the S3 server at {_plain_url(endpoint)}" if endpoint else "AWS S3 (no endpoint set)"
+    server = s3_server(cfg)
     fixes = Fixes(
         auth=f"give credentials that {server} accepts for bucket {bucket!r}: storage.access_key_id and "
              "storage.secret_access_key, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",

@@ -44,9 +44,26 @@ def test_a_path_that_names_no_single_hub_file_is_refused_naming_the_setting(path
 
 
 def test_other_schemes_are_refused_naming_the_setting_and_the_ways_that_work():
-    with pytest.raises(DataFileError, match=r"^data.prompts_path='s3://bucket/train.jsonl': data files are read from a "
-                                            r"local path, a file:// URL or the Hugging Face Hub"):
-        data_file("s3://bucket/train.jsonl")
+    with pytest.raises(DataFileError, match=r"^data.prompts_path='https://host/train.jsonl': data files are read from "
+                                            r"a local path, a file:// URL, the Hugging Face Hub .* or S3 "
+                                            r"\(s3://BUCKET/KEY\); copy it to one of them$"):
+        data_file("https://host/train.jsonl")
+
+
+@pytest.mark.parametrize("path", ["s3://bucket", "s3://bucket/", "s3://bucket/data/", "s3:///train.jsonl"])
+def test_an_s3_path_that_names_no_object_is_refused_before_any_request(path):
+    with pytest.raises(DataFileError) as err:
+        data_file(path, "data.eval_paths.test")
+    assert str(err.value) == (f"data.eval_paths.test={path!r} is not an S3 object path: expected s3://BUCKET/KEY, "
+                              "one JSON Lines or Parquet object")
+
+
+def test_an_s3_path_with_credentials_is_refused_without_showing_them():
+    with pytest.raises(DataFileError) as err:
+        data_file("s3://AKIDEXAMPLE:s3cr3tvalue@bucket/train.jsonl")
+    assert str(err.value) == ("data.prompts_path='s3://bucket/train.jsonl' carries credentials; put them in "
+                              "storage.access_key_id / storage.secret_access_key or AWS_ACCESS_KEY_ID / "
+                              "AWS_SECRET_ACCESS_KEY instead")
 
 
 def test_local_paths_and_file_urls_are_read_and_named_as_given(tmp_path):
