@@ -43,7 +43,8 @@ log = logging.getLogger("bench.checkpoint")
 
 
 def tiny_state(work: Path) -> CheckpointState:
-    from ..infra.models import build_tiny_model, load_causal_lm
+    from ..infra.models import build_tiny_model
+    from .reference_lm import load_causal_lm
 
     model = load_causal_lm(build_tiny_model(work / "tiny_model"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

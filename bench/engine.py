@@ -29,6 +29,7 @@ import numpy as np
 
 from ..rollout.fleet.engine_client import EngineClient  # noqa: E402
 from ..rollout.fleet.router import Router, free_port, stop_process  # noqa: E402
+from ..rollout.sglang.protocol import GenerateRequest, SamplingParams  # noqa: E402
 
 
 def log(*parts) -> None:
@@ -72,8 +73,9 @@ async def run_engine(url: str, workload, concurrency: int) -> tuple[int, float]:
     async with EngineClient(url, max_connections=concurrency + 8) as client:
         async def one(prompt, n):
             async with gate:
-                res = await client.generate(prompt, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
-                                            return_logprob=True)
+                params = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+                res = await client.generate(GenerateRequest(input_ids=prompt, sampling_params=params,
+                                                            return_logprob=True))
                 return res.meta_info.completion_tokens
 
         start = time.perf_counter()
@@ -84,14 +86,14 @@ async def run_engine(url: str, workload, concurrency: int) -> tuple[int, float]:
 async def router_overhead_p50_ms(engine_url: str, router_url: str, n: int = 60) -> float:
     """p50 over n pairs of (routed - direct) latency of a 1-token request, the pair run back to back so
     both see the same machine load."""
-    params = {"max_new_tokens": 1, "temperature": 0}
+    params = SamplingParams(max_new_tokens=1, temperature=0)
     async with EngineClient(engine_url) as direct, EngineClient(router_url) as routed:
         diffs = []
         for _ in range(n):
             t0 = time.perf_counter()
-            await direct.generate([5, 6, 7], params, return_logprob=False)
+            await direct.generate(GenerateRequest(input_ids=[5, 6, 7], sampling_params=params))
             t1 = time.perf_counter()
-            await routed.generate([5, 6, 7], params, return_logprob=False)
+            await routed.generate(GenerateRequest(input_ids=[5, 6, 7], sampling_params=params))
             diffs.append((time.perf_counter() - t1) - (t1 - t0))
     return float(np.median(diffs)) * 1e3
 
@@ -100,7 +102,7 @@ def run_hf(model_dir: Path, workload, batch_size: int) -> tuple[int, float]:
     """(completion tokens, seconds) of HF generate over the workload in static batches (left padded)."""
     import torch
 
-    from ..infra.models import load_causal_lm
+    from .reference_lm import load_causal_lm
 
     model = load_causal_lm(model_dir).eval()
     model.generation_config.eos_token_id = None  # ignore EOS, like the engine side

@@ -86,7 +86,7 @@ def random_qwen2(size: str, folder: Path, dtype: torch.dtype = torch.float32, to
 def random_batch(samples: int, max_response: int, vocab: int, seed: int):
     """Long-tailed like GRPO responses: lognormal response lengths (median max_response / 6, sigma 1: ~4% reach the
     cap), prompts of 32-160 tokens."""
-    from ..rollout.batch import from_sequences
+    from .batches import from_sequences
 
     rng = np.random.default_rng(seed)
     responses = np.clip(rng.lognormal(np.log(max(max_response / 6, 1.0)), 1.0, samples), 1, max_response).astype(int)
@@ -236,7 +236,9 @@ class PlainTorch:
 
     def _logprobs(self, batch, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Padded rows -> (logprob of each next token [B, L-1], response mask [B, L-1], advantages [B, 1])."""
-        seqs = [batch.sequence(i) for i in rows]
+        from .batches import row_sequence
+
+        seqs = [row_sequence(batch, i) for i in rows]
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)

@@ -57,7 +57,8 @@ import torch
 from ..rollout.torch_engine.batcher import ContinuousBatcher, EngineRequest  # noqa: E402
 from ..rollout.torch_engine.lean_forward import LeanDecoder, read_safetensors, read_shape  # noqa: E402
 from ..rollout.sglang.protocol import SamplingParams  # noqa: E402
-from ..rollout.sglang.update_group import plan_buckets, tensor_digest  # noqa: E402
+from ..rollout.sglang.update_group import plan_buckets  # noqa: E402
+from .weight_digests import tensor_digest  # noqa: E402
 
 
 def memory_gb(device: torch.device) -> float:
@@ -70,7 +71,7 @@ def generate(batcher: ContinuousBatcher, prompts: list[list[int]], max_new: int,
                               stop_ids=frozenset()) for i, p in enumerate(prompts)]
     for request in requests:
         batcher.submit(request)
-    return [request.future.result(timeout=600)["output_ids"] for request in requests]
+    return [request.future.result(timeout=600).output_ids for request in requests]
 
 
 def learner_step(model, optimizer, prompts: list[list[int]], outputs: list[list[int]], device) -> None:
@@ -209,7 +210,7 @@ def inflight_update(args, device: torch.device) -> dict:
     import httpx
 
     from ..rollout.fleet.weight_poster import WeightPoster
-    from ..rollout.sglang.backend import continue_generation_payload, pause_generation_payload
+    from ..rollout.sglang.protocol import ContinueGenerationRequest, PauseGenerationRequest
     from ..rollout.torch_engine.server import TorchEngineServer
 
     model_path = args.model or _tiny_model()
@@ -243,14 +244,16 @@ def inflight_update(args, device: torch.device) -> dict:
         else:
             raise CheckFailed("inflight update: the request finished before the poller saw it, 3 times", {})
         tic = time.perf_counter()
-        httpx.post(url + "/pause_generation", json=pause_generation_payload("in_place"), timeout=60.0).raise_for_status()
+        pause = PauseGenerationRequest(mode="in_place").model_dump()
+        httpx.post(url + "/pause_generation", json=pause, timeout=60.0).raise_for_status()
         at_pause, kv_kept = output_length(), len(server.batcher.running)
         flush_refused = httpx.post(url + "/flush_cache", timeout=60.0).status_code != 200
         update_tic = time.perf_counter()
         version = poster.update(new, 1, bucket_bytes=int(args.bucket_mb * 2**20), flush_cache=False)
         update_s = time.perf_counter() - update_tic
         steps_while_paused = output_length() - at_pause
-        httpx.post(url + "/continue_generation", json=continue_generation_payload(), timeout=60.0).raise_for_status()
+        resume = ContinueGenerationRequest().model_dump()
+        httpx.post(url + "/continue_generation", json=resume, timeout=60.0).raise_for_status()
         paused_s = time.perf_counter() - tic
         result = answer.result(timeout=600)
         weights_equal = all(tensor_digest(server.batcher.decoder.weights[n]) == tensor_digest(new[n].to(device))

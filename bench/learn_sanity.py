@@ -27,7 +27,7 @@ from ..infra.config.run_config import TinyModelConfig
 from ..infra.config.training import GRPOConfig, OptimizerConfig
 from ..infra.models import build_tiny_model, load_tokenizer
 from ..rollout.builtin import toy_task
-from ..rollout.batch import from_sequences
+from .batches import from_sequences
 from ..tasks.grpo_loss import group_advantages
 from ..tasks.learner.actor import LearnerActor
 

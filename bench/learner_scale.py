@@ -27,7 +27,8 @@ from ..infra.config.run_config import TinyModelConfig
 from ..infra.config.training import GRPOConfig, OptimizerConfig
 from ..infra.config.learner import LearnerConfig
 from ..infra.models import build_tiny_model
-from ..rollout.batch import RolloutBatch, from_sequences
+from ..rollout.batch import RolloutBatch
+from .batches import from_sequences
 
 
 def random_batch(samples: int, tokens: int, seed: int, vocab: int = 40) -> RolloutBatch:
@@ -42,9 +43,23 @@ def random_batch(samples: int, tokens: int, seed: int, vocab: int = 40) -> Rollo
                           advantages=rng.normal(size=samples))
 
 
+def local_state_bytes(net: torch.nn.Module, optimizer) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients (as large as the trainable parameters during a step) and
+    optimizer state; sharded tensors count only their local shard."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = [local(p) for p in net.parameters()]
+    trainable = [local(p) for p in net.parameters() if p.requires_grad]
+    optim = [local(v) for s in (optimizer.state.values() if optimizer is not None else ()) for v in s.values()
+             if torch.is_tensor(v) and v.dim() > 0]
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    return {"params": size(params), "grads": size(trainable), "optimizer": size(optim)}
+
+
 def _rank(rank: int, world: int, port: int, args, model_dir: str, out) -> None:
     from ..tasks.learner.actor import LearnerActor
-    from ..tasks.learner.state import full_model_state, local_state_bytes
+    from ..tasks.learner.state import full_model_state
 
     lcfg = LearnerConfig(world_size=world, device=args.device, cpu_threads=args.threads)
     learner = LearnerActor(model_dir, GRPOConfig(micro_batch_size=args.micro_batch), OptimizerConfig(), 1.0, 0, True,

@@ -18,7 +18,8 @@ import torch
 
 from ..infra.config.training import GRPOConfig, OptimizerConfig
 from ..infra.models import build_tiny_model
-from ..rollout.batch import RolloutBatch, from_sequences
+from ..rollout.batch import RolloutBatch
+from .batches import from_sequences
 from ..tasks.learner.actor import LearnerActor
 
 

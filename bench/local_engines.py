@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any
 
 from ..rollout.fleet.engine_client import EngineClient
+from ..rollout.sglang.protocol import GenerateJob, GenerateRequest, GenerateResponse
 from ..rollout.fleet.weight_update import WeightUpdate
 from ..rollout.torch_engine.server import TorchEngineServer
 from ..rollout.fleet.generation import BatchGenerator
@@ -17,13 +17,13 @@ from ..rollout.fleet.pinned_router import PinnedRouter
 
 
 class _RoundRobin:
-    """Stands in for the sglang-router (not installed on the GPU machine): each POST goes to the next engine."""
+    """Stands in for the sglang-router (not installed on the GPU machine): each request goes to the next engine."""
 
     def __init__(self, clients: list[EngineClient]):
         self.clients, self.turn = clients, itertools.cycle(clients)
 
-    async def post(self, path: str, **kwargs: Any):
-        return await next(self.turn).post(path, **kwargs)
+    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        return await next(self.turn).generate(request)
 
 
 class LocalEngines:
@@ -40,8 +40,8 @@ class LocalEngines:
     def num_engines(self) -> int:
         return len(self.servers)
 
-    def generate(self, batch: list[dict], on_result=None) -> list[dict]:
-        async def run() -> list[dict]:
+    def generate(self, batch: list[GenerateJob], on_result=None) -> list[GenerateResponse]:
+        async def run() -> list[GenerateResponse]:
             clients = [EngineClient(url) for url in self.urls]
             by_url = dict(zip(self.urls, clients))
 
@@ -52,7 +52,7 @@ class LocalEngines:
             gen = BatchGenerator(router, lambda: self.urls, by_url.__getitem__, no_recovery,
                                  max_attempts=1, max_in_flight=sum(s.max_running_requests for s in self.servers))
             try:
-                return await router.run(gen.generate_round, batch, on_result)
+                return await gen.generate_round(batch, on_result)
             finally:
                 await asyncio.gather(*(c.aclose() for c in clients))
 

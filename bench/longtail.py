@@ -95,7 +95,8 @@ class SimulatedRun:
         engine = SimulatedEngine(self.timing, self.lengths, eos_token_id=DEFAULT_EOS,
                                  **({"pause_mode": pause_mode(mode)} if overlap else {}))
         engine.slots = (self.timing.num_engines, self.timing.slots_per_engine)
-        engine.shared_queue = not mode.endswith("_pinned")  # pinned: every row queues on the engine dispatch chose
+        if mode.endswith("_pinned"):  # every row queues on the engine dispatch chose
+            engine.num_engines = self.timing.num_engines
 
         def update(version: int) -> float:
             if overlap:  # the learner trains while detached requests decode; the engines pause only for the swap

@@ -25,6 +25,7 @@ import httpx
 from .mode_run import ModeRun
 from .simulator.workload import LognormalLengths
 from ..rollout.fleet.weight_update import WeightUpdate
+from ..rollout.sglang.protocol import FinishReason, GenerateJob, GenerateResponse
 
 log = logging.getLogger("longtail.real")
 
@@ -47,8 +48,9 @@ class NaturalLengths:
         self.free_j[group] = list(range(len(self.natural[group])))
         return ids
 
-    def _plan(self, item: dict) -> tuple[dict, tuple]:
-        ids = tuple(item["input_ids"])
+    def _plan(self, job: GenerateJob) -> tuple[GenerateJob, tuple]:
+        request = job.request
+        ids = tuple(request.input_ids)
         with self.lock:
             if ids in self.continuations:
                 group, j, plen = self.continuations.pop(ids)
@@ -56,17 +58,17 @@ class NaturalLengths:
                 group, plen = self.prompts[ids], len(ids)
                 j = heapq.heappop(self.free_j[group])
         left = self.natural[group][j] - (len(ids) - plen)
-        budget = int(item["sampling_params"]["max_new_tokens"])
+        budget = int(request.sampling_params.max_new_tokens)
         cut = max(0, min(budget, left))
-        params = {**item["sampling_params"], "max_new_tokens": cut, "ignore_eos": True}
-        return {**item, "sampling_params": params}, (ids, group, j, plen, cut, left <= budget)
+        params = request.sampling_params.model_copy(update={"max_new_tokens": cut, "ignore_eos": True})
+        return (GenerateJob(request.model_copy(update={"sampling_params": params}), job.engine),
+                (ids, group, j, plen, cut, left <= budget))
 
-    def _fix(self, plan: tuple, answer: dict) -> None:
+    def _fix(self, plan: tuple, answer: GenerateResponse) -> None:
         ids, group, j, plen, cut, reaches_natural = plan
-        out = answer["output_ids"]
-        reason = answer["meta_info"]["finish_reason"]
-        if reason["type"] != "abort" and len(out) == cut and reaches_natural:
-            answer["meta_info"]["finish_reason"] = {"type": "stop", "matched": "natural length"}
+        out = answer.output_ids
+        if answer.meta_info.finish_reason.type != "abort" and len(out) == cut and reaches_natural:
+            answer.meta_info.finish_reason = FinishReason(type="stop", matched="natural length")
             return
         with self.lock:
             if out or len(ids) > plen:
@@ -74,16 +76,16 @@ class NaturalLengths:
             else:
                 heapq.heappush(self.free_j[group], j)  # nothing generated: the sample starts afresh later
 
-    def generate(self, requests: list[dict], on_result=None) -> list[dict]:
-        planned = [self._plan(item) for item in requests]
-        fixed = [False] * len(requests)
+    def generate(self, jobs: list[GenerateJob], on_result=None) -> list[GenerateResponse]:
+        planned = [self._plan(job) for job in jobs]
+        fixed = [False] * len(jobs)
 
-        def fix(i: int, answer: dict) -> None:
+        def fix(i: int, answer: GenerateResponse) -> None:
             if not fixed[i]:
                 fixed[i] = True
                 self._fix(planned[i][1], answer)
 
-        def wrapped(i: int, answer: dict) -> bool | None:
+        def wrapped(i: int, answer: GenerateResponse) -> bool | None:
             fix(i, answer)
             return on_result(i, answer)  # True stops the round (the manager aborts and returns once idle)
 

@@ -82,7 +82,7 @@ class ModeRun:
                         self.work.token_scale)
         if self.usage and "tokens_generated" in self.usage():
             # every token the engines made either reached the dock, waits in a detached answer, or was lost
-            waiting = sum(len(a.get("output_ids") or []) for a in self.engine.collect_detached().values()) \
+            waiting = sum(len(a.output_ids) for a in self.engine.collect_detached().values()) \
                 if self.detached is not None else 0
             lost = self.usage()["tokens_generated"] - sum(r["generated"] for r in self.rows) - waiting
             out["discarded_tokens_per_update"] = round(lost * self.work.token_scale / len(self.rows))

@@ -50,15 +50,18 @@ def processes(manager, policy) -> list:
 
 
 def measure(manager, policy, sync) -> tuple[float, int]:
-    """(seconds, peak extra bytes over the learner and engine processes) of one sync()."""
+    """(seconds, peak extra bytes over the learner and engine processes) of one sync(); each process's peak is read
+    inside it (Ray's __ray_call__)."""
     import ray
 
+    from .process_memory import peak_rss_bytes, reset_peak_rss
+
     procs = processes(manager, policy)
-    base = ray.get([p.reset_peak_rss.remote() for p in procs])
+    base = ray.get([p.__ray_call__.remote(lambda _actor: reset_peak_rss()) for p in procs])
     tic = time.perf_counter()
     sync()
     seconds = time.perf_counter() - tic
-    peaks = ray.get([p.peak_rss.remote() for p in procs])
+    peaks = ray.get([p.__ray_call__.remote(lambda _actor: peak_rss_bytes()) for p in procs])
     return seconds, max(peak - b for peak, b in zip(peaks, base))
 
 
@@ -82,6 +85,7 @@ def main() -> None:
     from ..rollout.fleet.manager import RolloutManager
     from ..rollout.fleet.weight_update import WeightUpdate
     from ..tasks.learner.group import create_learner_group
+    from .weight_digests import engine_weight_digests, learner_group_weight_digests
 
     set_loopback_env()
     bucket_bytes = int(args.bucket_mb * 2**20)
@@ -111,8 +115,8 @@ def main() -> None:
                         runs[name].append(result)
             version += 1
             distributed(version)
-            want = ray.get(policy.weight_digests.remote())
-            got = ray.get([h.actors[0].weight_digests.remote() for h in manager.engines])
+            want = learner_group_weight_digests(policy)
+            got = ray.get([h.actors[0].__ray_call__.remote(engine_weight_digests) for h in manager.engines])
             identical = all(all(g.get(k) == d for k, d in want.items()) for g in got)
             reported = set(manager.weight_versions.values())
             last = manager.weights.distributed.last

@@ -119,21 +119,6 @@ def end_token_ids(path: str | Path, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def load_causal_lm(path: str | Path, dtype: str = "float32", device: str | None = None):
-    """Load any HF causal LM from a local folder (eager attention: fastest for tiny models on CPU)."""
-    p = Path(path)
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"model.path {str(p)!r} has no config.json: point it at an HF checkpoint folder")
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        p, dtype=getattr(torch, dtype), local_files_only=True, attn_implementation="eager")
-    if device:
-        model.to(device)
-    return model
-
-
 def resolve_model_path(model_cfg, run_dir: str | Path, max_position: int = 512, storage=None) -> Path:
     """The HF folder a run uses: `model.path`, its copy in this node's model.cache_dir when it is an s3:// URL
     (infra/storage/model_staging.py; `storage` gives the endpoint and credentials), its snapshot in huggingface_hub's

@@ -107,11 +107,6 @@ class RolloutBatch:
         ends = self.response_offsets
         return running[ends[1:]] - running[ends[:-1]]
 
-    def sequence(self, row: int) -> np.ndarray:
-        """int32[L]: prompt + response ids of one row."""
-        p, r = offsets(self.prompt_lengths), self.response_offsets
-        return np.concatenate([self.prompt_tokens[p[row]:p[row + 1]], self.response_tokens[r[row]:r[row + 1]]])
-
     def response_lists(self) -> list[list[int]]:
         """Response ids per row as Python lists (what a tokenizer's batch decode takes)."""
         return [part.tolist() for part in split(self.response_tokens, self.response_lengths)]
@@ -172,48 +167,6 @@ class RolloutBatch:
                    ages=np.array([int(s.metadata.get("age", 0)) for s in flat], dtype=np.int32),
                    labels=tuple(g[0].label for g in groups), sft=sft, samples=tuple(tuple(g) for g in groups),
                    metadata=_group_metadata([g[0].metadata.get("data") for g in groups]))
-
-
-def from_sequences(sequences, response_lengths, rollout_logprobs, weight_versions, advantages=None, n: int = 1,
-                   loss_masks=None, labels=None) -> RolloutBatch:
-    """From per-sample lists (prompt + response ids, response length, per-token logprobs and versions):
-    tests, benchmarks and hand-built batches. Rows form groups of n in order."""
-    lengths = np.asarray(response_lengths, dtype=np.int64)
-    seq = [np.asarray(t, dtype=np.int32) for t in sequences]
-    prompt = [t[:len(t) - r] for t, r in zip(seq, lengths.tolist())]
-    response = [t[len(t) - r:] for t, r in zip(seq, lengths.tolist())]
-    cat = lambda parts, dtype: np.concatenate([np.asarray(p, dtype=dtype) for p in parts]) if parts else np.zeros(0, dtype)
-    masks = loss_masks if loss_masks is not None else [np.ones(r, np.uint8) for r in lengths.tolist()]
-    groups = len(seq) // n
-    return RolloutBatch(group_ids=np.arange(groups, dtype=np.int64), n=n, prompt_tokens=cat(prompt, np.int32),
-                        prompt_lengths=np.array([len(p) for p in prompt], dtype=np.int64),
-                        response_tokens=cat(response, np.int32), response_lengths=lengths,
-                        rollout_logprobs=cat(rollout_logprobs, np.float32), weight_versions=cat(weight_versions, np.int32),
-                        loss_mask=cat(masks, np.uint8), truncated=np.zeros(len(seq), bool), ages=np.zeros(len(seq), np.int32),
-                        labels=tuple(labels) if labels is not None else (None,) * groups,
-                        advantages=None if advantages is None else np.asarray(advantages, np.float32).reshape(-1))
-
-
-def select_groups(batch: RolloutBatch, groups) -> RolloutBatch:
-    """The batch restricted to some of its groups (in the given order)."""
-    groups = np.asarray(groups, dtype=np.int64)
-    rows = (groups[:, None] * batch.n + np.arange(batch.n)).reshape(-1)
-
-    def take(flat, lengths):
-        starts = offsets(lengths)
-        index = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in rows.tolist()]) if len(rows) else []
-        return flat[np.asarray(index, dtype=np.int64)]
-
-    r_cols = {c: take(getattr(batch, c), batch.response_lengths)
-              for c in ("response_tokens", "rollout_logprobs", "weight_versions", "loss_mask")}
-    return replace(batch, group_ids=batch.group_ids[groups], prompt_tokens=take(batch.prompt_tokens, batch.prompt_lengths),
-                   prompt_lengths=batch.prompt_lengths[rows], response_lengths=batch.response_lengths[rows],
-                   truncated=batch.truncated[rows], ages=batch.ages[rows], labels=tuple(batch.labels[g] for g in groups),
-                   metadata=tuple(batch.metadata[g] for g in groups) if batch.metadata else (),
-                   advantages=None if batch.advantages is None else batch.advantages[rows],
-                   samples=None if batch.samples is None else tuple(batch.samples[g] for g in groups),
-                   turns=None if batch.turns is None else batch.turns[rows],
-                   env_rewards=None if batch.env_rewards is None else batch.env_rewards[rows], **r_cols)
 
 
 def to_samples(batch: RolloutBatch) -> list[list[Sample]]:

@@ -8,7 +8,7 @@ A path template holds `{rollout_id}` and is a local path, file:// URL or s3:// U
   rollout_logprobs: list<float64>; reward: float64 or null (NaN stays NaN)
   prompt, response, status: string; label, metadata: JSON text (metadata["data"]: the group's data.additional_keys)
 
-Every value round-trips exactly, so a replay gives the same `convert_samples_to_train_data` output.
+Every value round-trips exactly, so a replay gives the same training batch (`RolloutBatch.from_samples`).
 """
 from __future__ import annotations
 

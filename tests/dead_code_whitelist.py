@@ -8,3 +8,6 @@ load_colocated_weights  # rollout/fleet/weights.py, colocated engines
 
 # torch's TorchDispatchMode asks its subclasses this (infra/tensor_memory.py).
 _should_skip_dynamo
+
+# Prefect's SubprocessASGIServer.start calls this override (infra/prefect/server.py FateSharedServer).
+_run_uvicorn_command

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from spillover.rollout.batch import RolloutBatch, from_sequences
+from spillover.bench.batches import from_sequences
+from spillover.rollout.batch import RolloutBatch
 
 
 def random_batch(seed: int, n: int = 8, version: int = 0, advantages=None, max_response: int = 12) -> RolloutBatch:

@@ -1,5 +1,6 @@
-"""The simulated-engine runs of tests/unit (test_scheduling_invariant.py, test_overlap.py): loading an iteration's
-groups as a run does, and checking a trained group against the lengths the simulated engine drew."""
+"""The simulated-engine runs of tests/unit (test_scheduling_invariant.py, test_overlap.py, test_simulated_engine.py):
+loading an iteration's groups as a run does, checking a trained group against the lengths the simulated engine drew,
+and the staleness of a batch's tokens."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,3 +36,12 @@ def check_trained_group(dock: TransferDock, g: int, natural: np.ndarray, max_tok
         got.append(len(tokens))
     assert sorted(got) == sorted(np.minimum(natural, max_tokens).tolist())
     return sum(got)
+
+
+def token_staleness_max(weight_versions, update_version: int) -> int:
+    """max(update_version - v) over a batch's per-token weight versions v (any shape; -1 marks padding and
+    SFT tokens, which no policy generated: not stale); 0 for no tokens. update_version: the version of the
+    weights the update starts from (the learner's version before it steps)."""
+    versions = np.asarray(weight_versions, dtype=np.int64).reshape(-1)
+    versions = versions[versions >= 0]
+    return int(max(0, int(update_version) - int(versions.min()))) if len(versions) else 0

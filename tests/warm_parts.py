@@ -13,6 +13,10 @@ weight version 0, leave their weight-update group and (torch backend) restart th
 run's seed, so a run's samples do not depend on what the engines served before (SGLang engines keep their stream:
 their seed is a launch flag; rollout.deterministic_sampling makes tokens independent of it).
 
+A run never starts a part over, so the runtime classes carry no reset: here each learner rank constructs itself
+again inside its Ray actor (Ray's `__ray_call__`) and the engines' manager is set back through its own members
+(`start_learner_group_over`, `start_engines_over`); tests/integration/test_warm_parts.py checks the outcome.
+
 A part is reused only by a run that would start the very same one: the same learner placement (learner section,
 trainable or not) or the same engines section, sampling mode and model shape and tokenizer (every file of the model
 folder but the weights). CUDA learner groups are not kept. At most `max_idle` idle parts per role are kept (default
@@ -22,10 +26,14 @@ ValueError, exit 2: every part was idle).
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
+
+import ray.cloudpickle
 
 if TYPE_CHECKING:
     from spillover.infra.config.engines import EnginesConfig
@@ -34,7 +42,10 @@ if TYPE_CHECKING:
     from spillover.tasks.learner.group import LearnerGroup
 
 log = logging.getLogger(__name__)
-# Engine settings that RolloutManager.reset applies to running engines (the rest shape what is started).
+# Ray's workers cannot import this module (tests/ is on no worker's sys.path): what runs inside an actor travels by
+# value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+# Engine settings that start_engines_over applies to running engines (the rest shape what is started).
 RUNTIME_ENGINE_SETTINGS = ("weight_sync", "weight_bucket_bytes", "weight_sync_timeout_s", "weight_sync_dir",
                            "health_interval_s", "health_timeout_s")
 ENGINE_START_FILES = ("config.json", "generation_config.json", "tokenizer", "special_tokens_map.json", "chat_template",
@@ -124,12 +135,12 @@ class WarmParts:
     def learners(self, model_path: Path, cfg: RunConfig) -> tuple[LearnerGroup, LearnerGroup | None]:
         """The run's policy group and (grpo.kl_coef > 0) reference group: spillover.tasks.learner.group.create_learners,
         with each group borrowed."""
-        from spillover.tasks.learner.group import create_learner_group, create_learners, reset_learner_group
+        from spillover.tasks.learner.group import create_learner_group, create_learners
 
         def borrow(trainable: bool):
             return self.borrow("policy" if trainable else "ref", learner_key(cfg, trainable),
                                lambda: create_learner_group(model_path, cfg, trainable=trainable),
-                               lambda group: reset_learner_group(group, model_path, cfg, trainable))
+                               lambda group: start_learner_group_over(group, model_path, cfg, trainable))
 
         return create_learners(model_path, cfg, start_group=borrow)
 
@@ -142,7 +153,7 @@ class WarmParts:
         return self.borrow("engine", engine_key(engines_cfg, model_path, deterministic),
                            lambda: RolloutManager(engines_cfg, str(model_path), deterministic_inference=deterministic,
                                                   seed=seed),
-                           lambda manager: manager.reset(model_path, engines_cfg, seed))
+                           lambda manager: start_engines_over(manager, model_path, engines_cfg, seed))
 
     def shutdown(self) -> None:
         for idle in self._idle.values():
@@ -155,6 +166,73 @@ class WarmParts:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def start_learner_group_over(group: LearnerGroup, model_path, cfg, trainable: bool) -> None:
+    """A group started anew for another run with the same learner section: every rank constructs itself again at
+    once (weights from model_path, fresh state); a sharded group keeps its process group."""
+    import ray
+
+    from spillover.tasks.learner.group import rank_options
+
+    if group.world_size != cfg.learner.world_size:
+        raise ValueError(f"a learner group of {group.world_size} ranks cannot serve learner.world_size="
+                         f"{cfg.learner.world_size}")
+    ray.get([actor.__ray_call__.remote(_construct_again, str(model_path),
+                                       **rank_options(cfg, trainable, cfg.learner, rank, group.master))
+             for rank, actor in enumerate(group.actors)])
+    group.pending = []
+
+
+def _construct_again(learner, model_path: str, **init_kwargs) -> None:
+    """Inside a learner rank's actor: start over as a new actor would. Every weight-update group it hosts is left
+    first (their torch process groups destroyed); a hosted engine stays (start_engines_over starts it over)."""
+    sender = learner.weight_sender
+    for group_name in list(sender._groups):
+        sender.leave(group_name)
+    host = learner.engine_host
+    learner.__init__(model_path, **init_kwargs)
+    learner.engine_host = host
+
+
+def start_engines_over(manager: RolloutManager, model_path: str | Path, engines_cfg: EnginesConfig, seed: int) -> None:
+    """Serve model_path's weights as version 0, as a newly started manager would: leave the weight-update group, take
+    memory back, load the folder on every engine, restart each torch engine's sampling generator from seed + its
+    index (SGLang's seed is a launch flag: kept as is). engines_cfg: the new run's engines section (its weight-sync
+    and health settings take effect; the settings the engines were started with must be the same: engine_key)."""
+    manager.stop_health_monitor()
+    manager._call(_serve_anew, manager, str(model_path), engines_cfg, seed)
+    if manager.cfg.health_interval_s:
+        manager.start_health_monitor(manager.cfg.health_interval_s)
+
+
+async def _serve_anew(m: RolloutManager, model_path: str, engines_cfg: EnginesConfig, seed: int) -> None:
+    """start_engines_over on the manager's loop."""
+    from spillover.rollout.fleet.weight_update import WeightUpdate
+
+    await m._gen.collect_detached()  # a new run starts with no request of the last one running
+    if m._offloaded:
+        await m._memory(False, None)
+    async with m._engine_lock:
+        await m.weights.leave()
+        m.cfg = m.pool.cfg = engines_cfg
+        m.weights = m._new_weights(engines_cfg)
+        m.model_path = m.pool.model_path = model_path  # what a restarted engine starts from
+        await m.weights.disk.load(WeightUpdate("disk", model_path, 0), m.engines)
+        m._stale_prefix_cache = False
+        m.restarts = 0
+        if m.cfg.backend == "torch":  # each engine's seed at start (EnginePool.new_actors): the stream anew
+            m.pool.seed = seed  # a restarted engine starts from it too
+            await asyncio.gather(*(h.actors[0].__ray_call__.remote(_reseed, m.pool.seed + h.index)
+                                   for h in m.engines))
+
+
+def _reseed(engine, seed: int) -> None:
+    """Inside an EngineActor (torch backend): restart its engine's sampling generator from seed, as a start with that
+    seed would (other nodes serve nothing)."""
+    if engine.server is not None:
+        engine.server.batcher.reseed(seed).result(timeout=60)
+        engine.seed = seed
 
 
 def _shutdown(part: Any) -> None:

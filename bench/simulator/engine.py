@@ -1,11 +1,11 @@
 """A simulated engine pool: RolloutManager's generation interface in virtual time instead of compute.
 
     engine = SimulatedEngine(EngineTiming(), LognormalLengths(n=16))
-    answers = engine.generate(requests, on_result=None)   # SGLang /generate answers, in input order
+    answers = engine.generate(jobs, on_result=None)       # /generate answers, in input order
     on_result(index, answer) -> True                       # stop right there (as RolloutManager does)
     engine.abort_all()                                     # the same, called from an on_result callback
     engine.update_weights(None, version); engine.advance(seconds); engine.clock_s; engine.usage()
-    engine.generate(requests, on_result, detach=True)      # True from on_result: return, the rest keeps running
+    engine.generate(jobs, on_result, detach=True)          # True from on_result: return, the rest keeps running
     engine.advance(s); engine.update_weights(None, v, pause_s); engine.collect_detached()   # {index: answer}
 
 Timing model (all in integer nanoseconds, so hand-computed cases are exact):
@@ -39,6 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from ...rollout.sglang.protocol import GenerateJob, GenerateResponse
 from .workload import DEFAULT_EOS, answer, parse_simulated_input, response_tokens
 
 NS = 1_000_000_000
@@ -130,10 +131,11 @@ class SimulatedEngine:
             raise ValueError(f"SimulatedEngine: pause_mode must be one of {PAUSE_MODES}; got {pause_mode!r}")
         self.pause_mode = pause_mode
         self.timing, self.lengths, self.eos, self.weight_version = timing, lengths, int(eos_token_id), weight_version
-        self.num_engines = timing.num_engines
-        # requests without an "engine_index" wait in one queue and each goes to the first engine with a free slot:
-        # a load-aware pool, so length-aware dispatch only orders them (spillover.rollout.drivers.dispatch.engine_count)
-        self.shared_queue = True
+        # requests pinned to no engine wait in one queue and each goes to the first engine with a free slot: a
+        # load-aware pool, so length-aware dispatch only orders them: it pins to num_engines engines
+        # (spillover.rollout.drivers.dispatch.engine_count), one here; bench/longtail.py's *_pinned modes set
+        # timing.num_engines
+        self.num_engines = 1
         self._base, self._per_seq = round(timing.step_base_s * NS), round(timing.step_per_seq_s * NS)
         self._prefill = round(timing.prefill_per_token_s * NS)
         self._now = 0
@@ -212,21 +214,21 @@ class SimulatedEngine:
             self._abort_requested = True
 
     # ---- generation ---------------------------------------------------------------------------------
-    def generate(self, requests: list[dict], on_result: Callable[[int, dict], None] | None = None,
-                 detach: bool = False) -> list[dict | None]:
-        """SGLang /generate answers for `requests` (input_ids, sampling_params.max_new_tokens, rid?,
-        return_logprob?), in input order; on_result(index, answer) as each one ends, in virtual-time order.
+    def generate(self, jobs: list[GenerateJob], on_result: Callable[[int, GenerateResponse], None] | None = None,
+                 detach: bool = False) -> list[GenerateResponse | None]:
+        """The /generate answers of `jobs` (input_ids, sampling_params.max_new_tokens, rid, return_logprob; a pinned
+        engine), in input order; on_result(index, answer) as each one ends, in virtual-time order.
         detach: on_result returning True returns at once, the unanswered requests (None here) run on."""
         if self._running:
             raise RuntimeError("SimulatedEngine.generate is not re-entrant (call abort_all() from a callback)")
         if self._detached is not None:
             raise RuntimeError("SimulatedEngine.generate: a detached call still runs; collect_detached() first")
         self._running, self._abort_requested = True, False
-        self._results = [None] * len(requests)
+        self._results = [None] * len(jobs)
         self._on_result = on_result
         left_running = False
         try:
-            queue = deque(self._parse(i, item) for i, item in enumerate(requests))
+            queue = deque(self._parse(i, job) for i, job in enumerate(jobs))
             for req in [r for r in queue if r.budget == 0]:  # nothing to generate: answered at once
                 self._deliver(req, 0, "length")
             queue = deque(r for r in queue if r.budget > 0)
@@ -240,7 +242,7 @@ class SimulatedEngine:
                     engine.pending_prefill = 0
         return list(self._results)
 
-    def collect_detached(self) -> dict[int, dict]:
+    def collect_detached(self) -> dict[int, GenerateResponse]:
         """The answers of every request the last detached call left unanswered (index -> answer); what still runs
         is aborted now with its tokens so far. {} when nothing is detached."""
         if self._detached is None:
@@ -253,20 +255,19 @@ class SimulatedEngine:
             engine.account(self._now)
         return {i: self._results[i] for i in pending}
 
-    def _parse(self, index: int, item: dict) -> _Request:
-        ids = item["input_ids"]
+    def _parse(self, index: int, job: GenerateJob) -> _Request:
+        request = job.request
+        ids = request.input_ids
         group, plen, j = parse_simulated_input(ids)
-        budget = int((item.get("sampling_params") or {}).get("max_new_tokens", 128))
-        engine = item.get("engine_index")
-        return _Request(index, item.get("rid") or f"sim-{index}", len(ids), group, j, len(ids) - plen, budget,
-                        bool(item.get("return_logprob", False)), self._now, None if engine is None else int(engine))
+        return _Request(index, request.rid or f"sim-{index}", len(ids), group, j, len(ids) - plen,
+                        int(request.sampling_params.max_new_tokens), request.return_logprob, self._now, job.engine)
 
     def _run(self, queue: deque, detach: bool) -> bool:
         """-> True when the call detached with requests left running."""
         engines, size = self._engines, self.timing.slots_per_engine
         if any(r.engine is not None for r in queue):
             queues = [deque() for _ in engines]
-            for k, req in enumerate(queue):  # "engine_index" (RolloutManager's per-engine dispatch): FIFO per engine
+            for k, req in enumerate(queue):  # pinned jobs (RolloutManager's per-engine dispatch): FIFO per engine
                 queues[(req.engine if req.engine is not None else k) % len(engines)].append(req)
             for engine, own in zip(engines, queues):
                 while own and len(engine.heap) < size:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...rollout.sglang.protocol import GenerateResponse, MetaInfo
+
 PROMPT_MARK = 3
 FILL_TOKEN = 7
 SAMPLE_KEY_BASE = 1_000_000
@@ -82,27 +84,26 @@ class TableLengths:
         return np.asarray(self.table[group_id], dtype=np.int64)
 
 
-def response_tokens(start: int, count: int, j: int, ends_with_eos: bool, eos: int) -> tuple[list[int], list[list]]:
+def response_tokens(start: int, count: int, j: int, ends_with_eos: bool, eos: int) -> tuple[list[int], list[tuple]]:
     """Positions start .. start+count-1 of sample j -> (output_ids, output_token_logprobs).
 
     Position 0 is the sample key, the last position of a sample that stops is EOS, the rest FILL.
-    The filler logprob entries are one shared list: nothing downstream mutates them.
     """
     ids = [FILL_TOKEN] * count
-    entries = [[LOGPROB, FILL_TOKEN, None]] * count
+    entries = [(LOGPROB, FILL_TOKEN, None)] * count
     if count and start == 0:
         ids[0] = SAMPLE_KEY_BASE + j
-        entries[0] = [LOGPROB, ids[0], None]
+        entries[0] = (LOGPROB, ids[0], None)
     if count and ends_with_eos:
         ids[-1] = eos
-        entries[-1] = [LOGPROB, eos, None]
+        entries[-1] = (LOGPROB, eos, None)
     return ids, entries
 
 
-def answer(rid: str, prompt_tokens: int, ids: list[int], entries: list[list] | None, finish: str, eos: int,
-           weight_version, latency_s: float, spans: list[tuple[int, int, int]] | None = None) -> dict:
-    """One SGLang /generate answer (spillover.rollout.sglang.protocol.GenerateResponse); spans (version, start, end)
-    over output positions: the request lived through a weight update (meta_info.weight_versions)."""
+def answer(rid: str, prompt_tokens: int, ids: list[int], entries: list[tuple] | None, finish: str, eos: int,
+           weight_version, latency_s: float, spans: list[tuple[int, int, int]] | None = None) -> GenerateResponse:
+    """One /generate answer; spans (version, start, end) over output positions: the request lived through a weight
+    update (meta_info.weight_versions)."""
     reason: dict = {"type": finish}
     if finish == "stop":
         reason["matched"] = eos
@@ -114,4 +115,4 @@ def answer(rid: str, prompt_tokens: int, ids: list[int], entries: list[list] | N
             "weight_version": weight_version, "output_token_logprobs": entries, "e2e_latency": latency_s}
     if spans:
         meta["weight_versions"] = [{"version": str(v), "start": start, "end": end} for v, start, end in spans]
-    return {"output_ids": ids, "meta_info": meta}
+    return GenerateResponse(output_ids=ids, meta_info=MetaInfo(**meta))

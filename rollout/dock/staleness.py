@@ -44,15 +44,6 @@ def fresh_groups_allowed(active_groups: int, max_age: int, gbs: int) -> int:
     return max(0, gbs * max_age - int(active_groups))
 
 
-def token_staleness_max(weight_versions, update_version: int) -> int:
-    """max(update_version - v) over a batch's per-token weight versions v (any shape; -1 marks padding and
-    SFT tokens, which no policy generated: not stale); 0 for no tokens. update_version: the version of the
-    weights the update starts from (the learner's version before it steps)."""
-    versions = np.asarray(weight_versions, dtype=np.int64).reshape(-1)
-    versions = versions[versions >= 0]
-    return int(max(0, int(update_version) - int(versions.min()))) if len(versions) else 0
-
-
 def groups_held_back(dock) -> np.ndarray:
     """Group slots of a spillover.rollout.dock.transfer_dock.TransferDock that may not start generating yet: the fresh groups beyond
     what the next max_age batches can take (oldest first are let through)."""

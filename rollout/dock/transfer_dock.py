@@ -116,11 +116,6 @@ class TransferDock:
         key = self.group_age()[slots].astype(np.int64) * -(1 << 40) + self.load_seq[slots]
         return np.argsort(key, kind="stable")
 
-    def group_order(self) -> np.ndarray:
-        """Occupied group slots, oldest first."""
-        slots = np.flatnonzero(self.group_ids >= 0)
-        return slots[self.oldest_first(slots)]
-
     def prompt_lengths(self, rows: np.ndarray) -> np.ndarray:
         return self.prompts.length[np.asarray(rows, dtype=np.int64) // self.n]
 

@@ -2,7 +2,7 @@
 
     planner = DispatchPlanner.from_config(rollout_cfg, engine, weight_version, drain)
     rows, engines = planner.plan(dock, dock.take_rows(...))   # engines: int64[k] or None (the router chooses)
-    requests = planner.route(build_requests(...), engines)     # adds "engine_index" where chosen
+    jobs = planner.route(build_requests(...), engines)         # GenerateJobs, pinned where an engine was chosen
     planner.release_held(dock)                                 # in a `finally`: held rows go back untouched
 
 Tail rows (tail batching) stay marked in flight while they are held, so take_rows does not hand them out again
@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..sglang.protocol import GenerateJob, GenerateRequest
 from .scheduling import plan_dispatch
 
 
 def engine_count(engine) -> int:
-    """Engines to pin rows to: a generator's `num_engines`, else 1 (no pinning). A generator with a `shared_queue`
-    (SimulatedEngine) hands each request to the first engine with a free slot, which balances better than any
-    assignment made before the lengths are known: its rows are ordered, not pinned."""
-    if getattr(engine, "shared_queue", False):
-        return 1
+    """Engines to pin rows to: a generator's `num_engines`, else 1 (no pinning: rows are ordered only)."""
     return int(getattr(engine, "num_engines", 1) or 1)
 
 
@@ -61,11 +58,10 @@ class DispatchPlanner:
         return held
 
     @staticmethod
-    def route(requests: list[dict], engines: np.ndarray | None) -> list[dict]:
-        if engines is not None:
-            for request, engine in zip(requests, engines.tolist()):
-                request["engine_index"] = engine
-        return requests
+    def route(requests: list[GenerateRequest], engines: np.ndarray | None) -> list[GenerateJob]:
+        if engines is None:
+            return [GenerateJob(request) for request in requests]
+        return [GenerateJob(request, engine) for request, engine in zip(requests, engines.tolist())]
 
     def release_held(self, dock) -> None:
         if len(self.held):

@@ -1,8 +1,9 @@
-"""The request codec between the dock and the engines: dock rows -> SGLang /generate payloads, answers ->
-tokens, logprobs, stop flags and weight versions; and the engine interface the drivers call.
+"""The request codec between the dock and the engines: dock rows -> /generate requests, answers -> tokens, logprobs,
+stop flags and weight versions; and the engine interface the drivers call. Requests and answers are
+rollout/sglang/protocol.py's types.
 
-The engine side is anything with `generate(requests, on_result=None, detach=False) -> list[answer | None]` and
-`collect_detached() -> {index: answer}` speaking SGLang's /generate shapes: RolloutManager through the router, or bench.simulator.engine.SimulatedEngine.
+The engine side is anything with `generate(jobs, on_result=None, detach=False) -> list[answer | None]` and
+`collect_detached() -> {index: answer}`: RolloutManager through the router, or bench.simulator.engine.SimulatedEngine.
 """
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ from typing import Protocol
 
 import numpy as np
 
-OnResult = Callable[[int, dict], "bool | None"]
+from ..sglang.protocol import GenerateJob, GenerateRequest, GenerateResponse, SamplingParams, WeightVersionSpan
+
+OnResult = Callable[[int, GenerateResponse], "bool | None"]
 """on_result(index, answer) as each answer arrives; returning True (the bool itself: a callback's incidental
 truthy result does not count) stops the round (see Generator)."""
 
 
 class Generator(Protocol):
-    def generate(self, requests: list[dict], on_result: OnResult | None = None,
-                 detach: bool = False) -> list[dict | None]:
+    def generate(self, jobs: list[GenerateJob], on_result: OnResult | None = None,
+                 detach: bool = False) -> list[GenerateResponse | None]:
         """Answers in input order. An on_result that returns True stops the round: nothing more is sent,
         running requests come back with their tokens so far (finish_reason abort), unsent ones with none,
         and generate returns once the engines are idle.
@@ -30,7 +33,7 @@ class Generator(Protocol):
         collect_detached() hands them over."""
         ...
 
-    def collect_detached(self) -> dict[int, dict]:
+    def collect_detached(self) -> dict[int, GenerateResponse]:
         """The answers of every request the last detached call left unanswered: index in that call's request
         list -> answer. What still runs is aborted first (its partial output, finish_reason abort). {} when
         nothing is detached. Weight updates while detached requests run pause them in the engines' pause mode
@@ -82,22 +85,18 @@ def make_rids(count: int) -> list[str]:
 
 
 def build_requests(inputs: Sequence[Sequence[int]], max_new_tokens: np.ndarray, sampling: SamplingSettings,
-                   seeds: np.ndarray | None = None) -> list[dict]:
-    """Dock inputs -> SGLang /generate payloads (one per row); seeds[k] (optional) -> sampling_seed."""
+                   seeds: np.ndarray | None = None) -> list[GenerateRequest]:
+    """Dock inputs -> /generate requests (one per row); seeds[k] (optional) -> sampling_seed."""
     params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
               "stop_token_ids": list(sampling.stop_token_ids)}
     if sampling.stop:
         params["stop"] = list(sampling.stop)
-    requests = [{
-        "input_ids": ids if isinstance(ids, list) else list(map(int, ids)),
-        "sampling_params": {"max_new_tokens": m, **params},
-        "return_logprob": True,
-        "rid": rid,
-    } for ids, m, rid in zip(inputs, np.asarray(max_new_tokens).tolist(), make_rids(len(max_new_tokens)))]
-    if seeds is not None:
-        for request, seed in zip(requests, seeds.tolist()):
-            request["sampling_params"]["sampling_seed"] = seed
-    return requests
+    count = len(max_new_tokens)
+    seeds = [None] * count if seeds is None else seeds.tolist()
+    return [GenerateRequest(input_ids=ids if isinstance(ids, list) else list(map(int, ids)),
+                            sampling_params=SamplingParams(max_new_tokens=m, sampling_seed=seed, **params),
+                            return_logprob=True, rid=rid)
+            for ids, m, seed, rid in zip(inputs, np.asarray(max_new_tokens).tolist(), seeds, make_rids(count))]
 
 
 def request_seeds(dock, rows: np.ndarray, sampling: SamplingSettings) -> np.ndarray | None:
@@ -126,9 +125,9 @@ def mix_seeds(seed: int, groups, indices) -> np.ndarray:
     return (h & np.uint64(0x7FFFFFFF)).astype(np.int64)
 
 
-def parse_responses(responses: list[dict], default_version: int
+def parse_responses(responses: Sequence[GenerateResponse], default_version: int
                     ) -> tuple[list[list[int]], list[list[float]], np.ndarray, np.ndarray | list[np.ndarray]]:
-    """SGLang responses -> (tokens per row, logprobs per row, finished_by_stop[bool], weight versions).
+    """Answers -> (tokens per row, logprobs per row, finished_by_stop[bool], weight versions).
 
     The versions are int64[k], one per row, unless a response lived through a weight update
     (meta_info.weight_versions spans): then a list of k int64 arrays, one version per output token (what
@@ -136,19 +135,18 @@ def parse_responses(responses: list[dict], default_version: int
     tokens, logprobs, stopped, versions = [], [], [], []
     spanned = False
     for resp in responses:
-        meta = resp["meta_info"]
-        ids = list(resp.get("output_ids") or [])
-        lps = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+        meta = resp.meta_info
+        ids = resp.output_ids
+        lps = meta.logprobs
         if len(lps) != len(ids):
-            raise ValueError(f"engine response {meta.get('id')}: {len(ids)} output_ids but {len(lps)} logprobs")
+            raise ValueError(f"engine response {meta.id}: {len(ids)} output_ids but {len(lps)} logprobs")
         tokens.append(ids)
         logprobs.append(lps)
-        stopped.append((meta.get("finish_reason") or {}).get("type") == "stop")
-        version = _as_version(meta.get("weight_version"), default_version)
-        spans = meta.get("weight_versions")
-        if spans:
+        stopped.append(meta.finish_reason.type == "stop")
+        version = _as_version(meta.weight_version, default_version)
+        if meta.weight_versions:
             spanned = True
-            versions.append(token_versions(spans, len(ids), version, meta.get("id")))
+            versions.append(token_versions(meta.weight_versions, len(ids), version, meta.id))
         else:
             versions.append(version)
     if spanned:
@@ -157,22 +155,18 @@ def parse_responses(responses: list[dict], default_version: int
     return tokens, logprobs, np.asarray(stopped, dtype=bool), np.asarray(versions, dtype=np.int64)
 
 
-def token_versions(spans: list[dict], count: int, default: int, rid=None) -> np.ndarray:
-    """SGLang's meta_info.weight_versions ([{"version": "3", "start": s, "end": e}], spans over output positions
-    [s, e)) -> int64[count], each output token's weight version. Positions no span covers take `default`, the
-    response's weight_version."""
+def token_versions(spans: Sequence[WeightVersionSpan], count: int, default: int, rid=None) -> np.ndarray:
+    """SGLang's meta_info.weight_versions (spans over output positions [start, end)) -> int64[count], each output
+    token's weight version. Positions no span covers take `default`, the response's weight_version."""
     out = np.full(count, default, dtype=np.int64)
     for span in spans:
-        start, end = int(span["start"]), int(span["end"])
-        if not 0 <= start <= end <= count:
-            raise ValueError(f"engine response {rid}: weight_versions span [{start}, {end}) lies outside its "
-                             f"{count} output tokens")
-        out[start:end] = _as_version(span.get("version"), default)
+        if not 0 <= span.start <= span.end <= count:
+            raise ValueError(f"engine response {rid}: weight_versions span [{span.start}, {span.end}) lies outside "
+                             f"its {count} output tokens")
+        out[span.start:span.end] = _as_version(span.version, default)
     return out
 
 
-def _as_version(value, default: int) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
+def _as_version(version: int | str | None, default: int) -> int:
+    """A parsed weight version (protocol.WeightVersion) that is no number ("default", none) -> default."""
+    return version if isinstance(version, int) else default

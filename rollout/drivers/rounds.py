@@ -37,6 +37,7 @@ from ..dock.transfer_dock import TransferDock
 from .dispatch import DispatchPlanner
 from .requests import (GenerationStats, Generator, SamplingSettings, build_requests,
                        parse_responses, request_seeds)
+from ..sglang.protocol import GenerateResponse
 from ..stop_strings import Decode, completing_token, stop_window
 
 OnRound = Callable[[dict], None]
@@ -107,7 +108,7 @@ class RoundHooks:
         """In-flight rows taken for the round -> bool[k]: the rows to send (the hook released the others)."""
         return np.ones(len(rows), dtype=bool)
 
-    def on_answers(self, rows: np.ndarray, answers: list[dict], stopping: bool) -> int:
+    def on_answers(self, rows: np.ndarray, answers: list[GenerateResponse], stopping: bool) -> int:
         """Write the rows' answers into the dock (stopping: an earlier answer stopped the round) -> new tokens kept."""
         tokens, logprobs, stopped, version = parse_responses(answers, self.weight_version)
         if self.stop:
@@ -162,11 +163,11 @@ class _Round:
         self.dock, self.rows, self.hooks, self.budget = dock, rows, hooks, budget
         self.stats, self.progress = stats, progress
         self.as_they_arrive = budget.stop_when_ready or hooks.answers_as_they_arrive
-        self.answers: list[dict | None] = [None] * len(rows)
+        self.answers: list[GenerateResponse | None] = [None] * len(rows)
         self.written = np.zeros(len(rows), dtype=bool)
         self.stopping = False
 
-    def on_result(self, index: int, answer: dict) -> bool:
+    def on_result(self, index: int, answer: GenerateResponse) -> bool:
         """True (stop the round) from the answer that finds the dock ready, with stop_when_ready."""
         if self.answers[index] is not None:
             return False  # an engine restart may deliver a retried request twice: keep the first
@@ -262,7 +263,7 @@ def _run_round(dock: TransferDock, engine: Generator, rows: np.ndarray, engines:
                stats: GenerationStats, progress: _Progress, detached: DetachedRows | None) -> bool:
     """One engine call over `rows` -> whether an answer found the dock ready and stopped it."""
     inputs, max_new = dock.generation_inputs(rows, budget.tokens)
-    requests = planner.route(build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling)), engines)
+    jobs = planner.route(build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling)), engines)
     round_ = _Round(dock, rows, hooks, budget, stats, progress)
     stats.rounds += 1
     stats.requests += len(rows)
@@ -270,9 +271,9 @@ def _run_round(dock: TransferDock, engine: Generator, rows: np.ndarray, engines:
     try:
         try:
             if detached is None:
-                engine.generate(requests, on_result=round_.on_result)
+                engine.generate(jobs, on_result=round_.on_result)
             else:
-                engine.generate(requests, on_result=round_.on_result, detach=True)
+                engine.generate(jobs, on_result=round_.on_result, detach=True)
         finally:
             stats.engine_s += time.perf_counter() - start
         round_.write_the_rest()

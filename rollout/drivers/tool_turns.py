@@ -36,6 +36,7 @@ from ..dock import turns as dock_turns
 from ..dock.transfer_dock import TransferDock
 from .requests import parse_responses
 from .rounds import RoundHooks
+from ..sglang.protocol import GenerateResponse
 from ..sample import Sample
 from ..stop_strings import completing_token, stop_window
 from ..tools.env import ToolOutcome, observation_tokens, split_actions
@@ -139,16 +140,16 @@ class ToolTurns(RoundHooks):
             self.dock.release(ended)
         return ~self.dock.complete[rows]
 
-    def on_answers(self, rows: np.ndarray, answers: list[dict], stopping: bool) -> int:
+    def on_answers(self, rows: np.ndarray, answers: list[GenerateResponse], stopping: bool) -> int:
         return sum(self.on_answer(int(row), answer, stopping) for row, answer in zip(rows.tolist(), answers))
 
-    def on_answer(self, row: int, answer: dict, stopping: bool) -> int:
+    def on_answer(self, row: int, answer: GenerateResponse, stopping: bool) -> int:
         """The answer into the dock, cut after a tool call's stop string; a tool call starts (unless the round stops)
         and outcomes that have arrived are applied. -> new tokens kept."""
         tokens, logprobs, stopped, version = parse_responses([answer], self.weight_version)
         new, lps = tokens[0], logprobs[0]
-        reason = answer["meta_info"].get("finish_reason") or {}
-        tool = reason.get("type") == "stop" and reason.get("matched") in self.stop_strings
+        reason = answer.meta_info.finish_reason
+        tool = reason.type == "stop" and reason.matched in self.stop_strings
         if not tool and new:
             before, mask = dock_turns.trajectory(self.dock, row)
             window = dock_turns.turn_tail(before, mask, stop_window(self.stop_strings))

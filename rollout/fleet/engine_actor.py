@@ -61,7 +61,9 @@ class EngineActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.url: str | None = None
         self.base_gpu_id = 0
-        self._server = None  # TorchEngineServer
+        # torch backend, node 0: the engine's TorchEngineServer, in this process (tests and benchmarks read its weights
+        # and weight-update events inside this actor, through Ray's __ray_call__)
+        self.server = None
         self._process: sgl.SGLangProcess | None = None
 
     # ---- placement --------------------------------------------------------------------------------
@@ -84,11 +86,11 @@ class EngineActor:
                 return None
             from ..torch_engine.server import TorchEngineServer
 
-            self._server = TorchEngineServer(
+            self.server = TorchEngineServer(
                 self.model_path, host=self.host, port=port, max_running_requests=self.max_running_requests,
                 seed=self.seed, weight_version=self.weight_version, torch_threads=self.torch_threads,
                 max_model_len=self.max_model_len, env=sgl.ENGINE_ENV)
-            self.url = self._server.start(timeout_s=min(timeout_s, 120.0))
+            self.url = self.server.start(timeout_s=min(timeout_s, 120.0))
             return self.url
         self.base_gpu_id = base_gpu_id
         spec = sgl.SGLangLaunch(
@@ -103,22 +105,12 @@ class EngineActor:
         return self.url
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
         if self._process is not None:
             self._process.stop()
             self._process = None
-
-    def reseed(self, seed: int) -> bool:
-        """Torch backend: restart the engine's sampling generator from seed, as a start with that seed would (a run
-        that reuses this engine samples as on a new one, flows/parts.py). False where nothing was reseeded: other
-        nodes, and SGLang, whose random seed is a launch flag."""
-        if self._server is None:
-            return False
-        self._server.batcher.reseed(seed).result(timeout=60)
-        self.seed = seed
-        return True
 
     # ---- weights ------------------------------------------------------------------------------------
     def poster(self) -> WeightPoster:
@@ -137,35 +129,7 @@ class EngineActor:
             return None
         return self.poster().update(state_dict, weight_version, bucket_bytes, flush_cache)
 
-    def take_weight_update_events(self) -> list[str]:
-        """Torch backend: the engine's session and update route outcomes since the last take, in order
-        (begin_weight_update, update_weights_from_tensor, ..., end_weight_update; "... refused" / "... failed")."""
-        events = list(self._server.weight_update_events)
-        self._server.weight_update_events.clear()
-        return events
-
-    def weight_digests(self) -> dict[str, str]:
-        """sha256 of every loaded tensor's bytes (torch backend; benchmarks compare them with the learner's)."""
-        from ..sglang.update_group import tensor_digest
-
-        return {name: tensor_digest(t) for name, t in self._server.batcher.decoder.weights.items()}
-
     def memory_bytes(self) -> dict[str, int]:
         """Torch backend: bytes of the weights and of the KV cache (0 while released)."""
-        return self._server.memory_bytes()
+        return self.server.memory_bytes()
 
-    def take_update_peak_bytes(self) -> int:
-        """Torch backend: the most one weight load held beyond the model since the last take (the incoming tensors,
-        e.g. a received bucket, plus what loading them allocated)."""
-        peak, self._server.update_peak_bytes = self._server.update_peak_bytes, 0
-        return peak
-
-    def reset_peak_rss(self) -> int:
-        from ...infra.process_memory import reset_peak_rss
-
-        return reset_peak_rss()
-
-    def peak_rss(self) -> int:
-        from ...infra.process_memory import peak_rss_bytes
-
-        return peak_rss_bytes()

@@ -7,23 +7,26 @@ make one client per loop and `aclose()` it (or use `async with`). Works against 
 server, a real SGLang server and the sglang-router (which forwards /generate but has no
 /abort_request: abort each worker's URL directly).
 
-Errors: an HTTP error status raises EngineError (status, message); a transport failure (refused,
-reset, timed out) raises the matching httpx.TransportError subclass, so callers catch one family
-whatever the transport underneath.
+Bodies are rollout/sglang/protocol.py's models, dumped; answers are parsed once, from the raw bytes, into theirs.
+
+Errors: an HTTP error status raises EngineError (status, message); no answer (refused, reset, timed out) raises
+EngineUnreachable (EngineTimeout when the time limit ran out), whatever the transport underneath.
 """
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
-import httpx
 import orjson
+from pydantic import BaseModel
 
 from ..sglang import backend as sgl
-from ..sglang.protocol import (GenerateResponse, LoadsResponse, ModelInfo, UpdateWeightsResponse,
-                               new_rid)
+from ..sglang.protocol import (AbortRequest, GenerateRequest, GenerateResponse, LoadsResponse, ModelInfo,
+                               UpdateWeightsFromDiskRequest, UpdateWeightsResponse)
+
+M = TypeVar("M", bound=BaseModel)
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 CONTROL_PATHS = frozenset(sgl.ENDPOINTS[route] for route in sgl.CONTROL_ROUTES)
@@ -43,6 +46,14 @@ class EngineError(RuntimeError):
     def __init__(self, url: str, status: int, message: str):
         super().__init__(f"{url} answered {status}: {message}")
         self.url, self.status, self.message = url, status, message
+
+
+class EngineUnreachable(ConnectionError):
+    """No answer from an engine: the connection was refused or reset, or no answer came in time (EngineTimeout)."""
+
+
+class EngineTimeout(EngineUnreachable, TimeoutError):
+    """No answer within the call's time limit."""
 
 
 def _error_message(raw: bytes) -> str:
@@ -111,45 +122,42 @@ class EngineClient:
                 raw = await resp.read()
                 status = resp.status
         except aiohttp.ClientConnectorError as err:
-            raise httpx.ConnectError(f"{url}: {err}") from err
+            raise EngineUnreachable(f"{url}: {err}") from err
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as err:
             limit = timeout if timeout is not None else self.timeout_s
-            raise httpx.ReadTimeout(f"{method} {url}: no answer within {limit} s") from err
+            raise EngineTimeout(f"{method} {url}: no answer within {limit} s") from err
         except aiohttp.ClientError as err:
-            raise httpx.ReadError(f"{url}: {err}") from err
+            raise EngineUnreachable(f"{url}: {err}") from err
         if status >= 400:
             raise EngineError(url, status, _error_message(raw))
         return status, raw
 
-    async def _json(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> Any:
-        return orjson.loads((await self._request(method, path, json, timeout))[1])
+    async def _answer(self, model: type[M], method: str, path: str, body: Any = None) -> M:
+        return model.model_validate_json((await self._request(method, path, body))[1])
 
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None,
-                       rid: str | None = None, return_logprob: bool = True) -> GenerateResponse:
-        """One /generate call; rid defaults to a fresh fixed-length hex id."""
-        body = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
-                "return_logprob": return_logprob, "rid": rid or new_rid()}
-        return GenerateResponse.model_validate(await self._json("POST", "/generate", body))
+    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        """One /generate call (the request needs its rid: abort matches by it)."""
+        return await self._answer(GenerateResponse, "POST", "/generate", request.body())
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Abort requests whose id starts with rid, or all of them (this URL must be an engine)."""
         if not rid and not abort_all:
             raise ValueError("abort needs a rid or abort_all=True")
-        await self._request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+        await self._request("POST", "/abort_request", AbortRequest(rid=rid or "", abort_all=abort_all).model_dump())
 
     async def loads(self) -> LoadsResponse:
-        return LoadsResponse.model_validate(await self._json("GET", "/v1/loads"))
+        return await self._answer(LoadsResponse, "GET", "/v1/loads")
 
     async def health(self, generate: bool = False, timeout_s: float = 5.0) -> bool:
         """True when /health (or /health_generate) answers 200 within timeout_s."""
         try:
             await self._request("GET", "/health_generate" if generate else "/health", timeout=timeout_s)
-        except (httpx.TransportError, EngineError):
+        except (EngineUnreachable, EngineError):
             return False
         return True
 
     async def model_info(self) -> ModelInfo:
-        return ModelInfo.model_validate(await self._json("GET", "/model_info"))
+        return await self._answer(ModelInfo, "GET", "/model_info")
 
     async def weight_version(self) -> int | str | None:
         return (await self.model_info()).weight_version
@@ -157,10 +165,9 @@ class EngineClient:
     async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,
                                        abort_all_requests: bool = False,
                                        flush_cache: bool = True) -> UpdateWeightsResponse:
-        body = {"model_path": model_path, "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        return UpdateWeightsResponse.model_validate(await self._json("POST", "/update_weights_from_disk", body))
+        body = UpdateWeightsFromDiskRequest(model_path=model_path, weight_version=weight_version,
+                                            abort_all_requests=abort_all_requests, flush_cache=flush_cache)
+        return await self._answer(UpdateWeightsResponse, "POST", "/update_weights_from_disk", body.model_dump())
 
     async def post(self, path: str, json: Any = None, timeout: float | None = None) -> RawResponse:
         """Any other endpoint (flush_cache, pause_generation, release_memory_occupation, ...); timeout None: see

@@ -255,24 +255,6 @@ class EnginePool:
         remove_placement_group(self.pg)
 
 
-def create_rollout_engines(cfg: EnginesConfig, model_path: str, **pool_options: Any) -> EnginePool:
-    """Reserve the bundles and start every engine; returns once all of them answer /health.
-
-    pool_options: slots_per_node, strategy ("PACK" | "SPREAD" | "STRICT_PACK" | "STRICT_SPREAD"), use_gpu,
-    seed, weight_version, torch_threads, max_model_len, sglang_options, start_timeout_s, deterministic_inference
-    (rollout.deterministic_sampling: the sglang backend gets --enable-deterministic-inference).
-    """
-    import asyncio
-
-    pool = EnginePool(cfg, model_path, **pool_options)
-    try:
-        asyncio.run(pool.start_all())
-    except BaseException:
-        pool.shutdown()
-        raise
-    return pool
-
-
 def default_torch_threads(num_engines: int) -> int:
     """Threads per CPU engine so that the engines together use the machine's cores once."""
     return max(1, (os.cpu_count() or 1) // max(1, num_engines))

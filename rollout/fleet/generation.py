@@ -14,12 +14,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-import httpx
-
-from .engine_client import EngineClient, EngineError
-from ..sglang.protocol import new_rid
+from .engine_client import EngineClient, EngineError, EngineUnreachable
+from .pinned_router import PinnedRouter
+from ..sglang.protocol import GenerateJob, GenerateResponse
 from ..drivers.requests import OnResult
 
 log = logging.getLogger(__name__)
@@ -33,22 +31,6 @@ class Round:
     in_flight: int = 0
 
 
-def request_body(item: dict) -> dict:
-    """The /generate body of one batch item {input_ids, sampling_params?, rid?, return_logprob? (default True)}."""
-    if "input_ids" not in item:
-        raise ValueError("each generate() item needs 'input_ids' (prompt + partial response token ids)")
-    return {"input_ids": list(item["input_ids"]), "sampling_params": dict(item.get("sampling_params") or {}),
-            "return_logprob": bool(item.get("return_logprob", True)), "rid": item.get("rid") or new_rid()}
-
-
-def aborted_response(body: dict, message: str) -> dict:
-    """The SGLang-shaped answer of a request that was never sent (its round was stopped first)."""
-    return {"output_ids": [], "meta_info": {
-        "id": body["rid"], "finish_reason": {"type": "abort", "message": message},
-        "prompt_tokens": len(body["input_ids"]), "completion_tokens": 0, "weight_version": None,
-        "output_token_logprobs": [] if body.get("return_logprob") else None}}
-
-
 @dataclass(eq=False)
 class DetachedRound:
     """A round whose caller returned while requests still ran (rollout.overlap): `runs` finishes once they have all
@@ -59,7 +41,7 @@ class DetachedRound:
 
     round: Round
     runs: asyncio.Future
-    results: list
+    results: list[GenerateResponse | None]
     pending: list[int]
     cut_by_pause: set[int] = field(default_factory=set)
     cut_tokens: int = 0
@@ -83,17 +65,13 @@ class DetachedRound:
         """Output tokens of the requests an abort-mode pause ended (answered with finish_reason abort by now; one
         still unsent at the pause was sent after it and is not counted)."""
         cut = (self.results[i] for i in self.cut_by_pause if self.results[i] is not None)
-        return sum(len(a.get("output_ids") or []) for a in cut if finish_type(a) == "abort")
-
-
-def finish_type(answer: dict) -> str | None:
-    return ((answer.get("meta_info") or {}).get("finish_reason") or {}).get("type")
+        return sum(len(a.output_ids) for a in cut if a.meta_info.finish_reason.type == "abort")
 
 
 class BatchGenerator:
     """Runs on the manager's loop. `recover()` is awaited after a failed attempt (a shared health check)."""
 
-    def __init__(self, router: EngineClient, engine_urls: Callable[[], list[str]],
+    def __init__(self, router: PinnedRouter, engine_urls: Callable[[], list[str]],
                  client_for: Callable[[str], EngineClient], recover: Callable[[], Awaitable[None]],
                  max_attempts: int = 5, max_in_flight: int = 256):
         self.router, self.engine_urls, self.client_for, self.recover = router, engine_urls, client_for, recover
@@ -101,8 +79,8 @@ class BatchGenerator:
         self.rounds: set[Round] = set()
         self.detached: DetachedRound | None = None
 
-    async def generate_round(self, batch: list[dict], on_result: OnResult | None = None,
-                             detach: bool = False) -> list[dict | None]:
+    async def generate_round(self, batch: list[GenerateJob], on_result: OnResult | None = None,
+                             detach: bool = False) -> list[GenerateResponse | None]:
         """Answers in input order; on_result(index, answer) as each finishes. An on_result that returns True
         stops every running round and aborts every engine (abort_all); the call returns once they are idle.
         With detach, it returns at once instead: the requests not answered yet run on (None in the answers) and
@@ -113,15 +91,15 @@ class BatchGenerator:
         round_ = Round()
         self.rounds.add(round_)
         limit = asyncio.Semaphore(self.max_in_flight)
-        results: list[Any] = [None] * len(batch)
+        results: list[GenerateResponse | None] = [None] * len(batch)
         reported = [False] * len(batch)
         abort: asyncio.Future | None = None
         detached = asyncio.Event()
 
-        async def run(index: int, item: dict) -> None:
+        async def run(index: int, job: GenerateJob) -> None:
             nonlocal abort
             async with limit:
-                results[index] = await self.generate_one(item, round_)
+                results[index] = await self.generate_one(job, round_)
             if detached.is_set():  # the caller has gone on: collect_detached hands this answer over
                 return
             reported[index] = True
@@ -132,7 +110,7 @@ class BatchGenerator:
                     self.stop_rounds()  # at once: nothing more is sent while the abort starts
                     abort = asyncio.ensure_future(self.abort_all())
 
-        runs = asyncio.ensure_future(asyncio.gather(*(run(i, item) for i, item in enumerate(batch)),
+        runs = asyncio.ensure_future(asyncio.gather(*(run(i, job) for i, job in enumerate(batch)),
                                                     return_exceptions=True))
         if detach:
             stopped = asyncio.ensure_future(detached.wait())
@@ -154,7 +132,7 @@ class BatchGenerator:
             raise errors[0]
         return results
 
-    async def collect_detached(self) -> dict[int, dict]:
+    async def collect_detached(self) -> dict[int, GenerateResponse]:
         """The detached round's unanswered requests: what still runs is aborted (its tokens so far come back), then
         index -> answer for each; {} when no round is detached."""
         detached, self.detached = self.detached, None
@@ -173,27 +151,29 @@ class BatchGenerator:
             raise errors[0]
         return {i: detached.results[i] for i in detached.pending}
 
-    async def generate_one(self, item: dict, round_: Round) -> dict:
-        body = request_body(item)
+    async def generate_one(self, job: GenerateJob, round_: Round) -> GenerateResponse:
+        """The job's answer: sent to its pinned engine (looked up at each attempt: a restarted engine has a new URL)
+        or through the router; a transport failure or a 5xx is retried after recover()."""
+        request = job.request
         failure: Exception | None = None
         for attempt in range(self.max_attempts):
             if round_.stopped:
-                return aborted_response(body, "aborted before it was sent (abort_all)")
+                return GenerateResponse.never_sent(request, "aborted before it was sent (abort_all)")
             round_.in_flight += 1
             try:
-                return (await self.router.post("/generate", json=body)).json()
+                return await self.router.client(job.engine).generate(request)
             except EngineError as err:
                 if err.status < 500:
-                    raise ValueError(f"request {body['rid']} was refused: {err.message}") from None
+                    raise ValueError(f"request {request.rid} was refused: {err.message}") from None
                 failure = err
-            except httpx.HTTPError as err:
+            except EngineUnreachable as err:
                 failure = err
             finally:
                 round_.in_flight -= 1
-            log.warning("request %s failed (attempt %d/%d): %r", body["rid"], attempt + 1, self.max_attempts, failure)
+            log.warning("request %s failed (attempt %d/%d): %r", request.rid, attempt + 1, self.max_attempts, failure)
             if not round_.stopped:
                 await self.recover()
-        raise RuntimeError(f"request {body['rid']} failed {self.max_attempts} times; last error: {failure!r}")
+        raise RuntimeError(f"request {request.rid} failed {self.max_attempts} times; last error: {failure!r}")
 
     def stop_rounds(self) -> None:
         """Client side of abort_all: no running round sends anything more. Safe from any thread."""
@@ -217,11 +197,11 @@ class BatchGenerator:
     async def _abort(self, url: str) -> None:
         try:
             await self.client_for(url).abort(abort_all=True)
-        except (httpx.HTTPError, EngineError) as err:  # a dead engine has nothing to abort
+        except (EngineUnreachable, EngineError) as err:  # a dead engine has nothing to abort
             log.warning("abort on %s failed: %r", url, err)
 
     async def _idle(self, url: str) -> bool:
         try:
             return (await self.client_for(url).loads()).idle
-        except (httpx.HTTPError, EngineError):
+        except (EngineUnreachable, EngineError):
             return True

@@ -15,7 +15,6 @@ is released (offload) are never probed: they cannot generate (SGLang's probe wou
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -35,6 +34,8 @@ from .router import Router
 from .generation import BatchGenerator
 from .pinned_router import PinnedRouter
 from ..drivers.requests import OnResult
+from ..sglang.protocol import (ContinueGenerationRequest, GenerateJob, GenerateResponse, PauseGenerationRequest,
+                               ReleaseMemoryOccupationRequest, ResumeMemoryOccupationRequest)
 from .weight_update import WeightUpdate
 from .weights import ENGINE_GONE, FleetWeights
 
@@ -66,7 +67,7 @@ class RolloutManager:
         # an in_place update skipped its cache flush: prefixes cached under the old weights are flushed once idle
         self._stale_prefix_cache = False
         self._clients: dict[str, EngineClient] = {}
-        self._engine_lock = asyncio.Lock()  # weight updates, offload/onload, health checks and restarts
+        self._engine_lock = asyncio.Lock()  # weight updates, memory release and resume, health checks and restarts
         self._health_task: asyncio.Future | None = None  # the health check shared by every failed request
         self._monitor: Future | None = None  # the background health monitor, while it runs
         self._gen: BatchGenerator | None = None
@@ -126,10 +127,6 @@ class RolloutManager:
         return [h.url for h in self.engines if h.url]
 
     @property
-    def router_url(self) -> str:
-        return self.router.url
-
-    @property
     def weight_versions(self) -> dict[int, int | None]:
         """The weight version each engine reported last (index -> version)."""
         return {h.index: h.weight_version for h in self.engines}
@@ -140,30 +137,29 @@ class RolloutManager:
         return self._clients[url]
 
     # ---- generation (see rollout/fleet/generation.py) ------------------------------------------------------
-    def generate(self, batch: list[dict], on_result: OnResult | None = None, detach: bool = False) -> list[dict | None]:
-        """SGLang /generate answers for `batch` (dicts of input_ids, sampling_params, rid?, return_logprob?),
-        in input order, through the router. on_result(index, answer) runs on the manager's loop as each one
-        finishes; returning True stops the round: every engine aborts (running requests come back with their
-        tokens so far, unsent ones with none) and generate returns once the engines are idle. An item with an
-        "engine_index" goes to that engine, not through the router (rollout/fleet/pinned_router.py).
+    def generate(self, batch: list[GenerateJob], on_result: OnResult | None = None,
+                 detach: bool = False) -> list[GenerateResponse | None]:
+        """The /generate answers of `batch`, in input order, through the router. on_result(index, answer) runs on the
+        manager's loop as each one finishes; returning True stops the round: every engine aborts (running requests
+        come back with their tokens so far, unsent ones with none) and generate returns once the engines are idle. A
+        job pinned to an engine goes to that engine, not through the router (rollout/fleet/pinned_router.py).
         detach=True (rollout.overlap): that True returns at once instead; the unanswered requests (None) run on,
         through weight updates (paused in engines.pause_mode; no cache flush under in_place), until
         collect_detached."""
-        return self._call(self._gen.router.run, functools.partial(self._gen.generate_round, detach=detach), batch,
-                          on_result)
+        return self._call(self._gen.generate_round, batch, on_result, detach)
 
-    def collect_detached(self) -> dict[int, dict]:
+    def collect_detached(self) -> dict[int, GenerateResponse]:
         """The last detached call's unanswered requests, what still runs aborted first: index -> answer."""
         detached = self._gen.detached
         answers = self._call(self._collect_detached)
-        self.overlap_counts["detached_tokens"] += sum(len(a.get("output_ids") or []) for a in answers.values())
+        self.overlap_counts["detached_tokens"] += sum(len(a.output_ids) for a in answers.values())
         if detached is not None:
             self.overlap_counts["tokens_cut_by_updates"] += detached.cut_tokens
             self.overlap_counts["detached_generating_s"] += detached.generating_s
             self.overlap_counts["detached_span_s"] += detached.span_s
         return answers
 
-    async def _collect_detached(self) -> dict[int, dict]:
+    async def _collect_detached(self) -> dict[int, GenerateResponse]:
         answers = await self._gen.collect_detached()
         if self._stale_prefix_cache:  # the engines are idle now (what ran is aborted): flush what in_place kept
             async with self._engine_lock:
@@ -212,7 +208,7 @@ class RolloutManager:
                              "but detached requests still run: collect_detached() first (rollout.overlap needs "
                              "placement.colocate=false)")
         if update.kind == "colocated" and self._offloaded:
-            await self._memory(False, None, restore=False)  # the weights come next, from the learner
+            await self._memory(False, None)  # the weights come next, from the learner
         async with self._engine_lock:
             if not self.detached_running:
                 await self.weights.update(update)
@@ -224,7 +220,7 @@ class RolloutManager:
             if mode == "abort" and self._gen.detached is not None:  # before the pause: its aborted answers may
                 self._gen.detached.note_abort_pause()               # arrive before the pause call returns
             # every engine that paused must continue, also when another one refused or died (the update restarts it)
-            refused = await self._each_engine("pause_generation", sgl.pause_generation_payload(mode))
+            refused = await self._each_engine("pause_generation", PauseGenerationRequest(mode=mode).model_dump())
             try:
                 if refused is not None:
                     raise refused
@@ -233,7 +229,7 @@ class RolloutManager:
                 await self.weights.update(update, flush_cache=mode != "in_place")
                 self._stale_prefix_cache = mode == "in_place"
             finally:
-                refused = await self._each_engine("continue_generation", sgl.continue_generation_payload())
+                refused = await self._each_engine("continue_generation", ContinueGenerationRequest().model_dump())
             if refused is not None:
                 raise refused
         return self.weight_versions
@@ -249,38 +245,6 @@ class RolloutManager:
                 log.warning("/%s on %s failed: %r (the update restarts a dead engine)", route, url, outcome)
         return next((o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, ENGINE_GONE)), None)
 
-    def reset(self, model_path: str | Path, engines_cfg: EnginesConfig | None = None, seed: int | None = None) -> None:
-        """Serve model_path's weights as version 0, as a newly started manager would (a run reusing these engines,
-        flows/parts.py): leave the weight-update group, take memory back, load the folder on every engine, restart
-        each torch engine's sampling generator from seed + its index (seed None: the pool's start seed; SGLang's
-        seed is a launch flag: kept as is).
-        engines_cfg: the new run's engines section (its weight-sync and health settings take effect; the
-        settings the engines were started with must be the same: spillover.flows.parts.engine_key)."""
-        self.stop_health_monitor()
-        self._call(self._reset, str(model_path), engines_cfg or self.cfg, seed)
-        if self.cfg.health_interval_s:
-            self.start_health_monitor(self.cfg.health_interval_s)
-
-    async def _reset(self, model_path: str, engines_cfg: EnginesConfig, seed: int | None) -> None:
-        await self._gen.collect_detached()  # a new run starts with no request of the last one running
-        async with self._engine_lock:
-            await self.weights.leave()
-            self.cfg = self.pool.cfg = engines_cfg
-            self.weights = self._new_weights(engines_cfg)
-            if self._offloaded:
-                payload = sgl.resume_memory_payload(None)
-                await asyncio.gather(*(self._client(u).post(sgl.ENDPOINTS["resume_memory"], json=payload)
-                                       for u in self.urls))
-                self._offloaded = False
-            self.model_path = self.pool.model_path = model_path  # what a restarted engine starts from
-            await self.weights.disk.load(WeightUpdate("disk", model_path, 0), self.engines)
-            self._stale_prefix_cache = False
-            self.restarts = 0
-            if self.cfg.backend == "torch":  # each engine's seed at start (EnginePool.new_actors): the stream anew
-                if seed is not None:  # a restarted engine starts from it too
-                    self.pool.seed = seed
-                await asyncio.gather(*(h.actors[0].reseed.remote(self.pool.seed + h.index) for h in self.engines))
-
     def _new_weights(self, engines_cfg: EnginesConfig) -> FleetWeights:
         return FleetWeights(engines_cfg, self.pool.use_gpu, self._client, lambda: self.engines, self._restart)
 
@@ -292,27 +256,17 @@ class RolloutManager:
         """Release every engine's memory (SGLang tags: weights, kv_cache, cuda_graph); engines must be idle."""
         self._call(self._memory, True, tags)
 
-    def onload(self, tags: list[str] | None = None) -> None:
-        """Resume what offload released; released weights come back empty, so the engines load the weights they
-        served again (FleetWeights.restore)."""
-        self._call(self._memory, False, tags)
-
-    async def _memory(self, release: bool, tags: list[str] | None, restore: bool = True) -> None:
+    async def _memory(self, release: bool, tags: list[str] | None) -> None:
+        """Release (offload) or resume every engine's memory; resumed weights come back empty, so a weight load
+        follows (the colocated update's)."""
         path = sgl.ENDPOINTS["release_memory" if release else "resume_memory"]
-        payload = (sgl.release_memory_payload if release else sgl.resume_memory_payload)(tags)
+        request = ReleaseMemoryOccupationRequest if release else ResumeMemoryOccupationRequest
+        payload = request(tags=tags).model_dump()
         async with self._engine_lock:
             await asyncio.gather(*(self._client(url).post(path, json=payload) for url in self.urls))
             self._offloaded = release
-            if not release and restore and (tags is None or "weights" in tags):
-                await self.weights.restore(self.model_path)
 
     # ---- health -------------------------------------------------------------------------------------
-    def health_check(self) -> dict[int, str]:
-        """Probe every engine's /health_generate; restart dead or hung ones. Engines whose memory is released
-        (offload) are not probed: they cannot generate (SGLang's probe would run on freed memory and kill the server),
-        and a restart would cut into the colocated update. Returns index -> ok | restarted | released."""
-        return self._call(self._health_check)
-
     def start_health_monitor(self, interval_s: float) -> None:
         """Check every engine's health every interval_s in the background (restarting dead or hung ones);
         the constructor starts it when engines.health_interval_s > 0."""
@@ -326,16 +280,15 @@ class RolloutManager:
             self._monitor.cancel()  # a check under way goes on (shielded): it may be restarting an engine
             self._monitor = None
 
-    @property
-    def health_monitor_running(self) -> bool:
-        return self._monitor is not None and not self._monitor.done()
-
     async def _monitor_loop(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
             await self._shared_health_check()
 
     async def _health_check(self) -> dict[int, str]:
+        """Probe every engine's /health_generate; restart dead or hung ones. Engines whose memory is released
+        (offload) are not probed: they cannot generate (SGLang's probe would run on freed memory and kill the server),
+        and a restart would cut into the colocated update. Returns index -> ok | restarted | released."""
         async with self._engine_lock:
             if self._offloaded:
                 return {h.index: "released" for h in self.engines}
@@ -372,7 +325,8 @@ class RolloutManager:
         handle = await self.pool.restart_engine(index)
         await self.weights.reload(handle)
         if self._offloaded:
-            await self._client(handle.url).post(sgl.ENDPOINTS["release_memory"], json=sgl.release_memory_payload())
+            await self._client(handle.url).post(sgl.ENDPOINTS["release_memory"],
+                                                json=ReleaseMemoryOccupationRequest().model_dump())
         await asyncio.to_thread(self.router.add_worker, handle.url)
         self.restarts += 1
 

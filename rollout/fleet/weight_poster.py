@@ -18,6 +18,8 @@ import httpx
 
 from .weight_update import reported_version
 from ..sglang import backend as sgl
+from ..sglang.protocol import (BeginWeightUpdateRequest, EndWeightUpdateRequest, ModelInfo, TensorUpdateFields,
+                               UpdateWeightsFromTensorRequest)
 from ..sglang.tensor_wire import SAFETENSORS_MEDIA_TYPE, blob_size, safetensors_chunks
 
 log = logging.getLogger(__name__)
@@ -55,17 +57,18 @@ class WeightPoster:
         """/begin_weight_update ... /end_weight_update over one connection; the session is ended also when the body
         fails."""
         with self.connection():
-            self.post(sgl.ENDPOINTS["begin_weight_update"], sgl.begin_weight_update_payload(), sgl.CONTROL_TIMEOUT_S)
+            self.post(sgl.ENDPOINTS["begin_weight_update"], BeginWeightUpdateRequest().model_dump(),
+                      sgl.CONTROL_TIMEOUT_S)
             try:
                 yield
             except BaseException:
                 try:
-                    self.post(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload(),
+                    self.post(sgl.ENDPOINTS["end_weight_update"], EndWeightUpdateRequest().model_dump(),
                               sgl.CONTROL_TIMEOUT_S)
                 except Exception as err:  # the update's own error is the one to report
                     log.warning("%s: /end_weight_update after a failed update failed too: %r", self.label, err)
                 raise
-            self.post(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload(), sgl.CONTROL_TIMEOUT_S)
+            self.post(sgl.ENDPOINTS["end_weight_update"], EndWeightUpdateRequest().model_dump(), sgl.CONTROL_TIMEOUT_S)
 
     @contextmanager
     def connection(self):
@@ -82,20 +85,21 @@ class WeightPoster:
         SGLang: CUDA IPC handles, so the tensors go to this engine's GPU first (one bucket there at a time) and stay
         alive until the call returns. Torch engine: the tensors' data as a safetensors body, streamed."""
         path = sgl.ENDPOINTS["update_from_tensor"]
+        fields = {"weight_version": weight_version, "flush_cache": flush_cache}
         if self.backend == "torch":
             named = list(tensors.items())
-            self.send(path, BUCKET_TIMEOUT_S, params=sgl.tensor_update_query(weight_version, flush_cache),
+            self.send(path, BUCKET_TIMEOUT_S, params=TensorUpdateFields(**fields).query(),
                       content=safetensors_chunks(named),
                       headers={"Content-Type": SAFETENSORS_MEDIA_TYPE, "Content-Length": str(blob_size(named))})
             return
         device = f"cuda:{self.base_gpu_id}"
         tensors = {name: tensor.to(device) for name, tensor in tensors.items()}
         serialized = sgl.serialize_named_tensors(list(tensors.items()), self.tp_size, backend=self.backend)
-        self.post(path, sgl.update_from_tensor_payload(serialized, weight_version, flush_cache=flush_cache))
+        self.post(path, UpdateWeightsFromTensorRequest(serialized_named_tensors=serialized, **fields).model_dump())
 
     def reported_version(self) -> int:
-        version = httpx.get(self.url + sgl.ENDPOINTS["model_info"], timeout=30.0).json().get("weight_version")
-        return reported_version(version, self.label)
+        info = ModelInfo.model_validate_json(httpx.get(self.url + sgl.ENDPOINTS["model_info"], timeout=30.0).content)
+        return reported_version(info.weight_version, self.label)
 
     def post(self, path: str, payload: dict[str, Any], timeout_s: float = BUCKET_TIMEOUT_S) -> dict[str, Any]:
         """POST a JSON body; a non-200 answer or success:false raises RuntimeError naming the route and engine."""

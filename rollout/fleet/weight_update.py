@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
+from ..sglang.protocol import parse_version
+
 if TYPE_CHECKING:  # imported where a tensor or learner source is checked: the GPU machine's checks run without Ray
     import ray
 
@@ -65,9 +67,8 @@ class WeightUpdate:
 
 def reported_version(reported: int | str | None, engine: str) -> int:
     """The weight version an engine reports (/model_info; SGLang sends it as text) as an int."""
-    if isinstance(reported, int) and not isinstance(reported, bool):
-        return reported
-    if isinstance(reported, str) and reported.isdigit():
-        return int(reported)
+    version = parse_version(reported)
+    if isinstance(version, int) and not isinstance(version, bool):
+        return version
     raise ValueError(f"{engine} reports weight version {reported!r}, not a whole number: engines start at the "
                      f"learner's version (0) and every update sets an int")

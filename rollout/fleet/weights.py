@@ -33,14 +33,18 @@ import httpx
 import ray
 
 from ...infra.config.engines import EnginesConfig
-from .engine_client import EngineClient
+from .engine_client import EngineClient, EngineUnreachable
 from .engine_pool import EngineHandle
 from .weight_update import LearnerHandle, WeightKind, WeightUpdate, reported_version
 from ..sglang import backend as sgl
+from ..sglang.protocol import (BeginWeightUpdateRequest, DestroyWeightsUpdateGroupRequest, EndWeightUpdateRequest,
+                               InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest)
 from ..sglang.update_group import plan_buckets
 
 log = logging.getLogger("spillover.rollout.fleet.manager")
-ENGINE_GONE = (ray.exceptions.RayActorError, httpx.TransportError)
+# An engine that does not answer: its actor died, its server does not answer our client, or (httpx, through Ray) its
+# actor's own posts to its server found none (WeightPoster).
+ENGINE_GONE = (ray.exceptions.RayActorError, EngineUnreachable, httpx.TransportError)
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 Client = Callable[[str], EngineClient]
 Engines = Callable[[], list[EngineHandle]]  # the fleet's engines now (a restart replaces a handle)
@@ -179,7 +183,7 @@ class DistributedWeights:
         name, sending = self.group_name, None
         try:
             await asyncio.gather(*(client(u).post(sgl.ENDPOINTS["begin_weight_update"],
-                                                  json=sgl.begin_weight_update_payload()) for u in urls))
+                                                  json=BeginWeightUpdateRequest().model_dump()) for u in urls))
             sending = asyncio.ensure_future(_awaited(
                 policy.broadcast_weights.remote(name, [[n for n, _, _ in b] for b in buckets])))
             for payload in bucket_payloads(buckets, version, name, flush_cache):
@@ -193,7 +197,7 @@ class DistributedWeights:
             await self.leave(wait_learner=False)  # engines drop their ends: a blocked broadcast fails fast
             raise
         finally:  # also after a failure (or a begin refused on some engine): the next sync must be able to begin
-            end = sgl.end_weight_update_payload()
+            end = EndWeightUpdateRequest().model_dump()
             await asyncio.gather(*(client(u).post(sgl.ENDPOINTS["end_weight_update"], json=end) for u in urls),
                                  return_exceptions=True)
         self.last = {"buckets": len(buckets), "bucket_bytes": self.bucket_bytes, **report}
@@ -205,14 +209,15 @@ class DistributedWeights:
         healthy = await asyncio.gather(*(client(u).health() for u in urls))
         if not all(healthy):  # a dead member would keep the rendezvous waiting: let the caller restart it first
             dead = [u for u, ok in zip(urls, healthy) if not ok]
-            raise httpx.ConnectError(f"engines {dead} do not answer /health: not forming a weight-update group")
+            raise EngineUnreachable(f"engines {dead} do not answer /health: not forming a weight-update group")
         self.epoch += 1
         name = f"{self._prefix}-{self.epoch}"
         address, port = await policy.weight_sync_address.remote()
         world_size = 1 + self.ranks_per_engine * len(urls)
         joins = [client(u).post(sgl.ENDPOINTS["init_update_group"], timeout=self.timeout_s,
-                                json=sgl.init_update_group_payload(address, port, 1 + self.ranks_per_engine * i,
-                                                                   world_size, name, self.backend))
+                                json=InitWeightsUpdateGroupRequest(
+                                    master_address=address, master_port=port, rank_offset=1 + self.ranks_per_engine * i,
+                                    world_size=world_size, group_name=name, backend=self.backend).model_dump())
                  for i, u in enumerate(urls)]
         hosting = policy.join_weight_group.remote(address, port, world_size, name, self.backend, self.timeout_s)
         outcomes = await asyncio.gather(hosting, *joins, return_exceptions=True)
@@ -231,8 +236,8 @@ class DistributedWeights:
             return
         (policy, urls), name = self._members, self.group_name
         self.group_name, self._members, self._usable = None, None, False
-        calls = [self.client(u).post(sgl.ENDPOINTS["destroy_update_group"], json={"group_name": name}, timeout=30.0)
-                 for u in urls]
+        leave = DestroyWeightsUpdateGroupRequest(group_name=name).model_dump()
+        calls = [self.client(u).post(sgl.ENDPOINTS["destroy_update_group"], json=leave, timeout=30.0) for u in urls]
         learner_leave = policy.leave_weight_group.remote(name)
         await asyncio.gather(*calls, *([learner_leave] if wait_learner else []), return_exceptions=True)
 
@@ -247,9 +252,9 @@ def bucket_payloads(buckets: list[list[tuple[str, str, list[int]]]], version: in
     for i, bucket in enumerate(buckets):
         last = i == len(buckets) - 1
         names, dtypes, shapes = zip(*bucket)
-        payloads.append(sgl.update_from_distributed_payload(list(names), list(dtypes), list(shapes),
-                                                            version if last else None, group_name=group_name,
-                                                            flush_cache=flush_cache and last))
+        payloads.append(UpdateWeightsFromDistributedRequest(
+            names=names, dtypes=dtypes, shapes=shapes, weight_version=version if last else None, group_name=group_name,
+            flush_cache=flush_cache and last).model_dump())
     return payloads
 
 
@@ -297,15 +302,6 @@ class FleetWeights:
         """A restarted engine: the latest update (its start already loaded the model folder)."""
         if self.latest is not None:
             await self.strategy(self.latest.kind).load(self.latest, [handle])
-
-    async def restore(self, model_path: str) -> None:
-        """After a resume: released weights came back empty; load what the engines served (the latest update, or the
-        model folder at the version each reports)."""
-        if self.latest is not None:
-            await self.strategy(self.latest.kind).load(self.latest, self.engines())
-            return
-        await asyncio.gather(*(self.disk.load(WeightUpdate("disk", model_path, h.weight_version), [h])
-                               for h in self.engines()))
 
     async def leave(self) -> None:
         """Leave the weight-update group (before new settings or another learner)."""

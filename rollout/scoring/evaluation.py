@@ -1,8 +1,7 @@
 """Eval: generate responses for each eval data set, score them, and log slime's eval metrics.
 
-Engine-agnostic: `generate_fn(requests) -> responses` takes SGLang /generate request dicts (input_ids,
-sampling_params, return_logprob, rid) and returns SGLang answers in order (RolloutManager.generate, or any
-client of the same shapes). Metrics per data set key, as in slime's log_eval_data:
+Engine-agnostic: `generate_fn(jobs) -> answers` takes /generate jobs (rollout/sglang/protocol.py: GenerateJob) and
+returns their answers in order (RolloutManager.generate, or any fleet of the same interface). Metrics per data set key, as in slime's log_eval_data:
 `eval/<key>` (mean reward), `eval/<key>-truncated_ratio`, plus `eval/step`.
 """
 from __future__ import annotations
@@ -12,10 +11,11 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import numpy as np
 
 from ..drivers.requests import SamplingSettings, build_requests, mix_seeds, parse_responses
+from ..sglang.protocol import GenerateJob, GenerateResponse
 from ..sample import Sample, Status
 from .rule_reward import decode_responses, score_samples
 
-GenerateFn = Callable[[list[dict]], list[dict]]
+GenerateFn = Callable[[list[GenerateJob]], list[GenerateResponse]]
 
 
 class PromptSetLike(Protocol):
@@ -90,7 +90,8 @@ def run_eval(datasets: Mapping[str, PromptSetLike], generate_fn: GenerateFn, rew
     sampling = SamplingSettings(temperature, top_p, top_k, tuple(stop_token_ids), stop=tuple(stop))
     seeds = None if seed is None else mix_seeds(
         seed, (np.asarray(set_of_sample) << 32) + [s.group_index for s in samples], [s.index for s in samples])
-    responses = generate_fn(build_requests([s.prompt_tokens for s in samples], np.array(budgets), sampling, seeds))
+    requests = build_requests([s.prompt_tokens for s in samples], np.array(budgets), sampling, seeds)
+    responses = generate_fn([GenerateJob(request) for request in requests])
     if len(responses) != len(samples):
         raise RuntimeError(f"generate_fn returned {len(responses)} answers for {len(samples)} eval requests")
     tokens, logprobs, _, versions = parse_responses(responses, default_version=-1)
@@ -104,10 +105,10 @@ def run_eval(datasets: Mapping[str, PromptSetLike], generate_fn: GenerateFn, rew
     return results
 
 
-def _status(response: dict, ids: list[int], stops: set[int]) -> Status:
-    kind = (response["meta_info"].get("finish_reason") or {}).get("type")
+def _status(response: GenerateResponse, ids: list[int], stops: set[int]) -> Status:
+    kind = response.meta_info.finish_reason.type
     if kind == "abort":
-        raise EvalAborted(f"eval request {response['meta_info'].get('id')} was aborted after {len(ids)} tokens "
+        raise EvalAborted(f"eval request {response.meta_info.id} was aborted after {len(ids)} tokens "
                           "(engines aborted during eval); run eval again when no abort is pending")
     if kind == "length" and not (ids and ids[-1] in stops):  # an EOS on the last allowed position reports length
         return Status.TRUNCATED

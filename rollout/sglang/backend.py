@@ -1,9 +1,10 @@
-"""The SGLang backend, kept thin: the `sglang.launch_server` command line, the JSON bodies of SGLang's
-weight/memory endpoints, and the server process's start/health/stop.
+"""The SGLang backend, kept thin: the `sglang.launch_server` command line, SGLang's route names, the tensor
+serialization of update_weights_from_tensor, and the server process's start/health/stop. The request bodies are
+rollout/sglang/protocol.py's models.
 
-Checked against sgl-project/sglang `python/sglang/srt/entrypoints/http_server.py` (routes) and
-`managers/io_struct.py` / `server_args.py` (request dataclasses and flags), 0.5.x. GPU only: nothing here
-imports sglang except `serialize_named_tensors`, so the command and payloads are unit-tested on CPU.
+Checked against sgl-project/sglang `python/sglang/srt/entrypoints/http_server.py` (routes) and `server_args.py`
+(flags), 0.5.x. GPU only: nothing here imports sglang except `serialize_named_tensors`, so the command is unit-tested
+on CPU.
 """
 from __future__ import annotations
 
@@ -12,13 +13,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-
-from .protocol import ContinueGenerationRequest, PauseGenerationRequest
 
 # Route names of SGLang's native HTTP server (http_server.py).
 ENDPOINTS = {
@@ -51,8 +49,6 @@ ENGINE_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
 # answer within CONTROL_TIMEOUT_S means a hung engine: the post fails naming the route instead of holding the flow.
 CONTROL_ROUTES = ("pause_generation", "continue_generation", "begin_weight_update", "end_weight_update", "flush_cache")
 CONTROL_TIMEOUT_S = 60.0
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # torch_memory_saver regions SGLang can release
-WEIGHT_SELECTORS = ("all", "target", "draft")  # which model a weight-update session covers (draft: speculative)
 
 
 @dataclass(frozen=True)
@@ -105,102 +101,6 @@ def launch_command(spec: SGLangLaunch, python: str = sys.executable) -> list[str
     if spec.skip_server_warmup:
         cmd.append("--skip-server-warmup")
     return cmd + list(spec.extra_args)
-
-
-# ---- request bodies (field names of the io_struct dataclasses) ------------------------------------------
-def _tags(tags: Sequence[str] | None) -> list[str] | None:
-    if tags is None:
-        return None
-    unknown = sorted(set(tags) - set(MEMORY_TAGS))
-    if unknown:
-        raise ValueError(f"memory tags {unknown} are not SGLang's; use some of {list(MEMORY_TAGS)}")
-    return list(tags)
-
-
-def release_memory_payload(tags: Sequence[str] | None = None) -> dict[str, Any]:
-    """ReleaseMemoryOccupationReqInput; tags None releases everything."""
-    return {"tags": _tags(tags)}
-
-
-def resume_memory_payload(tags: Sequence[str] | None = None) -> dict[str, Any]:
-    """ResumeMemoryOccupationReqInput; tags None resumes everything."""
-    return {"tags": _tags(tags)}
-
-
-def pause_generation_payload(mode: str) -> dict[str, Any]:
-    """PauseGenerationReqInput (rollout/sglang/protocol.py: PauseGenerationRequest)."""
-    return PauseGenerationRequest(mode=mode).model_dump()
-
-
-def continue_generation_payload() -> dict[str, Any]:
-    """ContinueGenerationReqInput."""
-    return ContinueGenerationRequest().model_dump()
-
-
-def begin_weight_update_payload(selector: str = "all") -> dict[str, Any]:
-    """BeginWeightUpdateReqInput: open the session that update_weights_from_tensor / _from_distributed need (SGLang
-    0.5.23 answers success:false to them outside one); one session covers every bucket of one update."""
-    if selector not in WEIGHT_SELECTORS:
-        raise ValueError(f"selector must be one of {list(WEIGHT_SELECTORS)}; got {selector!r}")
-    return {"selector": selector}
-
-
-def end_weight_update_payload() -> dict[str, Any]:
-    """EndWeightUpdateReqInput (no fields of its own): close the session, also after a failed update."""
-    return {}
-
-
-def update_from_tensor_payload(serialized_named_tensors: list[str], weight_version: int | str | None,
-                               load_format: str | None = None, flush_cache: bool = True,
-                               abort_all_requests: bool = False) -> dict[str, Any]:
-    """UpdateWeightsFromTensorReqInput: one serialized [(name, tensor)] list per tensor-parallel rank (see
-    serialize_named_tensors). weight_version None leaves the engine's version as it is (a bucket before the last)."""
-    if not serialized_named_tensors:
-        raise ValueError("serialized_named_tensors is empty: pass one serialized list per TP rank")
-    return {"serialized_named_tensors": list(serialized_named_tensors),
-            **tensor_update_fields(weight_version, load_format, flush_cache, abort_all_requests)}
-
-
-def tensor_update_fields(weight_version: int | str | None, load_format: str | None = None, flush_cache: bool = True,
-                         abort_all_requests: bool = False) -> dict[str, Any]:
-    """UpdateWeightsFromTensorReqInput's fields besides the tensors (the torch engine's binary body carries them as
-    query parameters: tensor_update_query)."""
-    fields = {"load_format": load_format, "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
-    if weight_version is not None:
-        fields["weight_version"] = str(weight_version)
-    return fields
-
-
-def tensor_update_query(weight_version: int | str | None, flush_cache: bool = True) -> dict[str, str]:
-    """The query of the torch engine's binary /update_weights_from_tensor (rollout/sglang/tensor_wire.py): the same
-    fields as SGLang's JSON body, as text (no value: the field's default)."""
-    fields = tensor_update_fields(weight_version, flush_cache=flush_cache)
-    return {name: str(value).lower() if isinstance(value, bool) else str(value)
-            for name, value in fields.items() if value is not None}
-
-
-def update_from_distributed_payload(names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                    weight_version: int | str | None, group_name: str = "weight_update_group",
-                                    flush_cache: bool = True) -> dict[str, Any]:
-    """UpdateWeightsFromDistributedReqInput: metadata of tensors the trainer then broadcasts over NCCL.
-    weight_version None leaves the engine's version as it is (a bucket before the last)."""
-    if not len(names) == len(dtypes) == len(shapes):
-        raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) must align")
-    payload = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-               "group_name": group_name, "flush_cache": flush_cache}
-    if weight_version is not None:
-        payload["weight_version"] = str(weight_version)
-    return payload
-
-
-def init_update_group_payload(master_address: str, master_port: int, rank_offset: int, world_size: int,
-                              group_name: str = "weight_update_group", backend: str = "nccl") -> dict[str, Any]:
-    """InitWeightsUpdateGroupReqInput: join the trainer's broadcast group as ranks rank_offset.. of world_size."""
-    if not 0 < rank_offset < world_size:
-        raise ValueError(f"rank_offset must be in (0, world_size={world_size}): rank 0 is the trainer; "
-                         f"got {rank_offset}")
-    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend}
 
 
 def serialize_named_tensors(named_tensors: list[tuple[str, Any]], tp_size: int, backend: str = "sglang") -> list[str]:

@@ -1,8 +1,9 @@
 """The engine contract: request/response models of the SGLang native HTTP API subset we speak.
 
 Field names and shapes follow SGLang 0.5.x (`GenerateReqInput`, `SamplingParams`, the `meta_info` of a
-/generate answer, `AbortReq`, `UpdateWeightFromDiskReqInput`, /v1/loads). The torch engine server, the
-sglang backend and the client all use these models, so a field renamed here is renamed everywhere.
+/generate answer, `AbortReq`, `UpdateWeightFromDiskReqInput`, /v1/loads, the weight and memory control routes). The
+drivers, the fleet's client and the torch engine server all build and read their bodies with these models (a body is
+`Model(...).model_dump()`, an answer is parsed once into its model), so a field renamed here is renamed everywhere.
 
 Deliberate gaps: one request per /generate call (no batched `input_ids` lists), no streaming, no
 `text` input (callers always send token ids; partial samples are continued from ids, never re-tokenised
@@ -11,9 +12,11 @@ text).
 from __future__ import annotations
 
 import secrets
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, field_validator,
+                      model_validator)
 
 RID_HEX_CHARS = 32  # SGLang matches abort rids by prefix: fixed-length random hex keeps them unambiguous
 
@@ -23,11 +26,21 @@ def new_rid() -> str:
     return secrets.token_hex(RID_HEX_CHARS // 2)
 
 
-def _normalise_version(value: Any) -> Any:
-    """SGLang reports weight_version as a string ("default", "3"); ours is an int. Digits -> int."""
+def parse_version(value: Any) -> Any:
+    """SGLang reports weight versions as text ("default", "3"); ours are ints. Digits -> int, anything else as it is."""
     if isinstance(value, str) and value.isdigit():
         return int(value)
     return value
+
+
+WeightVersion = Annotated[int | str | None, BeforeValidator(parse_version),
+                          PlainSerializer(lambda v: None if v is None else str(v), return_type=str | None)]
+"""Every weight version field: read as an int when it is one, sent as text (SGLang declares them Optional[str] and
+refuses an int)."""
+
+
+MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]  # torch_memory_saver regions SGLang can release
+WeightSelector = Literal["all", "target", "draft"]  # which model a weight-update session covers (draft: speculative)
 
 
 class BadRequest(ValueError):
@@ -115,7 +128,8 @@ class GenerateRequest(BaseModel):
     input_ids: list[int] = Field(..., min_length=1, description="Prompt (+ partial response) token ids.")
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     return_logprob: bool = False
-    rid: str | None = None
+    rid: str | None = Field(default_factory=new_rid, description="Abort matches request ids by prefix: one of fixed "
+                            "length each (null: the engine picks one).")
     stream: bool = False
 
     @model_validator(mode="before")
@@ -141,6 +155,21 @@ class GenerateRequest(BaseModel):
             raise ValueError("stream=true is not supported by this engine; send stream=false")
         return v
 
+    def body(self) -> dict[str, Any]:
+        """The JSON body: the fields this request was given, and its rid (SGLang applies its own defaults to the
+        rest)."""
+        return {**self.model_dump(exclude_unset=True), "rid": self.rid}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateJob:
+    """A /generate request as the drivers hand it to the fleet. `engine` pins it to that engine (length-aware dispatch,
+    rollout/drivers/dispatch.py); None lets the router choose. The pin is ours, not SGLang's: it never goes on the
+    wire."""
+
+    request: GenerateRequest
+    engine: int | None = None
+
 
 FinishType = Literal["stop", "length", "abort"]
 
@@ -154,6 +183,16 @@ class FinishReason(BaseModel):
     matched: int | str | list[int] | None = None
     length: int | None = None
     message: str | None = None
+    status_code: int | None = None
+    err_type: str | None = None
+
+
+class WeightVersionSpan(BaseModel):
+    """One entry of meta_info.weight_versions: output positions [start, end) were made by weights `version`."""
+
+    version: WeightVersion
+    start: int
+    end: int
 
 
 class MetaInfo(BaseModel):
@@ -163,17 +202,16 @@ class MetaInfo(BaseModel):
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
-    weight_version: int | str | None = None
-    output_token_logprobs: list[list[Any]] | None = None  # [[logprob, token_id, None], ...]
-
-    @field_validator("weight_version", mode="before")
-    @classmethod
-    def _version(cls, v: Any) -> Any:
-        return _normalise_version(v)
+    cached_tokens: int = 0
+    weight_version: WeightVersion = None
+    # present only when the request lived through a weight update (SGLang 0.5.23)
+    weight_versions: list[WeightVersionSpan] | None = None
+    # (logprob, token id, token text or None) per output token; typed as tuples, the answer parses ~1.5x faster
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
 
     @property
     def logprobs(self) -> list[float]:
-        return [float(entry[0]) for entry in self.output_token_logprobs or []]
+        return [entry[0] for entry in self.output_token_logprobs or []]
 
 
 class GenerateResponse(BaseModel):
@@ -185,6 +223,14 @@ class GenerateResponse(BaseModel):
     output_ids: list[int]
     meta_info: MetaInfo
 
+    @classmethod
+    def never_sent(cls, request: GenerateRequest, message: str) -> "GenerateResponse":
+        """The answer of a request whose round was stopped before it was sent: no tokens, finish_reason abort."""
+        return cls(output_ids=[], meta_info=MetaInfo(
+            id=request.rid or "", finish_reason=FinishReason(type="abort", message=message),
+            prompt_tokens=len(request.input_ids), completion_tokens=0,
+            output_token_logprobs=[] if request.return_logprob else None))
+
 
 class AbortRequest(BaseModel):
     """POST /abort_request: `rid` aborts every request whose id starts with it; `abort_all` aborts all."""
@@ -193,19 +239,47 @@ class AbortRequest(BaseModel):
     abort_all: bool = False
 
 
+class ReleaseMemoryOccupationRequest(BaseModel):
+    """POST /release_memory_occupation (SGLang's ReleaseMemoryOccupationReqInput); tags None releases everything."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    tags: list[MemoryTag] | None = None
+
+
+class ResumeMemoryOccupationRequest(BaseModel):
+    """POST /resume_memory_occupation (SGLang's ResumeMemoryOccupationReqInput); tags None resumes everything."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    tags: list[MemoryTag] | None = None
+
+
+class BeginWeightUpdateRequest(BaseModel):
+    """POST /begin_weight_update (SGLang's BeginWeightUpdateReqInput): opens the session that update_weights_from_tensor
+    and _from_distributed need (SGLang 0.5.23 answers success:false to them outside one); one session covers every
+    bucket of one update."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    selector: WeightSelector = "all"
+
+
+class EndWeightUpdateRequest(BaseModel):
+    """POST /end_weight_update (SGLang's EndWeightUpdateReqInput, no fields of its own): closes the session, also after
+    a failed update."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
 class UpdateWeightsFromDiskRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model_path: str
     load_format: str | None = None
-    weight_version: int | str | None = None
+    weight_version: WeightVersion = None
     abort_all_requests: bool = False
     flush_cache: bool = True  # false while requests paused in_place keep their KV cache
-
-    @field_validator("weight_version", mode="before")
-    @classmethod
-    def _version(cls, v: Any) -> Any:
-        return _normalise_version(v)
 
 
 class UpdateWeightsResponse(BaseModel):
@@ -262,12 +336,7 @@ class ModelInfo(BaseModel):
     model_path: str
     tokenizer_path: str | None = None
     is_generation: bool = True
-    weight_version: int | str | None = None
-
-    @field_validator("weight_version", mode="before")
-    @classmethod
-    def _version(cls, v: Any) -> Any:
-        return _normalise_version(v)
+    weight_version: WeightVersion = None
 
 
 # ---- the weight-update group (SGLang's InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput, ...)
@@ -285,6 +354,13 @@ class InitWeightsUpdateGroupRequest(BaseModel):
     world_size: int = Field(..., ge=2)
     group_name: str = DEFAULT_GROUP_NAME
     backend: str = "nccl"
+
+    @model_validator(mode="after")
+    def _inside_the_group(self) -> "InitWeightsUpdateGroupRequest":
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset must be in (0, world_size={self.world_size}): rank 0 is the trainer; got "
+                             f"{self.rank_offset}")
+        return self
 
 
 class DestroyWeightsUpdateGroupRequest(BaseModel):
@@ -304,13 +380,8 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
     group_name: str = DEFAULT_GROUP_NAME
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: int | str | None = None
+    weight_version: WeightVersion = None
     load_format: str | None = None
-
-    @field_validator("weight_version", mode="before")
-    @classmethod
-    def _version(cls, v: Any) -> Any:
-        return _normalise_version(v)
 
     @model_validator(mode="after")
     def _aligned(self) -> "UpdateWeightsFromDistributedRequest":
@@ -331,13 +402,8 @@ class TensorUpdateFields(BaseModel):
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: int | str | None = None
-    selector: Literal["all", "target", "draft"] = "all"
-
-    @field_validator("weight_version", mode="before")
-    @classmethod
-    def _version(cls, v: Any) -> Any:
-        return _normalise_version(v)
+    weight_version: WeightVersion = None
+    selector: WeightSelector = "all"
 
     @field_validator("load_format")
     @classmethod
@@ -345,6 +411,12 @@ class TensorUpdateFields(BaseModel):
         if v not in (None, "direct"):
             raise ValueError(f"load_format {v!r} is not supported by this engine: send null")
         return v
+
+    def query(self) -> dict[str, str]:
+        """These fields as the query of the torch engine's binary body: text, booleans as JSON writes them; a field
+        without a value is left out (the engine takes its default)."""
+        return {name: str(value).lower() if isinstance(value, bool) else str(value)
+                for name, value in self.model_dump(exclude_none=True).items()}
 
 
 class UpdateWeightsFromTensorRequest(TensorUpdateFields):

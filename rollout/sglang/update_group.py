@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["TensorSpec", "destroy_group", "dtype_from_name", "dtype_name", "init_group", "plan_buckets",
-           "receive_bucket", "send_bucket", "tcp_store", "tensor_digest"]
+           "receive_bucket", "send_bucket", "tcp_store"]
 
 TensorSpec = tuple[str, str, list[int]]  # (HF name, dtype name as SGLang sends it, shape)
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -79,16 +79,6 @@ def init_group(master_address: str, master_port: int, rank: int, world_size: int
                                       backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
-
-
-def tensor_digest(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes (dtype and shape prefixed), for bit-for-bit comparisons across processes."""
-    import hashlib
-
-    t = tensor.detach().contiguous().cpu()
-    digest = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
 
 
 def tcp_store(host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:

@@ -7,7 +7,7 @@ all running requests (slot_runner.py). Finished requests free their slot at once
 without waiting for the batch.
 
 Callers talk to the thread through `submit`, `abort` and `call` (all thread-safe); results come back as
-`concurrent.futures.Future`s holding the SGLang-shaped /generate answer (a dict).
+`concurrent.futures.Future`s holding the /generate answer (protocol.GenerateResponse).
 """
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Callable
 
 from .lean_forward import LeanDecoder
-from ..sglang.protocol import SamplingParams
+from ..sglang.protocol import GenerateResponse, MetaInfo, SamplingParams
 from .slot_runner import SlotRunner
 
 log = logging.getLogger(__name__)
@@ -238,8 +239,8 @@ class ContinuousBatcher:
         if spans:
             meta["weight_version"] = spans[-1]["version"] if len(spans) > 1 else req.version_spans[-1][0]
         if req.return_logprob:
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids)]
-        req.future.set_result({"output_ids": req.output_ids, "meta_info": meta})
+            meta["output_token_logprobs"] = list(zip(req.logprobs, req.output_ids, repeat(None)))
+        req.future.set_result(GenerateResponse(output_ids=req.output_ids, meta_info=MetaInfo(**meta)))
 
     @property
     def cache(self):

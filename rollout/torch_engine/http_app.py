@@ -14,8 +14,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from ..sglang.protocol import (AbortRequest, BadRequest, ContinueGenerationRequest, GenerateRequest,
-                               PauseGenerationRequest, UpdateWeightsFromDiskRequest, new_rid)
+from ..sglang.protocol import (AbortRequest, BadRequest, ContinueGenerationRequest, GenerateRequest, LoadEntry,
+                               LoadsResponse, PauseGenerationRequest, ReleaseMemoryOccupationRequest,
+                               ResumeMemoryOccupationRequest, UpdateWeightsFromDiskRequest, new_rid)
 from .served_engine import ServedEngine
 
 ENGINE_VERSION = "spillover-torch-0.1"
@@ -86,10 +87,10 @@ def build_app(server: ServedEngine) -> FastAPI:
         finally:
             gone.cancel()
             server.live_rids.discard(engine_req.rid)
-        text = server.decode_text(result["output_ids"], body.sampling_params.skip_special_tokens)
+        text = server.decode_text(result.output_ids, body.sampling_params.skip_special_tokens)
         if text is not None:
-            result = {"text": text, **result}
-        return Response(orjson.dumps(result), media_type="application/json")
+            result.text = text
+        return Response(result.model_dump_json(exclude_unset=True), media_type="application/json")
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
@@ -140,15 +141,15 @@ def build_app(server: ServedEngine) -> FastAPI:
         running, waiting = batcher.counts()
         used = sum(len(r.input_ids) + len(r.output_ids) for r in list(batcher.running.values()))
         total = batcher.num_slots * batcher.max_len
-        entry = {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
-                 "num_total_reqs": running + waiting, "num_used_tokens": used, "num_total_tokens": total,
-                 "token_usage": round(used / total, 4), "gen_throughput": 0.0,
-                 "utilization": round(running / batcher.num_slots, 4)}
+        entry = LoadEntry(dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting,
+                          num_total_reqs=running + waiting, num_used_tokens=used, num_total_tokens=total,
+                          token_usage=round(used / total, 4), gen_throughput=0.0,
+                          utilization=round(running / batcher.num_slots, 4))
         aggregate = {"total_running_reqs": running, "total_waiting_reqs": waiting, "total_reqs": running + waiting,
-                     "total_used_tokens": used, "total_tokens": total, "avg_token_usage": entry["token_usage"],
-                     "avg_throughput": 0.0, "avg_utilization": entry["utilization"]}
-        return {"timestamp": datetime.now(timezone.utc).isoformat(), "version": ENGINE_VERSION,
-                "dp_rank_count": 1, "loads": [entry], "aggregate": aggregate}
+                     "total_used_tokens": used, "total_tokens": total, "avg_token_usage": entry.token_usage,
+                     "avg_throughput": 0.0, "avg_utilization": entry.utilization}
+        return LoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(), version=ENGINE_VERSION, dp_rank_count=1,
+                             loads=[entry], aggregate=aggregate).model_dump()
 
     def model_info() -> dict:
         return {"model_path": server.model_path, "tokenizer_path": server.model_path, "is_generation": True,
@@ -217,15 +218,19 @@ def build_app(server: ServedEngine) -> FastAPI:
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(request: Request):
-        tags = (await read_json(request) or {}).get("tags")
-        err = await when_idle(lambda: batcher.release_memory(tags), "release_memory_occupation")
+        body, err = await parse(request, ReleaseMemoryOccupationRequest)
+        if err is not None:
+            return err
+        err = await when_idle(lambda: batcher.release_memory(body.tags), "release_memory_occupation")
         server.memory_events.append((time.monotonic(), "release"))
         return err or Response(status_code=200)
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory_occupation(request: Request):
-        tags = (await read_json(request) or {}).get("tags")
-        await asyncio.wrap_future(batcher.call(lambda: batcher.resume_memory(tags)))
+        body, err = await parse(request, ResumeMemoryOccupationRequest)
+        if err is not None:
+            return err
+        await asyncio.wrap_future(batcher.call(lambda: batcher.resume_memory(body.tags)))
         server.memory_events.append((time.monotonic(), "resume"))
         return Response(status_code=200)
 

@@ -29,7 +29,7 @@ from .batcher import ContinuousBatcher, EngineRequest
 from .http_app import build_app
 from .lean_forward import LeanDecoder, read_safetensors, read_shape
 from ..sglang.protocol import (BadRequest, GenerateRequest, InitWeightsUpdateGroupRequest,
-                               UpdateWeightsFromDistributedRequest, new_rid)
+                               UpdateWeightsFromDistributedRequest, new_rid, parse_version)
 from ..sglang.update_group import destroy_group, init_group, receive_bucket
 
 FALSE_WORDS = ("false", "0", "no", "n")  # what SGLang's boolean variables read as false (srt/environ.py)
@@ -271,7 +271,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    version = int(args.weight_version) if args.weight_version.isdigit() else args.weight_version
+    version = parse_version(args.weight_version)
     server = TorchEngineServer(args.model_path, args.host, args.port, args.max_running_requests, args.device,
                                args.seed, version, args.torch_threads, args.max_model_len, args.max_kv_cache_gb)
     stop = threading.Event()

@@ -17,6 +17,7 @@ Group and weight routes answer {success, message} with 200 or 400, as SGLang's d
 from __future__ import annotations
 
 import asyncio
+from typing import get_args
 
 import orjson
 from fastapi import FastAPI, Request
@@ -24,11 +25,11 @@ from fastapi.responses import JSONResponse, Response
 
 from ..sglang.protocol import (DestroyWeightsUpdateGroupRequest, GetWeightsByNameRequest,
                                InitWeightsUpdateGroupRequest, TensorUpdateFields,
-                               UpdateWeightsFromDistributedRequest, UpdateWeightsFromTensorRequest)
+                               UpdateWeightsFromDistributedRequest, UpdateWeightsFromTensorRequest, WeightSelector)
 from ..sglang.tensor_wire import SAFETENSORS_MEDIA_TYPE, decode_named_tensors, parse_safetensors
 from .served_engine import ServedEngine
 
-SELECTORS = ("all", "target", "draft")
+SELECTORS = get_args(WeightSelector)
 
 
 def result(success: bool, message: str) -> JSONResponse:

@@ -87,9 +87,9 @@ class EngineHost:
 
     def take_log(self) -> list[str]:
         """The events of this process since the last take, in time order: release / resume (the hosted engine's
-        memory), compute_logprobs, update, load_weights."""
+        memory), compute_ref_logprobs, compute_logprobs, update, load_weights."""
         events, self._events = self._events, []
-        server = self.engine._server if self.engine is not None else None
+        server = self.engine.server if self.engine is not None else None
         if server is not None:
             events, server.memory_events = events + server.memory_events, []
         return [event for _, event in sorted(events)]

@@ -18,8 +18,8 @@ import torch
 
 from ...infra.config.training import DecaySpan
 
-__all__ = ["STATE_FORMAT", "from_format_1", "full_model_state", "load_state", "local_state_bytes", "save_hf_folder",
-           "save_state", "unique_state_keys"]
+__all__ = ["STATE_FORMAT", "from_format_1", "full_model_state", "load_state", "save_hf_folder", "save_state",
+           "unique_state_keys"]
 # 2: the learner records its lr decay span ("lr_decay", infra/config/training.py DecaySpan) next to kl_coef
 STATE_FORMAT = 2
 
@@ -141,20 +141,6 @@ def load_state(root, lm, optimizer, param_names: list[str], state_keys: list[str
     if "rng/torch" in as_tensor:
         torch.set_rng_state(as_tensor["rng/torch"].to(torch.uint8).cpu())
     return int(meta["weight_version"])
-
-
-def local_state_bytes(net: torch.nn.Module, optimizer) -> dict[str, int]:
-    """Bytes this rank holds of parameters, gradients (as large as the trainable parameters during a step) and
-    optimizer state; sharded tensors count only their local shard."""
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    params = [local(p) for p in net.parameters()]
-    trainable = [local(p) for p in net.parameters() if p.requires_grad]
-    optim = [local(v) for s in (optimizer.state.values() if optimizer is not None else ()) for v in s.values()
-             if torch.is_tensor(v) and v.dim() > 0]
-    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    return {"params": size(params), "grads": size(trainable), "optimizer": size(optim)}
 
 
 def save_hf_folder(lm, state: dict[str, torch.Tensor], model_path: str, folder: str, version: int) -> str:

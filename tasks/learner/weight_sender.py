@@ -17,8 +17,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ...rollout.sglang.update_group import (TensorSpec, destroy_group, dtype_name, init_group, send_bucket,
-                                            tensor_digest)
+from ...rollout.sglang.update_group import TensorSpec, destroy_group, dtype_name, init_group, send_bucket
 
 __all__ = ["WeightSender", "for_engines", "full_tensor"]
 
@@ -95,10 +94,6 @@ class WeightSender:
         entry[0].add_done_callback(lambda f: f.exception() is None and destroy_group(f.result()))
         return True
 
-    def leave_all(self) -> None:
-        for name in list(self._groups):
-            self.leave(name)
-
     def broadcast(self, group_name: str, buckets: list[list[str]]) -> dict:
         """Every rank: gather each bucket's full tensors; rank 0 broadcasts them on the group, in order.
         -> {"bytes": sent, "buckets": count, "send_s", "peak_extra_bytes": the most tensor bytes held at once beyond
@@ -120,10 +115,6 @@ class WeightSender:
                 del tensors
         return {"bytes": sent, "buckets": len(buckets), "peak_extra_bytes": peak,
                 "send_s": time.perf_counter() - tic, "pid": os.getpid()}
-
-    def digests(self) -> dict[str, str]:
-        """sha256 of every tensor the engines load (sharded: gathered; rank 0's are the ones to compare)."""
-        return {name: tensor_digest(full_tensor(t)) for name, t in self.named_weights().items()}
 
 
 def free_address() -> tuple[str, int]:

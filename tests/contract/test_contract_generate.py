@@ -3,7 +3,7 @@ GenerateReqInput, the route's JSON gate, normalize_batch_and_arguments, Sampling
 
 The bodies are the project's own: the real driver loop (sync, async, multi-turn tool hooks) and evaluation run over
 the real dock against SimulatedEngine (SGLang cannot run here), and what they hand the engine goes through
-spillover.rollout.fleet.generation.request_body, the function that makes the wire body of RolloutManager's every
+GenerateRequest.body (rollout/sglang/protocol.py), what EngineClient.generate sends for RolloutManager's every
 /generate call."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from spillover.infra.config.run_config import load_config
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.bench.simulator.engine import EngineTiming, SimulatedEngine
 from spillover.bench.simulator.workload import DEFAULT_EOS, TableLengths, simulated_prompt
-from spillover.rollout.fleet.generation import request_body
+from spillover.rollout.sglang.protocol import GenerateRequest
 from spillover.rollout.drivers.default_rollout import generate_training_batch
 from spillover.rollout.drivers.requests import SamplingSettings, build_requests
 
@@ -35,11 +35,11 @@ class Recorder:
         self.bodies: list[dict] = []
         self.num_engines = getattr(engine, "num_engines", 1)
 
-    def generate(self, requests, on_result=None):
-        self.bodies += [request_body(r) for r in requests]
+    def generate(self, jobs, on_result=None):
+        self.bodies += [job.request.body() for job in jobs]
         if self.engine is None:
             raise Captured
-        return self.engine.generate(requests, on_result=on_result)
+        return self.engine.generate(jobs, on_result=on_result)
 
 
 class Captured(Exception):
@@ -155,26 +155,26 @@ def test_gpu_recipe_bodies_are_sglangs(sglang, recipe):
 def test_a_wrong_body_is_refused(sglang):
     """The check bites: SGLang refuses an unknown sampling key (there is no `seed`: it is sampling_seed), a top_p of
     0, and a prompt + max_new_tokens over the context length."""
-    good = build_requests([[5, 6, 7]], np.array([4]), SamplingSettings(stop_token_ids=[2]))[0]
+    good = build_requests([[5, 6, 7]], np.array([4]), SamplingSettings(stop_token_ids=[2]))[0].body()
     accepted(sglang.generate(good, VOCAB, 64), "the good body")
     seed = {**good, "sampling_params": {**good["sampling_params"], "seed": 3}}
     assert not sglang.generate(seed, VOCAB, 64)["ok"]
 
 
 def test_values_sglang_refuses(sglang_classes):
-    good = build_requests([[5, 6, 7]], np.array([4]), SamplingSettings(stop_token_ids=[2]))[0]
+    good = build_requests([[5, 6, 7]], np.array([4]), SamplingSettings(stop_token_ids=[2]))[0].body()
     top_p = {**good, "sampling_params": {**good["sampling_params"], "top_p": 0.0}}
     refused = sglang_classes.generate(top_p, VOCAB, 64)
     assert not refused["ok"] and "top_p" in refused["error"]
     long = sglang_classes.generate(good, VOCAB, 6)  # 3 prompt + 4 new > 6
     assert not long["ok"] and "context length" in long["error"]
     numpy_seed = SamplingSettings(stop_token_ids=[2], seed=1)
-    seeded = build_requests([[5, 6, 7]], np.array([4]), numpy_seed, seeds=np.array([2**31 - 1]))[0]
+    seeded = build_requests([[5, 6, 7]], np.array([4]), numpy_seed, seeds=np.array([2**31 - 1]))[0].body()
     accepted(sglang_classes.generate(seeded, VOCAB, 64), "a seeded body")
 
 
 def test_engine_client_generate_body_is_sglangs(sglang):
-    """EngineClient.generate (bench/engine.py, the tests' direct calls): its inline body, transport recorded."""
+    """EngineClient.generate (BatchGenerator's every request, bench/engine.py): its body, transport recorded."""
     import asyncio
 
     import orjson
@@ -190,5 +190,6 @@ def test_engine_client_generate_body_is_sglangs(sglang):
 
     client._request = record
     with pytest.raises(Captured):
-        asyncio.run(client.generate([5, 6, 7], {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}))
+        asyncio.run(client.generate(GenerateRequest(
+            input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True})))
     check_all(sglang, sent, 64)

@@ -2,8 +2,8 @@
 (pydantic.TypeAdapter(io_struct.<class>).validate_python(body): what the route's FastAPI parse accepts), and no key
 the project sends is one SGLang drops.
 
-Bodies come from the project's builders (rollout/sglang/backend.py) with the arguments their callers pass,
-and from the callers themselves where they build a body inline: DistributedWeights (rollout/fleet/weights.py) driven
+Bodies come from the project's request models (rollout/sglang/protocol.py) with the arguments their callers pass,
+and from the callers themselves: DistributedWeights (rollout/fleet/weights.py) driven
 through a whole sync with recording clients, EngineClient (abort, update from disk) with its transport
 recorded; each weight kind's body also as it goes out under engines.pause_mode=in_place (flush_cache false). The project
 sends no /open_session or /close_session."""
@@ -18,6 +18,10 @@ import pytest
 
 from contract_checks import accepted
 from spillover.rollout.sglang import backend as sgl
+from spillover.rollout.sglang.protocol import (BeginWeightUpdateRequest, ContinueGenerationRequest,
+                                               EndWeightUpdateRequest, PauseGenerationRequest,
+                                               ReleaseMemoryOccupationRequest, ResumeMemoryOccupationRequest,
+                                               UpdateWeightsFromDistributedRequest, UpdateWeightsFromTensorRequest)
 from spillover.rollout.fleet.engine_client import EngineClient
 from spillover.rollout.fleet.weights import DistributedWeights
 from spillover.rollout.sglang.tensor_wire import SAFETENSORS_MEDIA_TYPE, parse_safetensors
@@ -51,16 +55,16 @@ def check(sglang, path: str, body: dict) -> dict:
 
 @pytest.mark.parametrize("tags", [None, ["kv_cache"], ["weights"], ["weights", "kv_cache", "cuda_graph"]])
 def test_memory_bodies(sglang, tags):
-    """RolloutManager.offload/onload and the weight pusher's resume (rollout/fleet/manager.py, weights.py)."""
-    check(sglang, "/release_memory_occupation", sgl.release_memory_payload(tags))
-    check(sglang, "/resume_memory_occupation", sgl.resume_memory_payload(tags))
+    """RolloutManager.offload and the resume before a colocated weight update (rollout/fleet/manager.py)."""
+    check(sglang, "/release_memory_occupation", ReleaseMemoryOccupationRequest(tags=tags).model_dump())
+    check(sglang, "/resume_memory_occupation", ResumeMemoryOccupationRequest(tags=tags).model_dump())
 
 
 @pytest.mark.parametrize("selector", ["all", "target", "draft"])
 def test_weight_update_session_bodies(sglang, selector):
-    answer = check(sglang, "/begin_weight_update", sgl.begin_weight_update_payload(selector))
+    answer = check(sglang, "/begin_weight_update", BeginWeightUpdateRequest(selector=selector).model_dump())
     assert answer["parsed"] is None or answer["parsed"]["selector"] == selector
-    check(sglang, "/end_weight_update", sgl.end_weight_update_payload())
+    check(sglang, "/end_weight_update", EndWeightUpdateRequest().model_dump())
 
 
 @pytest.mark.parametrize("version", [None, 0, 7, "7"])
@@ -72,8 +76,8 @@ def test_update_from_tensor_bodies(sglang, version, backend):
     import torch
 
     entries = sgl.serialize_named_tensors([("w", torch.ones(2, 3))], tp_size=2, backend=backend)
-    answer = check(sglang, "/update_weights_from_tensor",
-                   sgl.update_from_tensor_payload(entries, version, flush_cache=version is not None))
+    answer = check(sglang, "/update_weights_from_tensor", UpdateWeightsFromTensorRequest(
+        serialized_named_tensors=entries, weight_version=version, flush_cache=version is not None).model_dump())
     if answer["parsed"] is not None:
         assert answer["parsed"]["weight_version"] == (None if version is None else str(version))
 
@@ -97,9 +101,9 @@ def test_abort_bodies(sglang):
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
 def test_pause_and_continue_bodies(sglang, mode):
     """RolloutManager.update_weights while detached requests run (rollout.overlap): engines.pause_mode's body."""
-    answer = check(sglang, "/pause_generation", sgl.pause_generation_payload(mode))
+    answer = check(sglang, "/pause_generation", PauseGenerationRequest(mode=mode).model_dump())
     assert answer["parsed"] is None or answer["parsed"]["mode"] == mode
-    check(sglang, "/continue_generation", sgl.continue_generation_payload())
+    check(sglang, "/continue_generation", ContinueGenerationRequest().model_dump())
 
 
 def recorded_client_bodies(call) -> dict[str, list[dict]]:
@@ -180,8 +184,9 @@ def test_distributed_sync_bodies(sglang, flush_cache):
 
 def test_a_wrong_weight_body_is_refused(sglang_classes):
     """The check bites: SGLang's class refuses an int weight_version (declared Optional[str]; this project's
-    builders send str), a memory tag list of the wrong type, and a distributed update without its names."""
-    good = sgl.update_from_distributed_payload(["w"], ["bfloat16"], [[2]], 3)
+    models send str), a memory tag list of the wrong type, and a distributed update without its names."""
+    good = UpdateWeightsFromDistributedRequest(names=["w"], dtypes=["bfloat16"], shapes=[[2]],
+                                               weight_version=3).model_dump()
     accepted(sglang_classes.route(ROUTE_CLASS["/update_weights_from_distributed"], good), "the good body")
     for path, body in (("/update_weights_from_distributed", {**good, "weight_version": 3}),
                        ("/update_weights_from_disk", {"model_path": "/m", "weight_version": 1}),
@@ -247,7 +252,7 @@ class CaptureServer:
                 self._answer({"success": True, "message": ""})
 
             def do_GET(self):
-                self._answer({"weight_version": capture.version})
+                self._answer({"model_path": "/captured", "weight_version": capture.version})
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"

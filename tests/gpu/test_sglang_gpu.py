@@ -38,15 +38,17 @@ def sglang_manager(ray_session, model_path):
 
 
 def batch(params, prompts=PROMPTS):
-    return [{"input_ids": p, "sampling_params": dict(params)} for p in prompts]
+    from spillover.rollout.sglang.protocol import GenerateJob, GenerateRequest
+
+    return [GenerateJob(GenerateRequest(input_ids=p, sampling_params=params, return_logprob=True)) for p in prompts]
 
 
 def test_generate_through_router(sglang_manager):
     results = sglang_manager.generate(batch(GREEDY))
     for prompt, res in zip(PROMPTS, results):
-        meta = res["meta_info"]
-        assert meta["prompt_tokens"] == len(prompt)
-        assert meta["completion_tokens"] == len(res["output_ids"]) == len(meta["output_token_logprobs"])
+        meta = res.meta_info
+        assert meta.prompt_tokens == len(prompt)
+        assert meta.completion_tokens == len(res.output_ids) == len(meta.output_token_logprobs)
 
 
 def test_update_weights_from_tensor_changes_outputs_and_version(sglang_manager, model_path):
@@ -63,22 +65,26 @@ def test_update_weights_from_tensor_changes_outputs_and_version(sglang_manager, 
     noisy = {k: (v + 0.05 * torch.randn_like(v.float()).to(v.dtype)) if v.dim() == 2 else v for k, v in state.items()}
     assert sglang_manager.update_weights(WeightUpdate("tensor", noisy, 3)) == {0: 3}
     after = sglang_manager.generate(batch(GREEDY))
-    assert [r["output_ids"] for r in after] != [r["output_ids"] for r in before]
+    assert [r.output_ids for r in after] != [r.output_ids for r in before]
     assert sglang_manager.update_weights(WeightUpdate("disk", path, 4)) == {0: 4}  # back from disk
-    assert [r["output_ids"] for r in sglang_manager.generate(batch(GREEDY))] == [r["output_ids"] for r in before]
+    assert [r.output_ids for r in sglang_manager.generate(batch(GREEDY))] == [r.output_ids for r in before]
 
 
-def test_abort_all_then_offload_onload(sglang_manager):
+def test_abort_all_then_offload_resume_and_load(sglang_manager, model_path):
     import threading
+
+    from fleet_probes import resume_memory
+    from spillover.rollout.fleet.weight_update import WeightUpdate
 
     box = {}
     thread = threading.Thread(target=lambda: box.update(r=sglang_manager.generate(
-        batch({"max_new_tokens": 4000, "temperature": 1.0, "ignore_eos": True}) * 8)))
+        batch({"max_new_tokens": 4000, "temperature": 1.0, "ignore_eos": True}, PROMPTS * 8))))
     thread.start()
     time.sleep(2.0)
     sglang_manager.abort_all()
     thread.join(60)
-    assert {r["meta_info"]["finish_reason"]["type"] for r in box["r"]} == {"abort"}
+    assert {r.meta_info.finish_reason.type for r in box["r"]} == {"abort"}
     sglang_manager.offload()
-    sglang_manager.onload()
+    resume_memory(sglang_manager)  # as a colocated update does: the weights come back empty, the load follows
+    assert sglang_manager.update_weights(WeightUpdate("disk", model_path, 5)) == {0: 5}
     assert len(sglang_manager.generate(batch(GREEDY))) == len(PROMPTS)

@@ -14,7 +14,7 @@ import torch
 from spillover.infra.storage.checkpoint import (CheckpointError, CheckpointState, list_checkpoints, load_checkpoint,
                               load_latest_checkpoint, prune, save_checkpoint)
 from spillover.infra.config.run_config import RunConfig
-from spillover.infra.models import load_causal_lm
+from spillover.bench.reference_lm import load_causal_lm
 from spillover.infra.storage.store import open_store
 from spillover.tasks.learner.state import load_state, save_state, unique_state_keys
 

@@ -19,8 +19,11 @@ import numpy as np
 import pytest
 import ray
 
+from fleet_probes import on_hosted_engine, take_update_peak_bytes, take_weight_update_events
+from spillover.bench.weight_digests import engine_weight_digests, learner_group_weight_digests
 from spillover.infra.config.run_config import build_config
 from spillover.rollout.fleet.weight_update import WeightUpdate
+from spillover.rollout.sglang.protocol import GenerateJob, GenerateRequest
 from small_run import SMALL_RUN
 from test_train_flow import small_config
 
@@ -29,9 +32,9 @@ COLOCATED = ["placement.colocate=true", "engines.rollout_num_gpus=1"]
 
 
 def greedy(manager, prompts: list[list[int]]) -> list[list[int]]:
-    batch = [{"input_ids": p, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
-             for p in prompts]
-    return [answer["output_ids"] for answer in manager.generate(batch)]
+    params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    batch = [GenerateJob(GenerateRequest(input_ids=p, sampling_params=params)) for p in prompts]
+    return [answer.output_ids for answer in manager.generate(batch)]
 
 
 def test_hosted_engine_releases_for_real_refuses_generation_and_comes_back_with_the_learners_weights(
@@ -57,18 +60,20 @@ def test_hosted_engine_releases_for_real_refuses_generation_and_comes_back_with_
         refused = httpx.post(engine.url + "/generate", json={"input_ids": [5, 6], "sampling_params": {}}, timeout=30)
         assert refused.status_code == 503 and "resume_memory_occupation" in refused.text
 
-        learner = ray.get(policy.weight_digests.remote())
-        ray.get(host.engine_call.remote("take_weight_update_events"))
+        learner = learner_group_weight_digests(policy)
+        ray.get(host.__ray_call__.remote(on_hosted_engine, take_weight_update_events))
         manager.update_weights(WeightUpdate("colocated", policy, 1))  # resume, then the learner's tensors in buckets
-        events = ray.get(host.engine_call.remote("take_weight_update_events"))  # over HTTP, in SGLang's session
+        # over HTTP, in SGLang's session
+        events = ray.get(host.__ray_call__.remote(on_hosted_engine, take_weight_update_events))
         assert events[0] == "begin_weight_update" and events[-1] == "end_weight_update", events
         assert set(events[1:-1]) == {"update_weights_from_tensor"} and len(events) > 4, events
         assert ray.get(host.engine_call.remote("memory_bytes")) == held
-        assert ray.get(host.engine_call.remote("weight_digests")) == learner
+        assert ray.get(host.__ray_call__.remote(on_hosted_engine, engine_weight_digests)) == learner
         assert manager.weight_versions == {0: 1}
         assert greedy(manager, prompts) == before
         largest = max(4 * int(np.prod(shape)) for _, _, shape in ray.get(host.weight_specs.remote()))
-        assert 0 < ray.get(host.engine_call.remote("take_update_peak_bytes")) <= max(20000, largest)  # in place
+        peak = ray.get(host.__ray_call__.remote(on_hosted_engine, take_update_peak_bytes))
+        assert 0 < peak <= max(20000, largest)  # in place
         log = ray.get(host.take_colocation_log.remote())
         assert log[-3:] == ["release", "resume", "load_weights"], log
     finally:

@@ -57,7 +57,7 @@ def test_debug_data_replay_reproduces_training_and_eval_is_logged(prefect_harnes
 def test_sft_mode_raises_the_likelihood_of_the_given_responses(prefect_harness, ray_session, warm_parts, tmp_path):
     from spillover.flows.train import grpo_train
     from spillover.infra.storage.checkpoint import load_latest_checkpoint
-    from spillover.infra.models import load_causal_lm
+    from spillover.bench.reference_lm import load_causal_lm
     from spillover.infra.storage.store import open_store
 
     sft = tmp_path / "sft.jsonl"

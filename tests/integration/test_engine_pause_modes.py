@@ -15,6 +15,7 @@ import torch
 
 from spillover.rollout.fleet.engine_client import EngineClient
 from spillover.rollout.sglang.backend import serialize_named_tensors
+from spillover.rollout.sglang.protocol import GenerateRequest
 from spillover.rollout.torch_engine.server import TorchEngineServer
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -58,7 +59,7 @@ async def paused_run(engine: TorchEngineServer, mode: str, while_paused) -> tupl
 def greedy_reference(engine: TorchEngineServer) -> list[int]:
     async def once():
         async with EngineClient(engine.url) as client:
-            return (await client.generate(PROMPT, GREEDY)).output_ids
+            return (await client.generate(GenerateRequest(input_ids=PROMPT, sampling_params=GREEDY))).output_ids
     return asyncio.run(once())
 
 

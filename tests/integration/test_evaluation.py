@@ -90,9 +90,9 @@ def test_an_abort_during_eval_is_an_error_not_a_metric(rollout_manager, eval_set
     tok, sets = eval_sets
     m = rollout_manager
 
-    def generate_then_abort(requests):  # long answers, aborted once both engines are busy
-        for r in requests:
-            r["sampling_params"]["ignore_eos"] = True
+    def generate_then_abort(jobs):  # long answers, aborted once both engines are busy
+        for job in jobs:
+            job.request.sampling_params.ignore_eos = True
 
         def abort_when_busy():
             wait_for(lambda: [httpx.get(u + "/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"]
@@ -103,7 +103,7 @@ def test_an_abort_during_eval_is_an_error_not_a_metric(rollout_manager, eval_set
         aborter = threading.Thread(target=abort_when_busy, daemon=True)
         aborter.start()
         try:
-            return m.generate(requests)
+            return m.generate(jobs)
         finally:
             aborter.join(30)  # never let this abort reach a later test's requests
 

@@ -9,9 +9,11 @@ from safetensors.torch import load_file, save_file
 
 from spillover.infra.config.run_config import build_config
 from spillover.infra.config.training import GRPOConfig, OptimizerConfig
-from spillover.infra.models import load_causal_lm
+from spillover.bench.reference_lm import load_causal_lm
 from learner_batches import random_batch
-from spillover.rollout.batch import select_groups, split
+from batch_views import select_groups
+from spillover.bench.batches import row_sequence
+from spillover.rollout.batch import split
 from spillover.tasks.learner.actor import LearnerActor
 from spillover.tasks.learner.group import create_learners
 from spillover.tasks.logprob import needs_old_logprob_pass
@@ -30,7 +32,8 @@ def hf_logprobs(model, tokens: list[int], resp: int, temperature: float) -> np.n
 @pytest.fixture(scope="module")
 def learners(tiny_model_dir, ray_session):
     cfg = build_config(overrides=["grpo.kl_coef=0.05", "grpo.micro_batch_size=4", "rollout.global_batch_size=2",
-                                  "rollout.n_samples_per_prompt=4", "rollout.temperature=0.7"])
+                                  "rollout.n_samples_per_prompt=4", "rollout.temperature=0.7",
+                                  "learner.reference_placement=separate"])  # a reference group of its own
     policy, ref = create_learners(tiny_model_dir, cfg)
     yield policy, ref
     for group in (policy, ref):
@@ -45,7 +48,7 @@ def test_actors_logprobs_update_and_weights(learners, tiny_model_dir, ray_sessio
     old, ref_lp = split(old_flat, batch.response_lengths), split(ref_flat, batch.response_lengths)
     model = load_causal_lm(tiny_model_dir)
     for i in range(len(batch)):  # micro-batched + padded == each sequence alone, at the sampler's temperature
-        expect = hf_logprobs(model, batch.sequence(i).tolist(), batch.response_lengths[i], 0.7)
+        expect = hf_logprobs(model, row_sequence(batch, i).tolist(), batch.response_lengths[i], 0.7)
         np.testing.assert_allclose(old[i], expect, atol=1e-5)
         np.testing.assert_array_equal(old[i], ref_lp[i])
 
@@ -69,10 +72,10 @@ def test_actors_logprobs_update_and_weights(learners, tiny_model_dir, ray_sessio
     # weights out: object-store dict and an HF folder both reproduce the policy's logprobs
     weights = ray.get(policy.state_dict_ref.remote())
     model.load_state_dict(weights)
-    np.testing.assert_allclose(hf_logprobs(model, batch.sequence(0).tolist(), batch.response_lengths[0], 0.7), new[0], atol=1e-5)
+    np.testing.assert_allclose(hf_logprobs(model, row_sequence(batch, 0).tolist(), batch.response_lengths[0], 0.7), new[0], atol=1e-5)
     folder = ray.get(policy.save_weights.remote(str(tmp_path / "w1")))
     reloaded = load_causal_lm(folder)
-    np.testing.assert_allclose(hf_logprobs(reloaded, batch.sequence(1).tolist(), batch.response_lengths[1], 0.7), new[1],
+    np.testing.assert_allclose(hf_logprobs(reloaded, row_sequence(batch, 1).tolist(), batch.response_lengths[1], 0.7), new[1],
                                atol=1e-5)
 
 

@@ -13,7 +13,7 @@ from learner_batches import random_batch
 from reference_logprobs import full_entropy, full_token_logprobs
 from spillover.infra.config.learner import LearnerConfig, check_learner_start
 from spillover.infra.tensor_memory import TensorMemoryProbe
-from spillover.rollout.batch import from_sequences
+from spillover.bench.batches import from_sequences
 from spillover.tasks.learner.micro_batches import make_micro_batch
 from spillover.tasks.learner.distributed import balanced_shards
 from spillover.tasks.learner.token_logprobs import ResponseLogprobModel
@@ -136,7 +136,7 @@ def started_groups(tiny_model_dir, ray_session):
 
     cfg = build_config(overrides=["grpo.kl_coef=0.05", "grpo.micro_batch_size=2", "rollout.global_batch_size=2",
                                   "rollout.n_samples_per_prompt=4", "rollout.temperature=0.7",
-                                  "learner.world_size=2"])
+                                  "learner.world_size=2", "learner.reference_placement=separate"])
     policy, ref = create_learners(tiny_model_dir, cfg)
     yield cfg, policy, ref
     for group in (policy, ref):
@@ -147,11 +147,11 @@ def started_groups(tiny_model_dir, ray_session):
 def groups(started_groups, tiny_model_dir):
     """The module's sharded policy and reference, reset to a fresh start (weight version 0, new optimizer, seeded
     RNG) for each test, whatever the tests before it trained."""
-    from spillover.tasks.learner.group import reset_learner_group
+    from warm_parts import start_learner_group_over
 
     cfg, policy, ref = started_groups
-    reset_learner_group(policy, tiny_model_dir, cfg, trainable=True)
-    reset_learner_group(ref, tiny_model_dir, cfg, trainable=False)
+    start_learner_group_over(policy, tiny_model_dir, cfg, trainable=True)
+    start_learner_group_over(ref, tiny_model_dir, cfg, trainable=False)
     return started_groups
 
 
@@ -223,13 +223,13 @@ def test_world_size_2_equals_1_logprobs_update_and_resume_across_sizes(groups, t
 def test_world_size_2_token_budget_packed_equals_1_padded(groups, tiny_model_dir, ray_session):
     """learner.max_tokens_per_micro_batch with packed rows on 2 ranks (FSDP2: the same number of micro-batches on
     both, padding micro-batches where a rank has fewer rows) == one rank of padded count micro-batches."""
-    from spillover.tasks.learner.group import reset_learner_group
+    from warm_parts import start_learner_group_over
 
     ray = ray_session
     cfg, policy, _ = groups
     # model_copy skips the config's budget >= rollout.max_model_len check: these rows hold <= 20 tokens
     budget = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_tokens_per_micro_batch": 24})})
-    reset_learner_group(policy, tiny_model_dir, budget, trainable=True)
+    start_learner_group_over(policy, tiny_model_dir, budget, trainable=True)
     single = _single(tiny_model_dir, cfg)
     batch = random_batch(4, max_response=14)
     old2, old1 = ray.get(policy.compute_logprobs.remote(batch)), single.compute_logprobs(batch)

@@ -10,11 +10,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from spillover.bench.weight_digests import learner_group_weight_digests, learner_weight_digests, tensor_digest
 from spillover.infra.config.run_config import build_config
 from spillover.infra.config.training import GRPOConfig, OptimizerConfig
 from spillover.infra.config.learner import LearnerConfig
 from learner_batches import random_batch
-from spillover.rollout.sglang.update_group import tensor_digest
 from spillover.tasks.learner.actor import LearnerActor
 
 BF16 = ["model.dtype=bfloat16", "learner.param_dtype=bfloat16", "optimizer.lr=1e-6"]
@@ -59,7 +59,7 @@ def test_bf16_learner_steps_at_lr_1e6_on_float32_masters_and_sends_bf16(tiny_mod
     sent = learner.state_dict_ref()
     assert {v.dtype for v in sent.values()} == {torch.bfloat16} and all(torch.equal(sent[k], as_bf16[k]) for k in sent)
     assert {dtype for _, dtype, _ in learner.weight_specs()} == {"bfloat16"}
-    assert learner.weight_digests() == {k: tensor_digest(as_bf16[k]) for k in learner.state_keys}
+    assert learner_weight_digests(learner) == {k: tensor_digest(as_bf16[k]) for k in learner.state_keys}
     folder = learner.save_weights(str(tmp_path / "w1"))
     with safe_open(f"{folder}/model.safetensors", "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
@@ -131,5 +131,5 @@ def test_bf16_fsdp2_group_keeps_float32_masters_and_sends_bf16(bf16_group, tiny_
     assert all(torch.equal(sent[k[len("model/"):]], v.to(torch.bfloat16)) for k, v in model.items())
     assert {dtype for _, dtype, _ in ray.get(bf16_group.weight_specs.remote())} == {"bfloat16"}
     # every rank casts its shard and gathers (tasks/weight_sync.full_tensor): the bytes engines receive
-    digests = ray.get(bf16_group.weight_digests.remote())
+    digests = learner_group_weight_digests(bf16_group)
     assert digests == {k: tensor_digest(sent[k]) for k in digests}

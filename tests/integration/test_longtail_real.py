@@ -30,7 +30,7 @@ def test_cut_rows_continue_to_their_natural_length(rollout_manager):
     def recording_fix(plan, answer):
         original(plan, answer)
         _, group, j, *_ = plan
-        seen.append((group, j, answer["meta_info"]["finish_reason"]["type"], len(answer["output_ids"])))
+        seen.append((group, j, answer.meta_info.finish_reason.type, len(answer.output_ids)))
 
     engine._fix = recording_fix
     result = run_mode("async", work, engine, prompt_for, clock, lambda version: 0.0, iterations=2, warmup=1,

@@ -77,8 +77,9 @@ def test_a_run_trains_from_an_s3_model_and_its_export_loads_everywhere(prefect_h
                                                                      s3_model, s3_server, tmp_path, monkeypatch):
     from spillover.flows.cli import main
     from spillover.flows.train import grpo_train
-    from spillover.infra.models import load_causal_lm
+    from spillover.bench.reference_lm import load_causal_lm
     from spillover.rollout.fleet.engine_client import EngineClient
+    from spillover.rollout.sglang.protocol import GenerateRequest
     from spillover.rollout.torch_engine.server import TorchEngineServer
     from test_train_flow import small_config
 
@@ -106,8 +107,9 @@ def test_a_run_trains_from_an_s3_model_and_its_export_loads_everywhere(prefect_h
     try:
         async def greedy():
             async with EngineClient(engine.url) as client:
-                return await client.generate(prompt, {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
-                                             return_logprob=True)
+                params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+                return await client.generate(GenerateRequest(input_ids=prompt, sampling_params=params,
+                                                             return_logprob=True))
         res = asyncio.run(greedy())
     finally:
         engine.stop()

@@ -138,6 +138,7 @@ def scored_rollout(args, rollout_id, data_source, evaluation=False):
     0.1 x its index in the group (slime: the function sets Sample.reward)."""
     from spillover.rollout.drivers.requests import build_requests, parse_responses, SamplingSettings
     from spillover.rollout.sample import Sample, Status
+    from spillover.rollout.sglang.protocol import GenerateJob
 
     gbs, n = args.rollout.global_batch_size, args.rollout.n_samples_per_prompt
     prompts = data_source.prompts
@@ -146,7 +147,8 @@ def scored_rollout(args, rollout_id, data_source, evaluation=False):
         ids = list(prompts.tokens[g % len(prompts.tokens)])
         samples = [Sample(g, g * n + i, ids, label=prompts.labels[g % len(prompts.labels)]) for i in range(n)]
         sampling = SamplingSettings(args.rollout.temperature, stop_token_ids=data_source.stop_token_ids)
-        answers = data_source.engine.generate(build_requests([ids] * n, np.full(n, args.rollout.max_tokens), sampling))
+        requests = build_requests([ids] * n, np.full(n, args.rollout.max_tokens), sampling)
+        answers = data_source.engine.generate([GenerateJob(request) for request in requests])
         tokens, logprobs, stopped, _ = parse_responses(answers, data_source.weight_version)
         for i, s in enumerate(samples):
             s.append_segment(tokens[i], logprobs[i], data_source.weight_version)
@@ -183,12 +185,14 @@ def weight_version_eval(args, rollout_id, data_source, evaluation=False):
     first two training prompts, each scored with the weight version the engines serve."""
     from spillover.rollout.drivers.requests import SamplingSettings, build_requests, parse_responses
     from spillover.rollout.sample import Sample
+    from spillover.rollout.sglang.protocol import GenerateJob
 
     assert evaluation
     samples = []
     for g in range(2):
         ids = list(data_source.prompts.tokens[g])
-        answer = data_source.engine.generate(build_requests([ids], np.array([4]), SamplingSettings(temperature=0.0)))
+        request = build_requests([ids], np.array([4]), SamplingSettings(temperature=0.0))[0]
+        answer = data_source.engine.generate([GenerateJob(request)])
         tokens, logprobs, _, versions = parse_responses(answer, -1)
         sample = Sample(g, g, ids)
         sample.append_segment(tokens[0], logprobs[0], int(versions[0]))

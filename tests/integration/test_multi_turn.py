@@ -19,6 +19,7 @@ from spillover.rollout.drivers.rounds import generate_rounds
 from spillover.rollout.drivers.tool_turns import ToolTurns
 from spillover.rollout.tools.env_pool import EnvPool
 from spillover.rollout.sample import Sample
+from spillover.rollout.sglang.protocol import GenerateJob, GenerateRequest
 from spillover.rollout.tools.env import StepResult
 
 EOS = 1
@@ -185,10 +186,11 @@ def custom_multi_turn_rollout(args, rollout_id, data_source, evaluation=False):
         samples = [Sample(group_index=g, index=g * 2 + i, prompt_tokens=[14, 44, 11, 41 + g], label="x")
                    for i in range(2)]
         for turn in range(2):
-            answers = data_source.engine.generate([{"input_ids": s.tokens, "return_logprob": True, "sampling_params": {
-                "max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}} for s in samples])
+            params = {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}
+            answers = data_source.engine.generate([GenerateJob(GenerateRequest(
+                input_ids=s.tokens, return_logprob=True, sampling_params=params)) for s in samples])
             for s, a in zip(samples, answers):
-                s.append_segment(a["output_ids"], [lp[0] for lp in a["meta_info"]["output_token_logprobs"]], 0)
+                s.append_segment(a.output_ids, a.meta_info.logprobs, 0)
                 if turn == 0:
                     s.append_segment(tool, [0.0] * len(tool), 0, loss_mask=[0] * len(tool))
         groups.append(samples)

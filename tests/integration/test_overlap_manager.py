@@ -17,14 +17,16 @@ from waiting import wait_for
 from spillover.rollout.drivers.requests import parse_responses
 from spillover.rollout.fleet.engine_client import EngineClient
 from spillover.rollout.fleet.weight_update import WeightUpdate
+from spillover.rollout.sglang.protocol import GenerateJob, GenerateRequest
 
 LONG = {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}
 SHORT = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
 
 
-def requests(count: int) -> list[dict]:
+def requests(count: int) -> list[GenerateJob]:
     """One short request (its answer detaches the round) and count - 1 long ones (still running then)."""
-    return [{"input_ids": [5, 6, 7, 8 + i], "sampling_params": dict(SHORT if i == 0 else LONG)} for i in range(count)]
+    return [GenerateJob(GenerateRequest(input_ids=[5, 6, 7, 8 + i], sampling_params=SHORT if i == 0 else LONG,
+                                        return_logprob=True)) for i in range(count)]
 
 
 def output_tokens(urls: list[str]) -> int:
@@ -67,7 +69,7 @@ def test_detached_requests_run_through_an_update_and_are_collected(rollout_manag
     before = m.overlap_stats()
     try:
         answers = m.generate(requests(16), on_result=lambda index, answer: index == 0, detach=True)
-        assert answers[0] is not None and len(answers[0]["output_ids"]) == 1
+        assert answers[0] is not None and len(answers[0].output_ids) == 1
         pending = [i for i, a in enumerate(answers) if a is None]
         assert pending, "every request had finished before the round detached"
         # paused mid-way: on a busy machine the update could otherwise reach requests that made no token yet
@@ -81,7 +83,7 @@ def test_detached_requests_run_through_an_update_and_are_collected(rollout_manag
         assert posted.count("/flush_cache") == (len(m.urls) if pause_mode == "in_place" else 0)
         assert m.collect_detached() == {}
         tokens, _, _, versions = parse_responses([collected[i] for i in pending], default_version=0)
-        kinds = {collected[i]["meta_info"]["finish_reason"]["type"] for i in pending}
+        kinds = {collected[i].meta_info.finish_reason.type for i in pending}
         if pause_mode != "abort":
             # they lived through the update: every token kept, the ones after it made by version 3
             assert all(len(t) == LONG["max_new_tokens"] for t in tokens), [len(t) for t in tokens]
@@ -92,12 +94,12 @@ def test_detached_requests_run_through_an_update_and_are_collected(rollout_manag
         else:
             # they ended at the pause with their tokens so far (an aborted request keeps them)
             assert "abort" in kinds and all(len(t) < LONG["max_new_tokens"] for t, i in zip(tokens, pending)
-                                            if collected[i]["meta_info"]["finish_reason"]["type"] == "abort")
+                                            if collected[i].meta_info.finish_reason.type == "abort")
         after = m.overlap_stats()
         cut = after["tokens_cut_by_updates"] - before["tokens_cut_by_updates"]
         if pause_mode == "abort":  # requests not yet running at the pause end at collect_detached's abort instead
             assert 0 < cut <= sum(len(t) for t, i in zip(tokens, pending)
-                                  if collected[i]["meta_info"]["finish_reason"]["type"] == "abort")
+                                  if collected[i].meta_info.finish_reason.type == "abort")
         else:
             assert cut == 0
         assert after["updates_while_generating"] == before["updates_while_generating"] + 1
@@ -128,8 +130,8 @@ def test_an_engine_killed_while_detached_requests_run_is_restarted_by_the_update
         collected = m.collect_detached()
         assert sorted(collected) == pending
         for i in pending:
-            meta = collected[i]["meta_info"]
-            assert meta["finish_reason"]["type"] == "abort" or len(collected[i]["output_ids"]) == LONG["max_new_tokens"]
+            meta = collected[i].meta_info
+            assert meta.finish_reason.type == "abort" or len(collected[i].output_ids) == LONG["max_new_tokens"]
         assert sorted(m.router.workers()) == sorted(m.urls)
     finally:
         m.collect_detached()

@@ -6,6 +6,7 @@ from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.drivers.rounds import generate_rounds
 from spillover.rollout.drivers.requests import SamplingSettings
+from spillover.rollout.sglang.protocol import GenerateJob, GenerateRequest
 
 EOS = 1
 
@@ -27,12 +28,12 @@ class Recording:
     def __init__(self, manager):
         self.manager, self.tokens_returned = manager, 0
 
-    def generate(self, requests, on_result=None):
+    def generate(self, jobs, on_result=None):
         def record(i, resp):
-            self.tokens_returned += len(resp["output_ids"])
+            self.tokens_returned += len(resp.output_ids)
             return on_result(i, resp) if on_result else None  # True stops the round
 
-        return self.manager.generate(requests, on_result=record)
+        return self.manager.generate(jobs, on_result=record)
 
 
 def test_sync_rounds_cut_at_max_tokens_over_max_split(rollout_manager):
@@ -64,9 +65,9 @@ def test_async_abort_keeps_exactly_the_tokens_produced(rollout_manager):
     assert partial.any(), "with 8 groups and a long budget some rows should have been cut"
     assert not dock.in_flight.any()
     # the abort the callback asked for is over when generate() returns: the next round is not cut
-    after = rollout_manager.generate([{"input_ids": [14, 44, 11, 41], "sampling_params": {
-        "max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}}])
-    assert after[0]["meta_info"]["finish_reason"]["type"] == "length" and len(after[0]["output_ids"]) == 3
+    after = rollout_manager.generate([GenerateJob(GenerateRequest(input_ids=[14, 44, 11, 41], sampling_params={
+        "max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}))])
+    assert after[0].meta_info.finish_reason.type == "length" and len(after[0].output_ids) == 3
     # a cut row continues from its tokens: the next dispatch sends prompt + partial response
     rows = np.flatnonzero(partial)[:3]
     inputs, max_new = dock.generation_inputs(rows, None)

@@ -6,7 +6,7 @@ sets the loopback variable before importing Ray and uses a private RAY_TMPDIR, s
 points another process's `ray.init()` at it. Each node offers 2 logical CPUs; a CPU engine slot (bundle) takes 1, so
 a node holds 2 slots.
 
-Checks: PACK keeps two engines on one node, STRICT_SPREAD (via create_rollout_engines, serving) puts them on different
+Checks: PACK keeps two engines on one node, STRICT_SPREAD (started, serving) puts them on different
 nodes, a 4-slot engine spans both nodes and only its node-0 actor serves and is registered with the router, generation
 goes through, an s3:// model is staged on both nodes (issue 12) and a STRICT_SPREAD world_size 2 learner group trains
 on it, and every listening socket of the cluster (Ray, engines, router, learners) is on loopback.
@@ -40,7 +40,7 @@ def test_pack_keeps_engines_on_one_node(placement_report):
 def test_strict_spread_puts_engines_on_different_nodes(placement_report):
     nodes = placement_report["spread"]
     assert len(nodes) == 2 and len(set(nodes)) == 2
-    assert placement_report["spread_healthy"] == [200, 200]  # create_rollout_engines returns serving engines
+    assert placement_report["spread_healthy"] == [200, 200]  # start_all returns serving engines
 
 
 @pytest.mark.slow
@@ -126,6 +126,8 @@ def _stage_and_train(staging: dict) -> dict:
 def _child(model_dir: str, staging: dict) -> dict:
     os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                        "RAY_USAGE_STATS_ENABLED": "0"})
+    import asyncio
+
     import ray
     from ray.cluster_utils import Cluster
 
@@ -133,8 +135,9 @@ def _child(model_dir: str, staging: dict) -> dict:
     import httpx
 
     from background import lower_priority
-    from spillover.rollout.fleet.engine_pool import EnginePool, create_rollout_engines
+    from spillover.rollout.fleet.engine_pool import EnginePool
     from spillover.rollout.fleet.manager import RolloutManager
+    from spillover.rollout.sglang.protocol import GenerateJob, GenerateRequest
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False})
@@ -152,18 +155,20 @@ def _child(model_dir: str, staging: dict) -> dict:
         for actor in actors:
             ray.kill(actor)
         pool.shutdown()
-        pool = create_rollout_engines(one_slot, model_dir, strategy="STRICT_SPREAD", use_gpu=False, torch_threads=1)
+        pool = EnginePool(one_slot, model_dir, strategy="STRICT_SPREAD", use_gpu=False, torch_threads=1)
+        asyncio.run(pool.start_all())  # returns once every engine answers /health
         report["spread"] = [h.node_ids[0] for h in pool.engines]
         report["spread_healthy"] = [httpx.get(h.url + "/health_generate", timeout=30).status_code for h in pool.engines]
         pool.shutdown()
         spanning = EnginesConfig(rollout_num_gpus=4, gpus_per_engine=4, num_cpus_per_engine=4, max_running_requests=4)
         with RolloutManager(spanning, model_dir, slots_per_node=2, use_gpu=False, torch_threads=1) as manager:
             engine = manager.engines[0]
-            answers = manager.generate([{"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4,
-                                        "temperature": 0, "ignore_eos": True}}] * 2)
+            params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+            answers = manager.generate([GenerateJob(GenerateRequest(input_ids=[5, 6, 7], sampling_params=params))
+                                        for _ in range(2)])
             report["multi_node"] = {"actors": [ray.get(a.info.remote()) for a in engine.actors],
                                     "router_workers": manager.router.workers(),
-                                    "generated": [len(a["output_ids"]) for a in answers]}
+                                    "generated": [len(a.output_ids) for a in answers]}
             report["non_loopback_listeners"] = _non_loopback_listeners(_descendants(os.getpid()))
         report.update(_stage_and_train(staging))  # once the engines are gone: the learners need the CPU slots
         return report

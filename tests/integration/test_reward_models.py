@@ -83,7 +83,7 @@ def test_compute_reward_adds_the_weighted_scores_to_the_rule_reward(models):
     import ray
 
     from spillover.infra.models import build_char_tokenizer
-    from spillover.rollout.batch import from_sequences
+    from spillover.bench.batches import from_sequences
     from spillover.tasks.results import Rollout
     from spillover.tasks.reward import RewardSetup, compute_reward, response_texts
 

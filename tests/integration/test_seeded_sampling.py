@@ -7,10 +7,11 @@ import asyncio
 
 def _generate(url: str, requests: list[dict]) -> list[list[int]]:
     from spillover.rollout.fleet.engine_client import EngineClient
+    from spillover.rollout.sglang.protocol import GenerateRequest
 
     async def go():
         async with EngineClient(url) as client:
-            answers = await asyncio.gather(*[client.generate(r["input_ids"], r["sampling_params"]) for r in requests])
+            answers = await asyncio.gather(*[client.generate(GenerateRequest.model_validate(r)) for r in requests])
             return [a.output_ids for a in answers]
     return asyncio.run(go())
 
@@ -52,5 +53,5 @@ def test_request_seeds_come_from_group_and_sample_not_from_the_round():
     assert request_seeds(dock, rows, SamplingSettings(seed=4)).tolist() != seeds.tolist()
     assert request_seeds(dock, rows, SamplingSettings()) is None
     requests = build_requests([[5]] * 4, np.full(4, 2), sampling, seeds)
-    assert [r["sampling_params"]["sampling_seed"] for r in requests] == seeds.tolist()
-    assert "sampling_seed" not in build_requests([[5]], np.full(1, 2), SamplingSettings())[0]["sampling_params"]
+    assert [r.sampling_params.sampling_seed for r in requests] == seeds.tolist()
+    assert "sampling_seed" not in build_requests([[5]], np.full(1, 2), SamplingSettings())[0].body()["sampling_params"]

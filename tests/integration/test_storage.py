@@ -12,10 +12,11 @@ from urllib.parse import urlsplit
 import pytest
 from pydantic import SecretStr
 
-from spillover.infra.config.run_config import StorageConfig
+from spillover.infra.config.run_config import StorageConfig, build_config
 from spillover.bench.seaweed_server import free_ports
+from spillover.infra.storage.checkpoint_list import checkpoint_url
 from spillover.infra.storage.store import (ObjectMissing, StorageAuthError, StorageError, StorageUnreachable, check_storage,
-                           open_store, resolve_storage_url)
+                           open_store)
 from spillover.infra.storage.errors import Fixes, Redactor, RetryPolicy, is_transient, with_retries
 
 
@@ -41,8 +42,8 @@ def test_round_trip_list_delete(storage_target):
 
 def test_plain_paths_and_file_urls_are_the_same_store(tmp_path):
     assert open_store(str(tmp_path / "s")).url == open_store(f"file://{tmp_path}/s").url == f"file://{tmp_path}/s"
-    assert resolve_storage_url(StorageConfig(), str(tmp_path)) == f"{tmp_path}/checkpoints"
-    assert resolve_storage_url(StorageConfig(url="s3://b/run"), str(tmp_path)) == "s3://b/run"
+    assert checkpoint_url(build_config({"run_dir": str(tmp_path)})) == f"{tmp_path.resolve()}/checkpoints"
+    assert checkpoint_url(build_config({"run_dir": str(tmp_path), "storage": {"url": "s3://b/run"}})) == "s3://b/run"
 
 
 def test_wrong_credentials_clear_error_no_secret_anywhere(s3_server, caplog):

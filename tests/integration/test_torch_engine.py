@@ -3,12 +3,14 @@ bad requests, control endpoints, and requests through the real sglang-router (se
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 import httpx
 import pytest
 import torch
 
-from spillover.rollout.fleet.engine_client import EngineClient, EngineError
+from spillover.rollout.fleet.engine_client import EngineClient, EngineError, EngineUnreachable
+from spillover.rollout.sglang.protocol import GenerateRequest, GenerateResponse
 from spillover.rollout.torch_engine.server import TorchEngineServer
 from waiting import wait_for
 
@@ -25,7 +27,7 @@ def varied_engine(varied_model_dir):
 
 @pytest.fixture(scope="module")
 def varied_hf(varied_model_dir):
-    from spillover.infra.models import load_causal_lm
+    from spillover.bench.reference_lm import load_causal_lm
 
     return load_causal_lm(varied_model_dir).eval()
 
@@ -34,9 +36,17 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def ask(client: EngineClient, input_ids: list[int], params: dict, rid: str | None = None,
+        return_logprob: bool = True) -> Awaitable[GenerateResponse]:
+    """One /generate call through the client, with logprobs unless told not to."""
+    named = {} if rid is None else {"rid": rid}
+    return client.generate(GenerateRequest(input_ids=input_ids, sampling_params=params, return_logprob=return_logprob,
+                                           **named))
+
+
 async def generate_all(url: str, prompts, params: dict, return_logprob: bool = True):
     async with EngineClient(url) as client:
-        return await asyncio.gather(*[client.generate(p, params, return_logprob=return_logprob) for p in prompts])
+        return await asyncio.gather(*[ask(client, p, params, return_logprob=return_logprob) for p in prompts])
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int = 1) -> list[int]:
@@ -88,7 +98,7 @@ def test_eos_on_last_allowed_position_reports_stop(varied_engine, varied_hf):
 
 async def cut_after(client, engine, prompt, params, rid: str, tokens: int, abort_rid: str | None = None):
     """Generate, abort once `tokens` are out (by abort_rid: a prefix matches, as in SGLang) -> the aborted response."""
-    task = asyncio.create_task(client.generate(prompt, params, rid=rid))
+    task = asyncio.create_task(ask(client, prompt, params, rid=rid))
     while not engine.batcher.running or len(next(iter(engine.batcher.running.values())).output_ids) < tokens:
         await asyncio.sleep(0.002)
     await client.abort(abort_rid or rid)
@@ -101,10 +111,10 @@ def test_abort_mid_generation_then_continue_matches_uninterrupted(varied_engine)
 
     async def scenario():
         async with EngineClient(varied_engine.url) as client:
-            full = await client.generate(prompt, params)
+            full = await ask(client, prompt, params)
             partial = await cut_after(client, varied_engine, prompt, params, "ab" * 16, 20, abort_rid="ab" * 4)
-            rest = await client.generate(prompt + partial.output_ids,
-                                         {**params, "max_new_tokens": total - len(partial.output_ids)})
+            rest = await ask(client, prompt + partial.output_ids,
+                             {**params, "max_new_tokens": total - len(partial.output_ids)})
             return full, partial, rest
 
     full, partial, rest = run(scenario())
@@ -118,13 +128,13 @@ def test_abort_queued_request_returns_no_tokens(varied_engine):
     async def scenario():
         async with EngineClient(varied_engine.url) as client:
             await client.post("/pause_generation", json={"mode": "in_place"})
-            task = asyncio.create_task(client.generate([5, 6], {"max_new_tokens": 8}))
+            task = asyncio.create_task(ask(client, [5, 6], {"max_new_tokens": 8}))
             while varied_engine.batcher.counts()[1] == 0:
                 await asyncio.sleep(0.002)
             await client.abort(abort_all=True)
             res = await task
             await client.post("/continue_generation")
-            after = await client.generate([5, 6], {"max_new_tokens": 3})
+            after = await ask(client, [5, 6], {"max_new_tokens": 3})
             return res, after
 
     res, after = run(scenario())
@@ -173,7 +183,7 @@ def test_bad_requests_get_400_and_do_not_disturb_others(sglang_router, torch_eng
 
     async def scenario():
         async with EngineClient(sglang_router.url) as client, httpx.AsyncClient() as raw:
-            good = [asyncio.create_task(client.generate(p, params)) for p in PROMPTS]
+            good = [asyncio.create_task(ask(client, p, params)) for p in PROMPTS]
             await asyncio.sleep(0.05)
             direct = await asyncio.gather(*[raw.post(url + "/generate", json=body)
                                             for url in engine_urls for body, _ in BAD_REQUESTS])
@@ -192,7 +202,7 @@ def test_bad_requests_get_400_and_do_not_disturb_others(sglang_router, torch_eng
 
 
 def test_requests_through_router_reach_both_engines(sglang_router, torch_engines, tiny_model_dir):
-    from spillover.infra.models import load_causal_lm
+    from spillover.bench.reference_lm import load_causal_lm
 
     before = [s.batcher.generated_tokens for s in torch_engines]
     results = run(generate_all(sglang_router.url, PROMPTS * 2, {"max_new_tokens": 8, "temperature": 0}))
@@ -228,7 +238,7 @@ def test_control_endpoints(varied_engine):
 
     async def busy_release():
         async with EngineClient(url) as client:
-            task = asyncio.create_task(client.generate([5], {"max_new_tokens": 300, "ignore_eos": True}))
+            task = asyncio.create_task(ask(client, [5], {"max_new_tokens": 300, "ignore_eos": True}))
             while not varied_engine.batcher.running:
                 await asyncio.sleep(0.002)
             with pytest.raises(EngineError) as err:
@@ -252,14 +262,14 @@ def test_sampling_is_seeded_and_respects_top_k(varied_engine):
     assert len({tuple(r.output_ids) for r in free}) > 3
 
 
-def test_client_transport_errors_are_httpx_transport_errors():
+def test_a_client_without_an_engine_raises_engine_unreachable():
     from spillover.rollout.fleet.router import free_port
 
     async def scenario():
         async with EngineClient(f"http://127.0.0.1:{free_port()}") as client:
             assert await client.health() is False
-            with pytest.raises(httpx.ConnectError):
-                await client.generate([5], {"max_new_tokens": 1})
+            with pytest.raises(EngineUnreachable):
+                await ask(client, [5], {"max_new_tokens": 1})
 
     run(scenario())
 
@@ -268,7 +278,7 @@ def test_client_disconnect_aborts_its_request(varied_engine):
     async def scenario():
         async with EngineClient(varied_engine.url) as client:
             await client.post("/pause_generation", json={"mode": "in_place"})  # hold it: only an abort removes it
-            task = asyncio.create_task(client.generate([5, 6], {"max_new_tokens": 8}))
+            task = asyncio.create_task(ask(client, [5, 6], {"max_new_tokens": 8}))
             while varied_engine.batcher.counts() == (0, 0):
                 await asyncio.sleep(0.002)
             task.cancel()  # closes the connection mid-request
@@ -296,7 +306,7 @@ def test_a_row_carried_across_a_weight_update_continues_under_the_new_weights(va
     continuation is computed from the new weights alone -- no key/value state of the old ones is reused
     (cached_tokens 0), its tokens carry version 2, and they are what HF generates from prompt + kept tokens with
     the new weights, not with the old ones."""
-    from spillover.infra.models import load_causal_lm
+    from spillover.bench.reference_lm import load_causal_lm
     from spillover.rollout.torch_engine.lean_forward import read_safetensors
 
     prompt, total, rest_len = [5, 6, 7, 8, 9], 200, 12
@@ -307,7 +317,7 @@ def test_a_row_carried_across_a_weight_update_continues_under_the_new_weights(va
         async with EngineClient(varied_engine.url) as client:
             partial = await cut_after(client, varied_engine, prompt, params, "cd" * 16, 8)
             varied_engine.load_weights(read_safetensors(tiny_model_dir), weight_version=2)
-            rest = await client.generate(prompt + partial.output_ids, {**params, "max_new_tokens": rest_len})
+            rest = await ask(client, prompt + partial.output_ids, {**params, "max_new_tokens": rest_len})
             return partial, rest
 
     try:

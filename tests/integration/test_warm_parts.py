@@ -9,9 +9,9 @@ from test_train_flow import small_config
 from warm_parts import WarmParts
 
 # Tokens independent of the engines' history (every request carries a seed), old logprobs from the learner; a
-# reference model (KL) so that all three kinds of part are kept.
+# reference group of its own (KL, learner.reference_placement=separate) so that all three kinds of part are kept.
 DETERMINISTIC = {"rollout.deterministic_sampling": "true", "grpo.kl_coef": "0.05", "grpo.skip_old_logprob": "false", "grpo.off_policy": "none",
-                 "grpo.reward_function_path": "small_run.distinct_chars"}
+                 "learner.reference_placement": "separate", "grpo.reward_function_path": "small_run.distinct_chars"}
 
 
 def rows(run_dir):
@@ -64,13 +64,13 @@ def test_a_reset_restarts_each_engines_random_stream(ray_session, warm_parts, tm
 
     cfg = small_config(tmp_path / "run")  # the suite's flow tests' engines: borrowed when they are idle
     model = resolve_model_path(cfg.model, tmp_path / "run", max(512, cfg.rollout.max_model_len))
-    request = {"input_ids": [3, 4, 5, 6], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0,
-                                                              "ignore_eos": True}}
-    rids = iter(range(1000))
+    from spillover.rollout.sglang.protocol import GenerateJob, GenerateRequest
+
+    params = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}
 
     def sample(manager):
-        return [manager.generate([{**request, "engine_index": i, "rid": f"stream-{next(rids)}"}])[0]["output_ids"]
-                for i in range(manager.num_engines)]
+        return [manager.generate([GenerateJob(GenerateRequest(input_ids=[3, 4, 5, 6], sampling_params=params), i)])[0]
+                .output_ids for i in range(manager.num_engines)]
 
     manager = warm_parts.engine(cfg.engines, model)
     try:

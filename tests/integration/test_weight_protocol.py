@@ -1,7 +1,7 @@
 """The torch engine speaks SGLang's distributed weight protocol over real HTTP and a real gloo group: a stand-in
 trainer process (tests/weight_sender.py) broadcasts another model's tensors in buckets and the engine's weights
-then equal them bit for bit (/get_weights_by_name). Payloads are SGLang's (sglang_backend's builders), checked
-against SGLang 0.5.23's recorded request fields (tests/sglang_contract.py), not against copies of themselves."""
+then equal them bit for bit (/get_weights_by_name). Bodies are SGLang's (rollout/sglang/protocol.py's models),
+checked against SGLang 0.5.23's recorded request fields (tests/sglang_contract.py), not against copies of themselves."""
 from __future__ import annotations
 
 import json
@@ -18,6 +18,9 @@ from safetensors.torch import load_file
 
 from spillover.rollout.fleet.weights import bucket_payloads
 from spillover.rollout.sglang import backend as sgl
+from spillover.rollout.sglang.protocol import (BeginWeightUpdateRequest, EndWeightUpdateRequest,
+                                               InitWeightsUpdateGroupRequest, TensorUpdateFields,
+                                               UpdateWeightsFromDistributedRequest, UpdateWeightsFromTensorRequest)
 from spillover.rollout.sglang.tensor_wire import SAFETENSORS_MEDIA_TYPE, safetensors_chunks
 from spillover.rollout.sglang.update_group import dtype_name, plan_buckets
 from sglang_contract import check_payload, field_default, route
@@ -55,14 +58,19 @@ def weights_by_name(engine, name: str, rows: int) -> torch.Tensor:
     return torch.tensor(response.json(), dtype=torch.float32)
 
 
-def test_payload_builders_match_sglangs_request_fields():
-    """Every key our builders send is a field of SGLang's request type; defaults we rely on are SGLang's."""
-    check_payload("/init_weights_update_group", sgl.init_update_group_payload("127.0.0.1", 1, 1, 2, "g", "gloo"))
-    check_payload("/update_weights_from_distributed",
-                  sgl.update_from_distributed_payload(["w"], ["bfloat16"], [[2]], 3, group_name="g"))
+def join(port: int, group: str, backend: str) -> dict:
+    return InitWeightsUpdateGroupRequest(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2,
+                                         group_name=group, backend=backend).model_dump()
+
+
+def test_request_models_match_sglangs_request_fields():
+    """Every key our request models send is a field of SGLang's request type; defaults we rely on are SGLang's."""
+    check_payload("/init_weights_update_group", join(1, "g", "gloo"))
+    check_payload("/update_weights_from_distributed", UpdateWeightsFromDistributedRequest(
+        names=["w"], dtypes=["bfloat16"], shapes=[[2]], weight_version=3, group_name="g").model_dump())
     check_payload("/destroy_weights_update_group", {"group_name": "g"})
-    check_payload("/begin_weight_update", {"selector": "all"})
-    check_payload("/end_weight_update", {})
+    check_payload("/begin_weight_update", BeginWeightUpdateRequest().model_dump())
+    check_payload("/end_weight_update", EndWeightUpdateRequest().model_dump())
     assert field_default("/init_weights_update_group", "group_name") == "weight_update_group"
     assert field_default("/update_weights_from_distributed", "flush_cache") is True
     assert route("/update_weights_from_distributed")["needs_weight_update_session"] is True
@@ -85,15 +93,14 @@ def test_distributed_update_in_buckets_is_bit_identical(engine, varied_model_dir
                                    json.dumps([[n for n, _, _ in b] for b in buckets])],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            r = post(engine, "/init_weights_update_group",
-                     sgl.init_update_group_payload("127.0.0.1", port, 1, 2, group, "gloo"))
+            r = post(engine, "/init_weights_update_group", join(port, group, "gloo"))
             assert r.status_code == 200 and r.json()["success"], r.text
             assert post(engine, "/begin_weight_update", {"selector": "all"}).json()["success"]
             for payload in bucket_payloads(buckets, version, group, flush_cache=True):  # the version on the last
                 r = post(engine, "/update_weights_from_distributed", payload)
                 assert r.status_code == 200 and r.json()["success"], r.text
                 reported = httpx.get(engine.url + "/model_info").json()["weight_version"]
-                assert (reported in (version, str(version))) == ("weight_version" in payload), reported
+                assert (reported in (version, str(version))) == (payload["weight_version"] is not None), reported
             assert post(engine, "/end_weight_update", {}).json()["success"]
             assert sender.wait(timeout=60) == 0, sender.stderr.read()
         finally:
@@ -108,7 +115,8 @@ def test_distributed_update_in_buckets_is_bit_identical(engine, varied_model_dir
 
 def test_refusals_name_the_fix(engine):
     """No session, an unknown group, NCCL on a CPU engine, a doubled session, an unknown weight name."""
-    payload = sgl.update_from_distributed_payload(["model.norm.weight"], ["float32"], [[64]], 9, group_name="nope")
+    payload = UpdateWeightsFromDistributedRequest(names=["model.norm.weight"], dtypes=["float32"], shapes=[[64]],
+                                                  weight_version=9, group_name="nope").model_dump()
     r = post(engine, "/update_weights_from_distributed", payload)
     assert r.status_code == 400 and not r.json()["success"] and "begin_weight_update" in r.json()["message"]
     assert post(engine, "/begin_weight_update", {"selector": "all"}).json()["success"]
@@ -118,7 +126,7 @@ def test_refusals_name_the_fix(engine):
     assert r.status_code == 400 and "init_weights_update_group" in r.json()["message"]
     assert post(engine, "/end_weight_update", {}).json()["success"]
     assert post(engine, "/end_weight_update", {}).status_code == 400
-    r = post(engine, "/init_weights_update_group", sgl.init_update_group_payload("127.0.0.1", 1, 1, 2, "x", "nccl"))
+    r = post(engine, "/init_weights_update_group", join(1, "x", "nccl"))
     assert r.status_code == 400 and "gloo" in r.json()["message"]
     r = httpx.post(engine.url + "/get_weights_by_name", json={"name": "model.nope"}, timeout=30)
     assert r.status_code == 400 and "model.nope" in r.json()["error"]["message"]
@@ -132,10 +140,11 @@ def test_get_weights_by_name_truncates_rows_like_sglang(engine):
 
 
 def tensor_payload(tensors: dict, version, *, flush_cache: bool = True) -> dict:
-    """The client's own body (sglang_backend's serializer with the torch engine's encoding), checked against
-    SGLang's recorded request fields."""
-    payload = sgl.update_from_tensor_payload(sgl.serialize_named_tensors(list(tensors.items()), 1, backend="torch"),
-                                             version, flush_cache=flush_cache)
+    """The client's own body (the backend's serializer with the torch engine's encoding), checked against SGLang's
+    recorded request fields."""
+    payload = UpdateWeightsFromTensorRequest(
+        serialized_named_tensors=sgl.serialize_named_tensors(list(tensors.items()), 1, backend="torch"),
+        weight_version=version, flush_cache=flush_cache).model_dump()
     check_payload("/update_weights_from_tensor", payload)
     return payload
 
@@ -164,19 +173,20 @@ def test_tensor_update_in_a_session_in_buckets_sets_weights_and_version(engine, 
     target = load_file(str(next(Path(varied_model_dir).glob("*.safetensors"))))
     names = list(engine.batcher.decoder.expected_names())
     half = len(names) // 2
-    assert post(engine, "/begin_weight_update", sgl.begin_weight_update_payload()).json()["success"]
+    assert post(engine, "/begin_weight_update", BeginWeightUpdateRequest().model_dump()).json()["success"]
     try:
         first = post(engine, "/update_weights_from_tensor",
                      tensor_payload({n: target[n] for n in names[:half]}, None, flush_cache=False))
         assert first.status_code == 200 and first.json()["success"], first.text
         assert httpx.get(engine.url + "/model_info").json()["weight_version"] not in (12, "12")
         pickled = base64.b64encode(pickle.dumps([("model.norm.weight", target["model.norm.weight"])])).decode()
-        r = post(engine, "/update_weights_from_tensor", sgl.update_from_tensor_payload([pickled], 12))
+        r = post(engine, "/update_weights_from_tensor",
+                 UpdateWeightsFromTensorRequest(serialized_named_tensors=[pickled], weight_version=12).model_dump())
         assert r.status_code == 400 and not r.json()["success"] and "safetensors" in r.json()["message"]
         last = post(engine, "/update_weights_from_tensor", tensor_payload({n: target[n] for n in names[half:]}, 12))
         assert last.status_code == 200 and last.json()["success"], last.text
     finally:
-        assert post(engine, "/end_weight_update", sgl.end_weight_update_payload()).json()["success"]
+        assert post(engine, "/end_weight_update", EndWeightUpdateRequest().model_dump()).json()["success"]
     assert_holds_then_reset(engine, {n: target[n] for n in names}, 12, tiny_model_dir)
 
 
@@ -197,7 +207,8 @@ def binary_post(engine, tensors: dict, version, *, flush_cache: bool = True, blo
     named = list(tensors.items())
     body = blob if blob is not None else b"".join(safetensors_chunks(named))
     return httpx.post(engine.url + "/update_weights_from_tensor", content=body, timeout=60,
-                      params=query if query is not None else sgl.tensor_update_query(version, flush_cache),
+                      params=query if query is not None else TensorUpdateFields(weight_version=version,
+                                                                                flush_cache=flush_cache).query(),
                       headers={"Content-Type": SAFETENSORS_MEDIA_TYPE})
 
 
@@ -210,7 +221,7 @@ def test_tensor_update_as_a_binary_body_sets_weights_and_version_on_the_last_buc
     names = list(engine.batcher.decoder.expected_names())
     half = len(names) // 2
     assert "session" in binary_post(engine, {names[0]: target[names[0]]}, 13).json()["message"]
-    assert post(engine, "/begin_weight_update", sgl.begin_weight_update_payload()).json()["success"]
+    assert post(engine, "/begin_weight_update", BeginWeightUpdateRequest().model_dump()).json()["success"]
     try:
         first = binary_post(engine, {n: target[n] for n in names[:half]}, None, flush_cache=False)
         assert first.status_code == 200 and first.json()["success"], first.text
@@ -224,7 +235,7 @@ def test_tensor_update_as_a_binary_body_sets_weights_and_version_on_the_last_buc
         last = binary_post(engine, {n: target[n] for n in names[half:]}, 13)
         assert last.status_code == 200 and last.json()["success"], last.text
     finally:
-        assert post(engine, "/end_weight_update", sgl.end_weight_update_payload()).json()["success"]
+        assert post(engine, "/end_weight_update", EndWeightUpdateRequest().model_dump()).json()["success"]
     assert_holds_then_reset(engine, {n: target[n] for n in names}, 13, tiny_model_dir)
 
 

@@ -1,4 +1,4 @@
-"""Small-dock helpers shared by tests/unit/test_dock.py and test_dock_batch.py."""
+"""Small-dock helpers shared by the dock tests of tests/unit."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,3 +34,9 @@ def finish_groups(dock: TransferDock, slots) -> None:
     rows = (np.asarray(slots)[:, None] * dock.n + np.arange(dock.n)).reshape(-1)
     dock.in_flight[rows] = True  # as if take_rows handed exactly these out
     put(dock, rows, 1, eos=True)
+
+
+def group_order(dock: TransferDock) -> np.ndarray:
+    """Occupied group slots, oldest first."""
+    slots = np.flatnonzero(dock.group_ids >= 0)
+    return slots[dock.oldest_first(slots)]

@@ -10,7 +10,7 @@ import torch
 
 from spillover.rollout.torch_engine.batcher import ContinuousBatcher, EngineRequest
 from spillover.rollout.torch_engine.lean_forward import LeanDecoder, read_safetensors, read_shape
-from spillover.rollout.sglang.protocol import SamplingParams
+from spillover.rollout.sglang.protocol import FinishReason, GenerateResponse, SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9]
 
@@ -25,7 +25,7 @@ def batcher(tiny_model_dir):
     loop.stop()
 
 
-def finish(batcher, max_new: int, stop_ids=()) -> dict:
+def finish(batcher, max_new: int, stop_ids=()) -> GenerateResponse:
     params = SamplingParams(max_new_tokens=max_new, temperature=1.0, sampling_seed=7)  # seeded: repeatable
     request = EngineRequest(rid="r" * 32, input_ids=list(PROMPT), params=params, return_logprob=True,
                             max_output=max_new, stop_ids=frozenset(stop_ids))
@@ -33,14 +33,14 @@ def finish(batcher, max_new: int, stop_ids=()) -> dict:
 
 
 def test_a_stop_token_on_the_last_allowed_position_is_a_stop(batcher):
-    free = finish(batcher, 12)["output_ids"]  # no stop token
+    free = finish(batcher, 12).output_ids  # no stop token
     # a token whose first appearance is at position k: make it the stop token and allow exactly k + 1 tokens
     k = next(i for i, tok in enumerate(free) if tok not in free[:i] and i > 0)
     answer = finish(batcher, k + 1, stop_ids=[free[k]])
-    assert answer["output_ids"] == free[:k + 1]
-    assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": free[k]}
-    assert [e[1] for e in answer["meta_info"]["output_token_logprobs"]] == free[:k + 1]  # the stop token included
+    assert answer.output_ids == free[:k + 1]
+    assert answer.meta_info.finish_reason == FinishReason(type="stop", matched=free[k])
+    assert [e[1] for e in answer.meta_info.output_token_logprobs] == free[:k + 1]  # the stop token included
     early = finish(batcher, k + 3, stop_ids=[free[k]])  # an earlier stop is a stop as before
-    assert early["output_ids"] == free[:k + 1] and early["meta_info"]["finish_reason"]["type"] == "stop"
+    assert early.output_ids == free[:k + 1] and early.meta_info.finish_reason.type == "stop"
     limit = finish(batcher, k)  # the budget without a stop token: length
-    assert limit["meta_info"]["finish_reason"] == {"type": "length", "length": k}
+    assert limit.meta_info.finish_reason == FinishReason(type="length", length=k)

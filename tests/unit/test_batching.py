@@ -3,7 +3,9 @@ micro-batches (positions predicting each response token)."""
 import numpy as np
 import pytest
 
-from spillover.rollout.batch import RolloutBatch, from_sequences, select_groups, split, to_samples
+from batch_views import select_groups
+from spillover.bench.batches import from_sequences, row_sequence
+from spillover.rollout.batch import RolloutBatch, split, to_samples
 from spillover.rollout.sample import Sample, Status
 from spillover.tasks.learner.micro_batches import check_per_token, make_micro_batch, micro_batch_indices, pad_per_token
 
@@ -68,7 +70,7 @@ def test_batch_names_the_bad_field():
 def test_derived_columns_and_group_selection():
     batch = _batch(n=1)
     assert batch.seq_lengths.tolist() == [4, 2, 6] and batch.loss_tokens.tolist() == [2, 1, 2]
-    assert batch.sequence(2).tolist() == [4] * 6 and batch.response_lists() == [[7, 8], [9], [4, 4, 4]]
+    assert row_sequence(batch, 2).tolist() == [4] * 6 and batch.response_lists() == [[7, 8], [9], [4, 4, 4]]
     sub = select_groups(batch, [2, 0])
     assert sub.response_lists() == [[4, 4, 4], [7, 8]] and sub.advantages.tolist() == [0.0, 0.5]
     assert sub.rollout_logprobs.tolist() == pytest.approx([-0.1, -0.2, -0.3, -1.0, -2.0])
@@ -109,7 +111,7 @@ def test_dock_columns_hold_each_rows_prompt_and_response():
     dock.select_batch()
     batch = dock.rollout_batch()
     assert batch.group_ids.tolist() == [10, 11] and batch.labels == ("a", "b") and len(batch) == 6
-    assert [batch.sequence(r).tolist() for r in range(6)] == [p + resp for p, resp in
+    assert [row_sequence(batch, r).tolist() for r in range(6)] == [p + resp for p, resp in
                                                                zip([[3, 4, 5]] * 3 + [[6]] * 3, responses)]
     assert batch.rollout_logprobs.tolist() == [-0.5 * r for r, n in zip(range(6), lengths) for _ in range(n)]
     assert batch.weight_versions.tolist() == [3] * sum(lengths) and not batch.truncated.any()

@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from spillover.infra.models import build_char_tokenizer
-from spillover.rollout.batch import metadata_of_rows, select_groups, to_samples
+from batch_views import select_groups
+from spillover.rollout.batch import metadata_of_rows, to_samples
 from spillover.rollout.prompt_data import PromptFileError, read_prompts
 from spillover.rollout.dock.transfer_dock import TransferDock
 

@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from spillover.rollout.debug_data import DebugDataError, debug_data_url, load_debug_rollout_data, save_debug_rollout_data
-from spillover.rollout.sample import Sample, Status, convert_samples_to_train_data
+from batch_views import convert_samples_to_train_data
+from spillover.rollout.sample import Sample, Status
 from spillover.rollout.batch import RolloutBatch
 from spillover.tasks.reward import build_advantages
 

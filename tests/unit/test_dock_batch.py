@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from dock_helpers import finish_groups, load, make_dock, put
+from dock_helpers import finish_groups, group_order, load, make_dock, put
 
 from spillover.infra.storage.format_version import FormatVersionError
 from spillover.rollout.batch import to_samples
@@ -68,7 +68,7 @@ def test_clear_drops_batch_ages_started_groups_and_orders_oldest_first():
     assert dock.age[2:4].tolist() == [1, 1] and dock.age[:2].tolist() == [0, 0]  # a group ages as one
     assert dock.group_ids.tolist() == [-1, 1] and dock.labels[0] is None
     load(dock, [2])  # slot 0, newer
-    assert dock.group_order().tolist() == [1, 0]
+    assert group_order(dock).tolist() == [1, 0]
     finish_groups(dock, [0])
     dock.take_rows()
     put(dock, [2, 3], 1, eos=True)

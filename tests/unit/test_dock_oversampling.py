@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dock_helpers import group_order
 from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.tasks.prompts import groups_for_iteration
@@ -96,7 +97,7 @@ def test_a_run_loads_and_trains_exactly_iterations_x_gbs_groups(max_split, extra
         dock.set_drain(it == iterations - 1)
         assert dock.stats()["loaded_groups"] >= gbs
         # finish the oldest gbs groups' rows (the others may be left half-done: they stay)
-        order = dock.group_order()[:gbs]
+        order = group_order(dock)[:gbs]
         rows = (order[:, None] * n + np.arange(n)).reshape(-1)
         dock.in_flight[rows] = True
         answer(dock, rows, 1, eos=True)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dock_helpers import group_order
+from simulated_dock import token_staleness_max
 from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.dock.transfer_dock import TransferDock
-from spillover.rollout.dock.staleness import (counts_at_least, fresh_groups_allowed, staleness_bound_met,
-                                    token_staleness_max)
+from spillover.rollout.dock.staleness import counts_at_least, fresh_groups_allowed, staleness_bound_met
 
 
 def put_lengths(dock: TransferDock, rows, lengths, eos, version) -> None:
@@ -95,7 +96,7 @@ def test_restore_refuses_rows_of_a_group_with_different_ages():
     dock.load_groups([0, 1], [[1], [2]], ["a", "b"])
     arrays, meta = dock.snapshot()
     arrays["age"] = np.array([0, 0, 1, 1], dtype=np.int32)
-    assert TransferDock.restore(arrays, meta, "m").group_order().tolist() == [1, 0]
+    assert group_order(TransferDock.restore(arrays, meta, "m")).tolist() == [1, 0]
     arrays["age"] = np.array([0, 0, 1, 0], dtype=np.int32)
     with pytest.raises(ValueError, match="rows of one group have different ages"):
         TransferDock.restore(arrays, meta, "m")

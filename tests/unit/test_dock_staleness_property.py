@@ -14,9 +14,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from simulated_dock import token_staleness_max
 from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.dock.transfer_dock import TransferDock
-from spillover.rollout.dock.staleness import token_staleness_max
 from spillover.tasks.prompts import groups_for_iteration
 
 EOS = 0

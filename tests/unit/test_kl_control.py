@@ -39,7 +39,7 @@ def test_config_checks():
 
 
 def test_the_learner_uses_advances_and_checkpoints_the_coefficient(tiny_model_dir):
-    from spillover.rollout.batch import from_sequences
+    from spillover.bench.batches import from_sequences
     from spillover.tasks.learner.actor import LearnerActor
 
     grpo = GRPOConfig(kl_coef=0.5, kl_ctrl="adaptive", kl_target=1e-9, kl_horizon=8, micro_batch_size=4)

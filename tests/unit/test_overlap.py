@@ -13,11 +13,11 @@ import pytest
 from spillover.bench.simulator.engine import EngineTiming, SimulatedEngine
 from spillover.bench.simulator.workload import DEFAULT_EOS, LognormalLengths, TableLengths, simulated_prompt
 from spillover.infra.config.rollout import RolloutConfig
-from spillover.rollout.dock.staleness import token_staleness_max
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.drivers.default_rollout import generate_training_batch
 from spillover.rollout.drivers.rounds import DetachedRows
-from simulated_dock import check_trained_group, load_iteration
+from spillover.rollout.sglang.protocol import GenerateJob, GenerateRequest
+from simulated_dock import check_trained_group, load_iteration, token_staleness_max
 
 PROMPT = 4
 ITERATIONS = 8
@@ -91,15 +91,16 @@ def test_retract_recomputes_the_kv_and_in_place_does_not():
     def run(mode: str) -> SimulatedEngine:
         engine = SimulatedEngine(EngineTiming(1, 4, 0.01, 0.0, 0.001), TableLengths({0: [2, 30]}),
                                  eos_token_id=DEFAULT_EOS, pause_mode=mode)
-        requests = [{"input_ids": simulated_prompt(0, PROMPT), "sampling_params": {"max_new_tokens": 40}}] * 2
-        answers = engine.generate(requests, on_result=lambda i, a: True, detach=True)
-        assert answers[1] is None and answers[0]["meta_info"]["finish_reason"]["type"] == "stop"
+        jobs = [GenerateJob(GenerateRequest(input_ids=simulated_prompt(0, PROMPT),
+                                            sampling_params={"max_new_tokens": 40}))] * 2
+        answers = engine.generate(jobs, on_result=lambda i, a: True, detach=True)
+        assert answers[1] is None and answers[0].meta_info.finish_reason.type == "stop"
         engine.advance(0.1)
         engine.update_weights(None, 1, pause_s=1.0)
         engine.advance(1.0)
         late = engine.collect_detached()
-        assert list(late) == [1] and late[1]["meta_info"]["finish_reason"]["type"] == "stop"
-        assert late[1]["meta_info"]["weight_versions"][-1]["version"] == "1"
+        assert list(late) == [1] and late[1].meta_info.finish_reason.type == "stop"
+        assert late[1].meta_info.weight_versions[-1].version == 1
         assert engine.collect_detached() == {}
         return engine
 
@@ -111,7 +112,7 @@ def test_retract_recomputes_the_kv_and_in_place_does_not():
 
 def test_a_new_generate_before_collecting_is_refused():
     engine = SimulatedEngine(EngineTiming(1, 4, 0.01, 0.0, 0.0), TableLengths({0: [2, 30]}), eos_token_id=DEFAULT_EOS)
-    requests = [{"input_ids": simulated_prompt(0, PROMPT), "sampling_params": {"max_new_tokens": 40}}] * 2
-    engine.generate(requests, on_result=lambda i, a: True, detach=True)
+    jobs = [GenerateJob(GenerateRequest(input_ids=simulated_prompt(0, PROMPT), sampling_params={"max_new_tokens": 40}))]
+    engine.generate(jobs * 2, on_result=lambda i, a: True, detach=True)
     with pytest.raises(RuntimeError, match="collect_detached"):
-        engine.generate(requests)
+        engine.generate(jobs)

@@ -9,6 +9,7 @@ from dock_helpers import finish_groups, load, make_dock
 from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.dock.transfer_dock import DockError
 from spillover.rollout.drivers.requests import parse_responses, token_versions
+from spillover.rollout.sglang.protocol import GenerateResponse, WeightVersionSpan
 
 
 def test_overlap_needs_async_mode():
@@ -17,17 +18,17 @@ def test_overlap_needs_async_mode():
     assert RolloutConfig(mode="async", overlap=True).overlap
 
 
-def _answer(count: int, version: str, spans=None) -> dict:
-    meta = {"id": "r", "finish_reason": {"type": "length"}, "weight_version": version,
-            "output_token_logprobs": [[-1.0, 7, None]] * count}
+def _answer(count: int, version: str, spans=None) -> GenerateResponse:
+    meta = {"id": "r", "finish_reason": {"type": "length"}, "prompt_tokens": 2, "completion_tokens": count,
+            "weight_version": version, "output_token_logprobs": [[-1.0, 7, None]] * count}
     if spans is not None:
         meta["weight_versions"] = spans
-    return {"output_ids": [7] * count, "meta_info": meta}
+    return GenerateResponse.model_validate({"output_ids": [7] * count, "meta_info": meta})
 
 
 def test_spans_become_one_version_per_token():
     spans = [{"version": "2", "start": 0, "end": 3}, {"version": "3", "start": 3, "end": 5}]
-    assert token_versions(spans, 5, 3).tolist() == [2, 2, 2, 3, 3]
+    assert token_versions([WeightVersionSpan(**s) for s in spans], 5, 3).tolist() == [2, 2, 2, 3, 3]
     _, _, _, versions = parse_responses([_answer(5, "3", spans), _answer(2, "3")], 0)
     assert [v.tolist() for v in versions] == [[2, 2, 2, 3, 3], [3, 3]]
 
@@ -39,7 +40,7 @@ def test_without_spans_versions_stay_one_per_row():
 
 def test_a_span_outside_the_output_is_refused():
     with pytest.raises(ValueError, match=r"span \[2, 9\)"):
-        token_versions([{"version": "1", "start": 2, "end": 9}], 4, 1)
+        token_versions([WeightVersionSpan(version="1", start=2, end=9)], 4, 1)
 
 
 def test_clear_keeps_rows_generating_and_their_older_tokens_age_the_group_when_they_arrive():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from spillover.infra.models import build_char_tokenizer
-from spillover.rollout.batch import from_sequences
+from spillover.bench.batches import from_sequences
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.scoring.rule_reward import RewardError, score_responses
 from spillover.tasks.reward import RewardSetup, response_texts, score_batch
@@ -80,8 +80,8 @@ def test_rollout_stop_strings_go_into_the_requests():
 
     cfg = RolloutConfig(stop=["</answer>", "\n\n"])
     requests = build_requests([[3, 4]], np.array([8]), SamplingSettings.from_rollout(cfg, (1,)))
-    assert requests[0]["sampling_params"]["stop"] == ["</answer>", "\n\n"]
-    assert "stop" not in build_requests([[3]], np.array([8]), SamplingSettings())[0]["sampling_params"]
+    assert requests[0].sampling_params.stop == ["</answer>", "\n\n"]
+    assert "stop" not in build_requests([[3]], np.array([8]), SamplingSettings())[0].body()["sampling_params"]
     with pytest.raises(ValueError, match="rollout.stop holds an empty string"):
         RolloutConfig(stop=[""])
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from spillover.rollout.sample import AlignmentError, Sample, Status, convert_samples_to_train_data
+from spillover.rollout.sample import AlignmentError, Sample, Status
 
 
 def make(i=0, **kw):
@@ -28,27 +28,6 @@ def test_misaligned_segment_raises_and_changes_nothing(tokens, logprobs, version
 def test_constructor_refuses_misaligned_arrays():
     with pytest.raises(AlignmentError, match="response has 2 tokens"):
         make(response_tokens=[1, 2], rollout_logprobs=[0.0], weight_versions=[0, 0])
-
-
-def test_train_data_has_the_seed_fields():
-    a = make(0, reward=1.0, status=Status.COMPLETED, metadata={"raw_reward": 0.5, "round_number": 2})
-    a.append_segment([1, 2], [-0.1, -0.2], 0)
-    b = make(1, reward=0.0, status=Status.TRUNCATED, metadata={"raw_reward": 0.1, "round_number": 1})
-    b.append_segment([3], [-0.3], 0)
-    data = convert_samples_to_train_data([[a, b]])
-    assert data["tokens"] == [[5, 6, 1, 2], [5, 6, 3]]
-    assert data["response_lengths"] == [2, 1] and data["rewards"] == [1.0, 0.0]
-    assert data["truncated"] == [0, 1] and data["sample_indices"] == [0, 1]
-    assert data["loss_masks"] == [[1, 1], [1]]
-    assert data["raw_reward"] == [0.5, 0.1] and data["round_number"] == [2, 1]
-
-
-def test_train_data_wrong_loss_mask_names_both_lengths():
-    s = make(reward=1.0)
-    s.append_segment([1, 2], [-0.1, -0.2], 0)
-    s.loss_mask = [1]
-    with pytest.raises(AlignmentError, match="loss mask length 1 != response length 2"):
-        convert_samples_to_train_data([s])
 
 
 def test_json_round_trip():

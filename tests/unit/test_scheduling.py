@@ -110,8 +110,7 @@ def test_pinned_requests_queue_on_their_engine():
     engine = SimulatedEngine(EngineTiming(2, 1, 1.0, 0.0, 0.0), TableLengths({0: [3, 3], 1: [3, 3]}))
     requests = build_requests([simulated_prompt(0, 3)] * 2 + [simulated_prompt(1, 3)] * 2, np.full(4, 8),
                               SamplingSettings())
-    DispatchPlanner.route(requests, np.array([0, 0, 1, 1]))
-    engine.generate(requests)
+    engine.generate(DispatchPlanner.route(requests, np.array([0, 0, 1, 1])))
     assert engine.clock_s == 6.0  # two 3-token rows one after the other on each engine (one slot each)
     assert engine.usage()["engine_busy_s"] == 12.0
 

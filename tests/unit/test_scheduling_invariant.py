@@ -11,11 +11,10 @@ import pytest
 from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.drivers import dispatch
 from spillover.rollout.dock.transfer_dock import TransferDock
-from spillover.rollout.dock.staleness import token_staleness_max
 from spillover.bench.simulator.engine import EngineTiming, SimulatedEngine
 from spillover.bench.simulator.workload import DEFAULT_EOS, LognormalLengths
 from spillover.rollout.drivers.default_rollout import generate_training_batch
-from simulated_dock import check_trained_group, load_iteration
+from simulated_dock import check_trained_group, load_iteration, token_staleness_max
 
 PROMPT = 4
 ITERATIONS = 7

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from spillover.infra.config.run_config import build_config
-from spillover.infra.models import build_char_tokenizer, load_causal_lm
+from spillover.bench.reference_lm import load_causal_lm
+from spillover.infra.models import build_char_tokenizer
 from spillover.rollout.functions import flatten_rollout
-from spillover.rollout.sample import Sample, Status, convert_samples_to_train_data
+from batch_views import convert_samples_to_train_data
+from spillover.rollout.sample import Sample, Status
 from spillover.rollout.batch import is_sft_batch
 from spillover.rollout.builtin.sft import SFT_WEIGHT_VERSION, SFTDataError, generate_sft_rollout
 from spillover.tasks.grpo_loss import aggregate, clipped_policy_loss

@@ -12,6 +12,10 @@ import pytest
 
 from spillover.rollout.fleet.engine_pool import bundle_order, engine_layout
 from spillover.rollout.sglang import backend as sgl
+from spillover.rollout.sglang.protocol import (BeginWeightUpdateRequest, EndWeightUpdateRequest,
+                                               InitWeightsUpdateGroupRequest, ReleaseMemoryOccupationRequest,
+                                               ResumeMemoryOccupationRequest, UpdateWeightsFromDistributedRequest,
+                                               UpdateWeightsFromTensorRequest)
 from spillover.rollout.fleet.engine_actor import free_ports
 from waiting import wait_for
 
@@ -60,26 +64,28 @@ def test_bad_launch_specs_name_the_field(kwargs, match):
         sgl.SGLangLaunch(model_path="/m", host="h", port=1, nccl_port=2, **kwargs)
 
 
-def test_weight_and_memory_payloads_use_sglang_field_names():
-    assert sgl.release_memory_payload() == {"tags": None}
-    assert sgl.resume_memory_payload(["weights"]) == {"tags": ["weights"]}
+def test_weight_and_memory_bodies_use_sglang_field_names():
+    assert ReleaseMemoryOccupationRequest().model_dump() == {"tags": None}
+    assert ResumeMemoryOccupationRequest(tags=["weights"]).model_dump() == {"tags": ["weights"]}
     with pytest.raises(ValueError, match="kv_cache"):
-        sgl.release_memory_payload(["kv"])
-    assert sgl.update_from_tensor_payload(["a", "b"], 3) == {
+        ReleaseMemoryOccupationRequest(tags=["kv"])
+    assert UpdateWeightsFromTensorRequest(serialized_named_tensors=["a", "b"], weight_version=3).model_dump() == {
         "serialized_named_tensors": ["a", "b"], "load_format": None, "flush_cache": True,
-        "abort_all_requests": False, "weight_version": "3"}
-    with pytest.raises(ValueError, match="TP rank"):
-        sgl.update_from_tensor_payload([], 1)
-    assert sgl.update_from_distributed_payload(["w"], ["bfloat16"], [(2, 3)], 4) == {
+        "abort_all_requests": False, "weight_version": "3", "selector": "all"}
+    with pytest.raises(ValueError, match="at least 1 item"):
+        UpdateWeightsFromTensorRequest(serialized_named_tensors=[], weight_version=1)
+    assert UpdateWeightsFromDistributedRequest(names=["w"], dtypes=["bfloat16"], shapes=[(2, 3)],
+                                               weight_version=4).model_dump() == {
         "names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]], "group_name": "weight_update_group",
-        "flush_cache": True, "weight_version": "4"}
-    with pytest.raises(ValueError, match="align"):
-        sgl.update_from_distributed_payload(["w", "v"], ["bfloat16"], [[1]], 4)
-    assert sgl.init_update_group_payload("10.0.0.1", 29500, 1, 3) == {
+        "flush_cache": True, "abort_all_requests": False, "weight_version": "4", "load_format": None}
+    with pytest.raises(ValueError, match="one entry per tensor"):
+        UpdateWeightsFromDistributedRequest(names=["w", "v"], dtypes=["bfloat16"], shapes=[[1]], weight_version=4)
+    assert InitWeightsUpdateGroupRequest(master_address="10.0.0.1", master_port=29500, rank_offset=1,
+                                         world_size=3).model_dump() == {
         "master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3,
         "group_name": "weight_update_group", "backend": "nccl"}
     with pytest.raises(ValueError, match="rank 0 is the trainer"):
-        sgl.init_update_group_payload("h", 1, 0, 3)
+        InitWeightsUpdateGroupRequest(master_address="h", master_port=1, rank_offset=3, world_size=3)
     assert sgl.ENDPOINTS["update_from_tensor"] == "/update_weights_from_tensor"
 
 
@@ -92,20 +98,21 @@ def test_weight_update_session_bodies_and_tensor_encodings():
 
     from spillover.rollout.sglang.tensor_wire import decode_named_tensors
 
-    assert sgl.begin_weight_update_payload() == {"selector": "all"}
-    assert sgl.begin_weight_update_payload("draft") == {"selector": "draft"}
+    assert BeginWeightUpdateRequest().model_dump() == {"selector": "all"}
+    assert BeginWeightUpdateRequest(selector="draft").model_dump() == {"selector": "draft"}
     with pytest.raises(ValueError, match="selector"):
-        sgl.begin_weight_update_payload("both")
-    assert sgl.end_weight_update_payload() == {}
-    check_payload(sgl.ENDPOINTS["begin_weight_update"], sgl.begin_weight_update_payload())
-    check_payload(sgl.ENDPOINTS["end_weight_update"], sgl.end_weight_update_payload())
-    assert "weight_version" not in sgl.update_from_tensor_payload(["a"], None, flush_cache=False)
+        BeginWeightUpdateRequest(selector="both")
+    assert EndWeightUpdateRequest().model_dump() == {}
+    check_payload(sgl.ENDPOINTS["begin_weight_update"], BeginWeightUpdateRequest().model_dump())
+    check_payload(sgl.ENDPOINTS["end_weight_update"], EndWeightUpdateRequest().model_dump())
+    assert UpdateWeightsFromTensorRequest(serialized_named_tensors=["a"], flush_cache=False).weight_version is None
     embed = torch.randn(5, 3)
     named = [("model.embed_tokens.weight", embed), ("lm_head.weight", embed),
              ("w", torch.ones(2, dtype=torch.bfloat16))]
     entries = sgl.serialize_named_tensors(named, 2, backend="torch")
     assert len(entries) == 2 and all(isinstance(e, str) for e in entries)
-    check_payload(sgl.ENDPOINTS["update_from_tensor"], sgl.update_from_tensor_payload(entries, 3))
+    check_payload(sgl.ENDPOINTS["update_from_tensor"],
+                  UpdateWeightsFromTensorRequest(serialized_named_tensors=entries, weight_version=3).model_dump())
     decoded = decode_named_tensors(entries[1])
     assert set(decoded) == {n for n, _ in named}
     assert all(torch.equal(decoded[n], t) and decoded[n].dtype == t.dtype for n, t in named)

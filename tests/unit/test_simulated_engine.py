@@ -8,8 +8,8 @@ import pytest
 from spillover.infra.config.rollout import RolloutConfig
 from spillover.rollout.batch import to_samples
 from spillover.rollout.dock.transfer_dock import TransferDock
-from spillover.rollout.dock.staleness import token_staleness_max
-from spillover.rollout.sglang.protocol import GenerateResponse
+from simulated_dock import token_staleness_max
+from spillover.rollout.sglang.protocol import FinishReason, GenerateJob, GenerateRequest, GenerateResponse
 from spillover.bench.simulator.engine import EngineTiming, SimulatedEngine
 from spillover.bench.simulator.workload import (DEFAULT_EOS, FILL_TOKEN, SAMPLE_KEY_BASE, LognormalLengths,
                                                 TableLengths, answer, parse_simulated_input, simulated_prompt)
@@ -23,9 +23,9 @@ TINY = EngineTiming(num_engines=1, slots_per_engine=2, step_base_s=0.010, step_p
                     prefill_per_token_s=0.0001)
 
 
-def request(ids, max_new=10, rid=None):
-    return {"input_ids": list(ids), "sampling_params": {"max_new_tokens": max_new}, "return_logprob": True,
-            "rid": rid or f"r{len(ids)}-{max_new}"}
+def request(ids, max_new=10, rid=None) -> GenerateJob:
+    return GenerateJob(GenerateRequest(input_ids=list(ids), sampling_params={"max_new_tokens": max_new},
+                                       return_logprob=True, rid=rid or f"r{len(ids)}-{max_new}"))
 
 
 def engine(table, timing=TINY) -> SimulatedEngine:
@@ -49,9 +49,9 @@ def test_two_requests_in_two_slots_hand_computed():
     assert done == [(0, pytest.approx(0.0368)), (1, pytest.approx(0.0588))]
     assert eng.clock_s == pytest.approx(0.0588)
     first, second = out
-    assert first["output_ids"] == [SAMPLE_KEY_BASE + 0, FILL_TOKEN, EOS]
-    assert second["output_ids"] == [SAMPLE_KEY_BASE + 1, FILL_TOKEN, FILL_TOKEN, FILL_TOKEN, EOS]
-    assert first["meta_info"]["finish_reason"]["type"] == "stop" and first["meta_info"]["completion_tokens"] == 3
+    assert first.output_ids == [SAMPLE_KEY_BASE + 0, FILL_TOKEN, EOS]
+    assert second.output_ids == [SAMPLE_KEY_BASE + 1, FILL_TOKEN, FILL_TOKEN, FILL_TOKEN, EOS]
+    assert first.meta_info.finish_reason.type == "stop" and first.meta_info.completion_tokens == 3
     usage = eng.usage()
     assert usage["engine_busy_s"] == pytest.approx(0.0588)
     assert usage["slot_busy_s"] == pytest.approx(2 * 0.0368 + 0.022)
@@ -86,14 +86,14 @@ def test_budget_limits_and_eos_on_the_last_position_reports_stop():
     eng = engine({0: [4, 9]})
     out = eng.generate([request(simulated_prompt(0, 3), max_new=4), request(simulated_prompt(0, 3), max_new=4)])
     # SGLang 0.5.23 (../shared/sglang-contract): an EOS on the last allowed position is a stop, token included
-    assert out[0]["output_ids"][-1] == EOS and len(out[0]["output_ids"]) == 4
-    assert out[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
-    assert out[1]["output_ids"][-1] == FILL_TOKEN and out[1]["meta_info"]["finish_reason"] == {"type": "length",
-                                                                                                 "length": 4}
-    assert eng.generate([request(simulated_prompt(5, 3), max_new=0)])[0]["output_ids"] == []  # answered at once
+    assert out[0].output_ids[-1] == EOS and len(out[0].output_ids) == 4
+    assert out[0].meta_info.finish_reason == FinishReason(type="stop", matched=EOS)
+    assert out[1].output_ids[-1] == FILL_TOKEN
+    assert out[1].meta_info.finish_reason == FinishReason(type="length", length=4)
+    assert eng.generate([request(simulated_prompt(5, 3), max_new=0)])[0].output_ids == []  # answered at once
     for reply in out:
-        GenerateResponse.model_validate(reply)  # SGLang's shape, as the client parses it
-        assert [e[1] for e in reply["meta_info"]["output_token_logprobs"]] == reply["output_ids"]
+        assert GenerateResponse.model_validate_json(reply.model_dump_json()) == reply  # as the client parses it
+        assert [e[1] for e in reply.meta_info.output_token_logprobs] == reply.output_ids
 
 
 def test_the_dock_counts_an_eos_on_the_last_position_as_stopped_however_it_is_reported():
@@ -129,15 +129,15 @@ def test_abort_from_a_callback_stops_the_clock_and_keeps_the_tokens_so_far():
     out = eng.generate([request(simulated_prompt(0, 4))] * 2 + [request(simulated_prompt(1, 4))], on_result=on_result)
     assert eng.clock_s == pytest.approx(0.0368)  # the moment request 0 ended
     assert sorted(answers) == [0, 1, 2] and out[1] is answers[1]
-    assert out[1]["output_ids"] == [SAMPLE_KEY_BASE + 1, FILL_TOKEN, FILL_TOKEN]  # 3 completed steps
-    assert out[1]["meta_info"]["finish_reason"]["type"] == "abort"
-    assert out[2]["output_ids"] == [] and out[2]["meta_info"]["finish_reason"]["type"] == "abort"  # was queued
+    assert out[1].output_ids == [SAMPLE_KEY_BASE + 1, FILL_TOKEN, FILL_TOKEN]  # 3 completed steps
+    assert out[1].meta_info.finish_reason.type == "abort"
+    assert out[2].output_ids == [] and out[2].meta_info.finish_reason.type == "abort"  # was queued
     # the cut row continues from its ids and keeps its natural length (5): 2 more tokens, the last EOS
-    cont = eng.generate([request(simulated_prompt(0, 4) + out[1]["output_ids"])])
-    assert cont[0]["output_ids"] == [FILL_TOKEN, EOS] and cont[0]["meta_info"]["finish_reason"]["type"] == "stop"
+    cont = eng.generate([request(simulated_prompt(0, 4) + out[1].output_ids)])
+    assert cont[0].output_ids == [FILL_TOKEN, EOS] and cont[0].meta_info.finish_reason.type == "stop"
     # the request that never ran starts fresh as sample 0 of its group
     fresh = eng.generate([request(simulated_prompt(1, 4))])
-    assert fresh[0]["output_ids"] == [SAMPLE_KEY_BASE, FILL_TOKEN, FILL_TOKEN, EOS]
+    assert fresh[0].output_ids == [SAMPLE_KEY_BASE, FILL_TOKEN, FILL_TOKEN, EOS]
 
 
 def test_abort_mid_step_counts_only_completed_steps_and_returns_unused_sample_keys():
@@ -149,9 +149,9 @@ def test_abort_mid_step_counts_only_completed_steps_and_returns_unused_sample_ke
     out = eng.generate([request(simulated_prompt(0, 3)), request(simulated_prompt(1, 30))],
                        on_result=lambda i, r: eng.abort_all())
     assert eng.clock_s == pytest.approx(0.013)
-    assert out[1]["output_ids"] == [] and out[1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out[1].output_ids == [] and out[1].meta_info.finish_reason.type == "abort"
     again = eng.generate([request(simulated_prompt(1, 30), max_new=2)])
-    assert again[0]["output_ids"] == [SAMPLE_KEY_BASE + 0, FILL_TOKEN]  # still sample 0 of group 1
+    assert again[0].output_ids == [SAMPLE_KEY_BASE + 0, FILL_TOKEN]  # still sample 0 of group 1
 
 
 def test_weight_version_and_advance():
@@ -159,7 +159,7 @@ def test_weight_version_and_advance():
     eng.update_weights(None, 7)
     eng.advance(1.5)
     out = eng.generate([request(simulated_prompt(0, 3))])
-    assert out[0]["meta_info"]["weight_version"] == 7
+    assert out[0].meta_info.weight_version == 7
     assert eng.clock_s == pytest.approx(1.5 + 0.011 * 2 + 0.0003)
     assert eng.usage()["engine_busy_s"] == pytest.approx(0.022 + 0.0003)
 

@@ -12,6 +12,7 @@ import pytest
 from spillover.infra.models import build_char_tokenizer, end_token_ids
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.drivers.rounds import RoundHooks
+from spillover.rollout.sglang.protocol import GenerateResponse
 
 
 @pytest.fixture(scope="module")
@@ -19,9 +20,10 @@ def tok():
     return build_char_tokenizer()
 
 
-def answer(ids: list[int], finish: str = "abort") -> dict:
-    return {"output_ids": ids, "meta_info": {"id": "r", "finish_reason": {"type": finish}, "weight_version": "0",
-                                             "output_token_logprobs": [[-0.5, i, None] for i in ids]}}
+def answer(ids: list[int], finish: str = "abort") -> GenerateResponse:
+    return GenerateResponse.model_validate({"output_ids": ids, "meta_info": {
+        "id": "r", "finish_reason": {"type": finish}, "prompt_tokens": 2, "completion_tokens": len(ids),
+        "weight_version": "0", "output_token_logprobs": [[-0.5, i, None] for i in ids]}})
 
 
 def one_row_dock(end_ids) -> TransferDock:

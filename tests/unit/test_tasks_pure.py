@@ -4,6 +4,7 @@ import math
 import numpy as np
 import pytest
 
+from spillover.bench.batches import row_sequence
 from spillover.infra.imports import ImportPathError, load_function
 from spillover.rollout.prompt_data import PromptCursor, PromptSet
 from spillover.rollout.dock.transfer_dock import TransferDock
@@ -64,7 +65,7 @@ def test_batch_gets_group_normalised_advantages():
     assert adv[2:].tolist() == [0.0, 0.0]  # all-equal group: no signal, no division by zero
     assert adv[0] > 0 > adv[1] and math.isclose(adv[0], -adv[1], rel_tol=1e-5)
     scored = batch.with_advantages(adv)
-    assert scored.sequence(0).tolist() == [3, 4, 14, 14] and scored.rollout_logprobs[:2].tolist() == [-0.5, -0.5]
+    assert row_sequence(scored, 0).tolist() == [3, 4, 14, 14] and scored.rollout_logprobs[:2].tolist() == [-0.5, -0.5]
     sft = RolloutBatch.from_samples([[sample(0)]], sft=True)
     assert build_advantages(sft, np.zeros(1)).tolist() == [1.0]  # SFT: advantage 1, the NLL gradient
 

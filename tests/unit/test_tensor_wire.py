@@ -14,6 +14,7 @@ from safetensors.torch import load as library_load
 from safetensors.torch import save as library_save
 
 from spillover.rollout.sglang import backend as sgl
+from spillover.rollout.sglang.protocol import TensorUpdateFields
 from spillover.rollout.sglang.tensor_wire import (CHUNK_BYTES, blob_size, decode_named_tensors, parse_safetensors,
                                                   safetensors_chunks)
 from sglang_contract import check_payload
@@ -88,7 +89,7 @@ def test_repeated_names_and_unknown_dtypes_are_refused_before_sending():
 @pytest.mark.parametrize("version, flush_cache", [(None, False), (3, True), ("7", False)])
 def test_the_binary_query_carries_sglangs_fields(version, flush_cache):
     """The query of the binary body is UpdateWeightsFromTensorReqInput's fields besides the tensors, as text."""
-    query = sgl.tensor_update_query(version, flush_cache)
-    assert query == {"flush_cache": str(flush_cache).lower(), "abort_all_requests": "false",
+    query = TensorUpdateFields(weight_version=version, flush_cache=flush_cache).query()
+    assert query == {"flush_cache": str(flush_cache).lower(), "abort_all_requests": "false", "selector": "all",
                      **({} if version is None else {"weight_version": str(version)})}
     check_payload(sgl.ENDPOINTS["update_from_tensor"], {"serialized_named_tensors": ["x"], **query})

@@ -29,7 +29,8 @@ def test_tokenizer_round_trips_whitespace(tiny_model_dir):
 def test_tiny_model_reloads_offline(tiny_model_dir):
     import torch
 
-    from spillover.infra.models import build_tiny_model, load_causal_lm
+    from spillover.bench.reference_lm import load_causal_lm
+    from spillover.infra.models import build_tiny_model
 
     model = load_causal_lm(tiny_model_dir)
     assert model.config.model_type == "qwen2" and model.config.num_hidden_layers == 2

@@ -1,4 +1,5 @@
-"""Peak resident memory of this process (Linux): reset it before a region, read it after."""
+"""Peak resident memory of this process (Linux): reset it before a region, read it after (bench/weight_sync.py reads
+it inside the learner and engine actors)."""
 from __future__ import annotations
 
 __all__ = ["peak_rss_bytes", "reset_peak_rss"]

@@ -1,0 +1,50 @@
+"""What the tests read from, or ask of, a running fleet that a run never does: an engine's weight-update events and
+the peak of its weight loads (read inside the engine's process through Ray's `actor.__ray_call__.remote(reader)`,
+from its EngineActor or from the learner rank that hosts a colocated one), a health check now, whether the health
+monitor runs, and released memory resumed. The last three reach the RolloutManager's own members, as the manager
+tests do."""
+from __future__ import annotations
+
+import sys
+
+import ray.cloudpickle
+
+# Ray's workers cannot import this module (tests/ is on no worker's sys.path): the readers travel by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def take_weight_update_events(engine) -> list[str]:
+    """Inside an EngineActor (torch backend): the engine's weight-update session and route outcomes since the last
+    take, in order (begin_weight_update, update_weights_from_tensor, ..., end_weight_update; "... refused" /
+    "... failed")."""
+    events = list(engine.server.weight_update_events)
+    engine.server.weight_update_events.clear()
+    return events
+
+
+def take_update_peak_bytes(engine) -> int:
+    """Inside an EngineActor (torch backend): the most one weight load held beyond the model since the last take
+    (the incoming tensors, e.g. a received bucket, plus what loading them allocated)."""
+    peak, engine.server.update_peak_bytes = engine.server.update_peak_bytes, 0
+    return peak
+
+
+def on_hosted_engine(learner, read, *args):
+    """Inside a learner rank that hosts a colocated engine (placement.colocate): read(its EngineActor, *args)."""
+    return read(learner.engine_host.engine, *args)
+
+
+def health_check(manager) -> dict[int, str]:
+    """Probe every engine's /health_generate now, as the health monitor does (restarting dead or hung ones):
+    index -> ok | restarted | released."""
+    return manager._call(manager._health_check)
+
+
+def health_monitor_running(manager) -> bool:
+    return manager._monitor is not None and not manager._monitor.done()
+
+
+def resume_memory(manager) -> None:
+    """Resume what RolloutManager.offload released, as a colocated weight update does before it loads: released
+    weights come back empty, so load some next."""
+    manager._call(manager._memory, False, None)
