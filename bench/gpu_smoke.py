@@ -166,7 +166,7 @@ def tensor_update_session(args, device: torch.device) -> dict:
     import httpx
 
     from ..rollout.torch_engine.server import TorchEngineServer
-    from ..rollout.fleet.weight_poster import WeightPoster
+    from ..rollout.fleet.weights.weight_poster import WeightPoster
 
     model_path = args.model or _tiny_model()
     server = TorchEngineServer(model_path, device=device.type, max_running_requests=8)
@@ -209,7 +209,7 @@ def inflight_update(args, device: torch.device) -> dict:
     meta_info.weight_versions spans say; no decode step runs while paused; the KV cache stays, so a flush is refused."""
     import httpx
 
-    from ..rollout.fleet.weight_poster import WeightPoster
+    from ..rollout.fleet.weights.weight_poster import WeightPoster
     from ..rollout.sglang.protocol import ContinueGenerationRequest, PauseGenerationRequest
     from ..rollout.torch_engine.server import TorchEngineServer
 

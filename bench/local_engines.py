@@ -10,7 +10,7 @@ import itertools
 
 from ..rollout.fleet.engine_client import EngineClient
 from ..rollout.sglang.protocol import GenerateJob, GenerateRequest, GenerateResponse
-from ..rollout.fleet.weight_update import WeightUpdate
+from ..rollout.fleet.weights.weight_update import WeightUpdate
 from ..rollout.torch_engine.server import TorchEngineServer
 from ..rollout.fleet.generation import BatchGenerator
 from ..rollout.fleet.pinned_router import PinnedRouter

@@ -24,7 +24,7 @@ import httpx
 
 from .mode_run import ModeRun
 from .simulator.workload import LognormalLengths
-from ..rollout.fleet.weight_update import WeightUpdate
+from ..rollout.fleet.weights.weight_update import WeightUpdate
 from ..rollout.sglang.protocol import FinishReason, GenerateJob, GenerateResponse
 
 log = logging.getLogger("longtail.real")

@@ -83,7 +83,7 @@ def main() -> None:
     from ..infra.config.engines import EnginesConfig
     from ..infra.config.run_config import build_config
     from ..rollout.fleet.manager import RolloutManager
-    from ..rollout.fleet.weight_update import WeightUpdate
+    from ..rollout.fleet.weights.weight_update import WeightUpdate
     from ..tasks.learner.group import create_learner_group
     from .weight_digests import engine_weight_digests, learner_group_weight_digests
 

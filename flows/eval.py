@@ -3,7 +3,7 @@
 The policy is the newest verified checkpoint of a training run (its weights exported once into
 `<run_dir>/eval/policy-ckpt-<iteration>/`, an HF folder next to the run's model config and tokenizer), or an HF
 model folder as it is. Engines are the run's kind (engines.*), started for the eval and shut down after it;
-generation and scoring are spillover.rollout.scoring.evaluation.run_eval's, so eval sees what training saw (chat template,
+generation and scoring are spillover.rollout.drivers.evaluation.run_eval's, so eval sees what training saw (chat template,
 stop strings, reward function, additional keys). The result goes to `<run_dir>/eval/<name>.json`
 (`<MODEL_DIR>/eval/<name>.json` for a model folder).
 
@@ -179,7 +179,7 @@ def evaluate(target: EvalTarget, data_sets: dict[str, DataFile], parts: RunParts
     from ..infra.imports import load_function
     from ..infra.models import end_token_ids, load_tokenizer
     from ..rollout.prompt_data import read_prompt_file
-    from ..rollout.scoring.evaluation import run_eval
+    from ..rollout.drivers.evaluation import run_eval
     from ..tasks.reward import REWARD_KEYWORDS
 
     cfg = target.cfg

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..infra.config.run_config import RunConfig
 from .debug_data import load_debug_rollout_data, save_debug_rollout_data
-from .scoring.evaluation import eval_log_dict, eval_step
+from .drivers.evaluation import eval_log_dict, eval_step
 from .functions import RolloutOutput, flatten_rollout, load_rollout_function, to_rollout_output
 
 DEFAULT_ROLLOUT = "spillover.rollout.drivers.default_rollout.generate_rollout"

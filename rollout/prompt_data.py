@@ -140,7 +140,7 @@ def read_prompts(path: str | Path | DataFile, tokenizer, max_prompt_tokens: int,
     messages; messages (and, with apply_chat_template, strings as one user message) are rendered by the
     tokenizer's chat template, with system_prompt first (spillover.rollout.chat). Over-long prompts are refused (error
     naming the line) or, with over_long="truncate", cut to their last `max_prompt_tokens` tokens and counted.
-    row_format (data.format): gsm8k or math rows are converted on read (spillover.rollout.builtin.formats) into
+    row_format (data.format): gsm8k or math rows are converted on read (spillover.rollout.prompt_formats) into
     prompt / label / id rows; the keys are then those. path: a local path, file:// URL or Hub file
     (spillover.infra.data_files), named as given in every message."""
     path = data_file(path)
@@ -191,7 +191,7 @@ def formatted_rows(path: str | DataFile, row_format: str, keys: list[str]) -> It
     if row_format == "prompt_label":
         yield from prompt_rows(path, keys)
         return
-    from .builtin.formats import CONVERTERS, SOURCE_COLUMNS, ConvertError
+    from .prompt_formats import CONVERTERS, SOURCE_COLUMNS, ConvertError
 
     convert = CONVERTERS[row_format][0]
     required, optional = SOURCE_COLUMNS[row_format]

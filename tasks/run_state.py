@@ -19,7 +19,7 @@ from ..infra.storage.store import Store, open_store
 from ..rollout.prompt_data import PromptCursor
 from ..rollout.dock.transfer_dock import TransferDock
 from ..rollout.fleet.manager import RolloutManager
-from ..rollout.fleet.weights import policy_update
+from ..rollout.fleet.weights.fleet_weights import policy_update
 from .learner.group import LearnerGroup
 from .learner.state import from_format_1
 from .results import Checkpointed

@@ -11,7 +11,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from ..rollout.fleet.manager import RolloutManager
-from ..rollout.fleet.weights import policy_update
+from ..rollout.fleet.weights.fleet_weights import policy_update
 from .learner.group import LearnerGroup
 from .results import Logprobs, Scored, Updated
 

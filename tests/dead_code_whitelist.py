@@ -4,7 +4,7 @@ tasks) are recognised by their decorator and need no line here. Vulture reads th
 
 # Ray actor methods called by name on every rank of a learner group (LearnerGroup.each("<name>", ...)).
 write_state_shards  # tasks/run_state.py write_learner_shards
-load_colocated_weights  # rollout/fleet/weights.py, colocated engines
+load_colocated_weights  # rollout/fleet/weights/fleet_weights.py, colocated engines
 
 # torch's TorchDispatchMode asks its subclasses this (infra/tensor_memory.py).
 _should_skip_dynamo

@@ -208,7 +208,7 @@ def start_engines_over(manager: RolloutManager, model_path: str | Path, engines_
 
 async def _serve_anew(m: RolloutManager, model_path: str, engines_cfg: EnginesConfig, seed: int) -> None:
     """start_engines_over on the manager's loop."""
-    from spillover.rollout.fleet.weight_update import WeightUpdate
+    from spillover.rollout.fleet.weights.weight_update import WeightUpdate
 
     await m._gen.collect_detached()  # a new run starts with no request of the last one running
     if m._offloaded:

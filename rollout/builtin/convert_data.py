@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from .formats import CONVERTERS, ConvertError
+from ..prompt_formats import CONVERTERS, ConvertError
 from ..prompt_data import jsonl_lines, parse_json_object
 
 

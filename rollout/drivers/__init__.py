@@ -1,1 +1,2 @@
-"""Generation over the dock: the driver loop (rounds), its tool hooks, dispatch, the default rollout, the request codec."""
+"""Generation over the dock: the driver loop (rounds), its tool hooks, dispatch, the default rollout and eval, the
+request codec."""

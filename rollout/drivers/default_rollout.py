@@ -1,7 +1,7 @@
 """The default rollout function (`spillover.rollout.drivers.default_rollout.generate_rollout`, the seed signature) and
 generate_training_batch: partial rollout over the run's dock with the driver loop (rollout/drivers/rounds.py; with
 rollout.env_path set, its tool hooks, rollout/drivers/tool_turns.py), then the training batch; evaluation generates
-each eval set greedily (rollout/scoring/evaluation.py).
+each eval set greedily (rollout/drivers/evaluation.py).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .rounds import DetachedRows, OnRound, RoundHooks, generate_rounds
 from .tool_turns import ToolTurns, turn_metrics
 from ..functions import RolloutOutput
 from ..stop_strings import Decode
-from ..scoring.evaluation import run_eval
+from .evaluation import run_eval
 
 
 def generate_training_batch(dock: TransferDock, engine: Generator, rollout_cfg: RolloutConfig,

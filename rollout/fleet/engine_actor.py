@@ -19,7 +19,7 @@ import socket
 from typing import Any
 
 from ..sglang import backend as sgl
-from .weight_poster import WeightPoster
+from .weights.weight_poster import WeightPoster
 
 BACKENDS = ("torch", "sglang")
 

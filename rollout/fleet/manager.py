@@ -36,8 +36,8 @@ from .pinned_router import PinnedRouter
 from ..drivers.requests import OnResult
 from ..sglang.protocol import (ContinueGenerationRequest, GenerateJob, GenerateResponse, PauseGenerationRequest,
                                ReleaseMemoryOccupationRequest, ResumeMemoryOccupationRequest)
-from .weight_update import WeightUpdate
-from .weights import ENGINE_GONE, FleetWeights
+from .weights.weight_update import WeightUpdate
+from .weights.fleet_weights import ENGINE_GONE, FleetWeights
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -197,8 +197,8 @@ class RolloutManager:
 
     # ---- weights and memory ---------------------------------------------------------------------------
     def update_weights(self, update: WeightUpdate) -> dict[int, int | None]:
-        """Load `update` on every engine (rollout/fleet/weights.py: one strategy per kind); an engine that dies
-        meanwhile is restarted and loads it too, as does any engine restarted later. Colocated engines are resumed
+        """Load `update` on every engine (rollout/fleet/weights/fleet_weights.py: one strategy per kind); an engine
+        that dies meanwhile is restarted and loads it too, as does any engine restarted later. Colocated engines are resumed
         first. Returns engine index -> the version it reports."""
         return self._call(self._update_weights, update)
 

@@ -1,1 +1,1 @@
-"""Scoring: rule rewards, reward models, eval."""
+"""Scoring: rule rewards and reward models."""

@@ -1,5 +1,5 @@
 """Decoding responses and scoring them with a rule reward: pure helpers shared by the reward step
-(tasks/reward.py) and evaluation (rollout/scoring/evaluation.py)."""
+(tasks/reward.py) and evaluation (rollout/drivers/evaluation.py)."""
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,5 @@
 """The learner's half of SGLang's distributed weight sync: rank 0 joins the engines' weight-update group as its
-rank 0 and broadcasts the model's tensors bucket by bucket (DistributedWeights in rollout/fleet/weights.py drives
+rank 0 and broadcasts the model's tensors bucket by bucket (DistributedWeights in rollout/fleet/weights/fleet_weights.py drives
 the engines' half: /init_weights_update_group once, /update_weights_from_distributed per bucket).
 
 Every rank holds a `WeightSender` (LearnerActor.weight_sender; the actor's weight methods forward to it). With FSDP

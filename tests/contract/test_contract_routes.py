@@ -3,7 +3,7 @@
 the project sends is one SGLang drops.
 
 Bodies come from the project's request models (rollout/sglang/protocol.py) with the arguments their callers pass,
-and from the callers themselves: DistributedWeights (rollout/fleet/weights.py) driven
+and from the callers themselves: DistributedWeights (rollout/fleet/weights/fleet_weights.py) driven
 through a whole sync with recording clients, EngineClient (abort, update from disk) with its transport
 recorded; each weight kind's body also as it goes out under engines.pause_mode=in_place (flush_cache false). The project
 sends no /open_session or /close_session."""
@@ -23,7 +23,7 @@ from spillover.rollout.sglang.protocol import (BeginWeightUpdateRequest, Continu
                                                ReleaseMemoryOccupationRequest, ResumeMemoryOccupationRequest,
                                                UpdateWeightsFromDistributedRequest, UpdateWeightsFromTensorRequest)
 from spillover.rollout.fleet.engine_client import EngineClient
-from spillover.rollout.fleet.weights import DistributedWeights
+from spillover.rollout.fleet.weights.fleet_weights import DistributedWeights
 from spillover.rollout.sglang.tensor_wire import SAFETENSORS_MEDIA_TYPE, parse_safetensors
 
 ROUTE_CLASS = {  # SGLang 0.5.23 http_server.py: route -> the io_struct class its handler takes as Body()

@@ -54,7 +54,7 @@ def test_generate_through_router(sglang_manager):
 def test_update_weights_from_tensor_changes_outputs_and_version(sglang_manager, model_path):
     from safetensors.torch import load_file
 
-    from spillover.rollout.fleet.weight_update import WeightUpdate
+    from spillover.rollout.fleet.weights.weight_update import WeightUpdate
 
     path = model_path
     before = sglang_manager.generate(batch(GREEDY))
@@ -74,7 +74,7 @@ def test_abort_all_then_offload_resume_and_load(sglang_manager, model_path):
     import threading
 
     from fleet_probes import resume_memory
-    from spillover.rollout.fleet.weight_update import WeightUpdate
+    from spillover.rollout.fleet.weights.weight_update import WeightUpdate
 
     box = {}
     thread = threading.Thread(target=lambda: box.update(r=sglang_manager.generate(

@@ -22,7 +22,7 @@ import ray
 from fleet_probes import on_hosted_engine, take_update_peak_bytes, take_weight_update_events
 from spillover.bench.weight_digests import engine_weight_digests, learner_group_weight_digests
 from spillover.infra.config.run_config import build_config
-from spillover.rollout.fleet.weight_update import WeightUpdate
+from spillover.rollout.fleet.weights.weight_update import WeightUpdate
 from spillover.rollout.sglang.protocol import GenerateJob, GenerateRequest
 from small_run import SMALL_RUN
 from test_train_flow import small_config

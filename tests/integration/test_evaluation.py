@@ -12,7 +12,7 @@ import pytest
 
 from spillover.infra.models import load_tokenizer
 from spillover.rollout.prompt_data import read_prompts
-from spillover.rollout.scoring.evaluation import EvalAborted, eval_log_dict, eval_metrics, eval_step, run_eval
+from spillover.rollout.drivers.evaluation import EvalAborted, eval_log_dict, eval_metrics, eval_step, run_eval
 from spillover.rollout.sample import Sample, Status
 from spillover.rollout.builtin.toy_task import generate_dataset
 from waiting import wait_for

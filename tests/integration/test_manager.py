@@ -16,7 +16,7 @@ import pytest
 
 from fleet_probes import health_check, health_monitor_running, resume_memory, take_weight_update_events
 from spillover.rollout.fleet.engine_client import EngineClient
-from spillover.rollout.fleet.weight_update import WeightUpdate
+from spillover.rollout.fleet.weights.weight_update import WeightUpdate
 from spillover.rollout.sglang.protocol import (ContinueGenerationRequest, GenerateJob, GenerateRequest,
                                                GenerateResponse, PauseGenerationRequest)
 from waiting import wait_for
@@ -321,7 +321,7 @@ def test_paused_engines_answer_the_liveness_probe_that_forming_a_weight_group_an
             assert httpx.get(url + "/health", timeout=5).status_code == 200
             with pytest.raises(httpx.TimeoutException):  # the generation probe waits for a step that never comes
                 httpx.get(url + "/health_generate", timeout=1.5)
-        async def form_probe():  # what forming a weight group asks (rollout/fleet/weights.py)
+        async def form_probe():  # what forming a weight group asks (rollout/fleet/weights/fleet_weights.py)
             return await asyncio.gather(*(m._client(u).health() for u in m.urls))
 
         assert m._call(form_probe) == [True] * len(m.urls)

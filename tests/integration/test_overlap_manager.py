@@ -16,7 +16,7 @@ from waiting import wait_for
 
 from spillover.rollout.drivers.requests import parse_responses
 from spillover.rollout.fleet.engine_client import EngineClient
-from spillover.rollout.fleet.weight_update import WeightUpdate
+from spillover.rollout.fleet.weights.weight_update import WeightUpdate
 from spillover.rollout.sglang.protocol import GenerateJob, GenerateRequest
 
 LONG = {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spillover.rollout.fleet.weights import bucket_payloads
+from spillover.rollout.fleet.weights.fleet_weights import bucket_payloads
 from spillover.rollout.sglang import backend as sgl
 from spillover.rollout.sglang.protocol import (BeginWeightUpdateRequest, EndWeightUpdateRequest,
                                                InitWeightsUpdateGroupRequest, TensorUpdateFields,
@@ -242,7 +242,7 @@ def test_tensor_update_as_a_binary_body_sets_weights_and_version_on_the_last_buc
 def test_weight_poster_updates_the_torch_engine_in_binary_buckets(engine, varied_model_dir, tiny_model_dir):
     """WeightPoster.update, the engine actors' and colocated ranks' client: every bucket a binary body, one session,
     the version reported at the end, the weights bit for bit."""
-    from spillover.rollout.fleet.weight_poster import WeightPoster
+    from spillover.rollout.fleet.weights.weight_poster import WeightPoster
 
     target = load_file(str(next(Path(varied_model_dir).glob("*.safetensors"))))
     state = {n: target[n] for n in engine.batcher.decoder.expected_names()}

@@ -20,7 +20,7 @@ import torch
 
 from fleet_probes import health_check, take_update_peak_bytes
 from spillover.infra.config.run_config import build_config
-from spillover.rollout.fleet.weight_update import WeightUpdate
+from spillover.rollout.fleet.weights.weight_update import WeightUpdate
 from spillover.rollout.sglang.protocol import GenerateJob, GenerateRequest
 from learner_batches import random_batch
 
@@ -183,7 +183,7 @@ def test_flow_trains_with_distributed_weight_sync(prefect_harness, ray_session, 
     engines in several buckets by the distributed path (a spy counts its syncs), the sync timed."""
     import json
 
-    from spillover.rollout.fleet.weights import DistributedWeights
+    from spillover.rollout.fleet.weights.fleet_weights import DistributedWeights
 
     syncs, real_sync = [], DistributedWeights.sync
 

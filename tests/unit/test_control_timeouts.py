@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from spillover.rollout.fleet.engine_client import EngineClient, EngineTimeout
-from spillover.rollout.fleet.weight_poster import WeightPoster
-from spillover.rollout.fleet.weights import DistributedWeights
+from spillover.rollout.fleet.weights.weight_poster import WeightPoster
+from spillover.rollout.fleet.weights.fleet_weights import DistributedWeights
 from spillover.rollout.sglang import backend as sgl
 
 LIMIT_S = 0.5

@@ -9,7 +9,7 @@ import pytest
 from spillover.infra.config.run_config import load_config
 from spillover.infra.models import build_char_tokenizer
 from spillover.rollout.builtin.convert_data import convert, main
-from spillover.rollout.builtin.formats import ConvertError, last_boxed
+from spillover.rollout.prompt_formats import ConvertError, last_boxed
 from spillover.rollout.prompt_data import read_prompts
 
 GPU_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "gpu").glob("*.yaml"))  # from any cwd

@@ -1,5 +1,5 @@
 """The distributed sync waits for the engines' posts of a bucket unless the sender fails first
-(rollout/fleet/weights.py): a failed sender ends the wait at once instead of after weight_sync_timeout_s.
+(rollout/fleet/weights/fleet_weights.py): a failed sender ends the wait at once instead of after weight_sync_timeout_s.
 The real path (a learner group whose broadcast fails while two engines wait in their receive) is in
 tests/integration/test_weight_sync.py."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from spillover.rollout.fleet.weights import _unless_sender_fails
+from spillover.rollout.fleet.weights.fleet_weights import _unless_sender_fails
 
 
 async def after(seconds: float, value=None, error: Exception | None = None):

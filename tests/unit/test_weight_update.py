@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from spillover.rollout.fleet.weight_update import WeightUpdate, reported_version
+from spillover.rollout.fleet.weights.weight_update import WeightUpdate, reported_version
 
 
 @pytest.mark.parametrize("version", ["3", 3.0, None, True])

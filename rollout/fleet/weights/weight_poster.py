@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 
 from .weight_update import reported_version
-from ..sglang import backend as sgl
-from ..sglang.protocol import (BeginWeightUpdateRequest, EndWeightUpdateRequest, ModelInfo, TensorUpdateFields,
-                               UpdateWeightsFromTensorRequest)
-from ..sglang.tensor_wire import SAFETENSORS_MEDIA_TYPE, blob_size, safetensors_chunks
+from ...sglang import backend as sgl
+from ...sglang.protocol import (BeginWeightUpdateRequest, EndWeightUpdateRequest, ModelInfo, TensorUpdateFields,
+                                UpdateWeightsFromTensorRequest)
+from ...sglang.tensor_wire import SAFETENSORS_MEDIA_TYPE, blob_size, safetensors_chunks
 
 log = logging.getLogger(__name__)
 BUCKET_TIMEOUT_S = 600.0  # one bucket's load: an SGLang engine not paused waits for its running requests first
@@ -41,7 +41,7 @@ class WeightPoster:
         """HF-named tensors in buckets of about bucket_bytes (None: one) inside one session; the last bucket sets
         weight_version and flushes the cache (flush_cache=False: not, as requests paused in_place hold theirs).
         Returns the version the engine reports."""
-        from ..sglang.update_group import dtype_name, plan_buckets
+        from ...sglang.update_group import dtype_name, plan_buckets
 
         specs = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in state_dict.items()]
         buckets = plan_buckets(specs, bucket_bytes) if bucket_bytes else [specs]

@@ -1,8 +1,8 @@
 """Eval: generate responses for each eval data set, score them, and log slime's eval metrics.
 
 Engine-agnostic: `generate_fn(jobs) -> answers` takes /generate jobs (rollout/sglang/protocol.py: GenerateJob) and
-returns their answers in order (RolloutManager.generate, or any fleet of the same interface). Metrics per data set key, as in slime's log_eval_data:
-`eval/<key>` (mean reward), `eval/<key>-truncated_ratio`, plus `eval/step`.
+returns their answers in order (RolloutManager.generate, or any fleet of the same interface). Metrics per data set
+key, as in slime's log_eval_data: `eval/<key>` (mean reward), `eval/<key>-truncated_ratio`, plus `eval/step`.
 """
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from ..drivers.requests import SamplingSettings, build_requests, mix_seeds, parse_responses
+from .requests import SamplingSettings, build_requests, mix_seeds, parse_responses
 from ..sglang.protocol import GenerateJob, GenerateResponse
 from ..sample import Sample, Status
-from .rule_reward import decode_responses, score_samples
+from ..scoring.rule_reward import decode_responses, score_samples
 
 GenerateFn = Callable[[list[GenerateJob]], list[GenerateResponse]]
 

@@ -32,14 +32,14 @@ from typing import Protocol
 import httpx
 import ray
 
-from ...infra.config.engines import EnginesConfig
-from .engine_client import EngineClient, EngineUnreachable
-from .engine_pool import EngineHandle
+from ....infra.config.engines import EnginesConfig
+from ..engine_client import EngineClient, EngineUnreachable
+from ..engine_pool import EngineHandle
 from .weight_update import LearnerHandle, WeightKind, WeightUpdate, reported_version
-from ..sglang import backend as sgl
-from ..sglang.protocol import (BeginWeightUpdateRequest, DestroyWeightsUpdateGroupRequest, EndWeightUpdateRequest,
-                               InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest)
-from ..sglang.update_group import plan_buckets
+from ...sglang import backend as sgl
+from ...sglang.protocol import (BeginWeightUpdateRequest, DestroyWeightsUpdateGroupRequest, EndWeightUpdateRequest,
+                                InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest)
+from ...sglang.update_group import plan_buckets
 
 log = logging.getLogger("spillover.rollout.fleet.manager")
 # An engine that does not answer: its actor died, its server does not answer our client, or (httpx, through Ray) its
@@ -98,7 +98,7 @@ class DiskWeights:
 
 class TensorWeights:
     """A state dict in Ray's object store: each engine actor resolves the ObjectRef and posts the tensors to its server
-    in buckets inside one weight-update session (rollout/fleet/weight_poster.py)."""
+    in buckets inside one weight-update session (rollout/fleet/weights/weight_poster.py)."""
 
     def __init__(self, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
-from ..sglang.protocol import parse_version
+from ...sglang.protocol import parse_version
 
 if TYPE_CHECKING:  # imported where a tensor or learner source is checked: the GPU machine's checks run without Ray
     import ray
