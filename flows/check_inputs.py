@@ -119,7 +119,7 @@ def check_imports(cfg, reward_only: bool = False) -> list[str]:
     """The reward, rollout, eval and env functions import and take the arguments the run passes them (reward_only:
     `spillover eval`, which generates without the run's rollout function or tools)."""
     from ..infra.imports import ImportPathError, load_function
-    from ..rollout.functions import load_rollout_function
+    from ..rollout.contracts.rollout_function import load_rollout_function
     from ..rollout.tools.env import load_env_factory
 
     checks = [lambda: load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",

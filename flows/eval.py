@@ -195,12 +195,12 @@ def evaluate(target: EvalTarget, data_sets: dict[str, DataFile], parts: RunParts
     seed = cfg.model.seed if cfg.rollout.deterministic_sampling else None
     init_ray(cfg.engines.ray_address)
     parts = parts if parts is not None else NewParts()
-    engines, scored, written = parts.engine(cfg.engines, Path(target.model_dir)), False, []
+    engines, scored, written = parts.fleet(cfg.engines, Path(target.model_dir)), False, []
     try:
         for name, path in data_sets.items():
             start = time.perf_counter()
-            greedy = run_eval({name: prompts[name]}, engines.generate, reward_fn, temperature=0.0, **common)[name]
-            sampled = run_eval({name: prompts[name]}, engines.generate, reward_fn, temperature=cfg.eval.temperature,
+            greedy = run_eval({name: prompts[name]}, engines, reward_fn, temperature=0.0, **common)[name]
+            sampled = run_eval({name: prompts[name]}, engines, reward_fn, temperature=cfg.eval.temperature,
                                top_p=cfg.eval.top_p, n_samples_per_prompt=cfg.eval.k, seed=seed, **common)[name]
             result = {"name": name, "data": data_file(path).pinned, **target.source,
                       **summarize(greedy, sampled, cfg.eval.k, cfg.eval.pass_threshold),

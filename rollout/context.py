@@ -1,7 +1,7 @@
 """RolloutContext: what a rollout or eval function gets as `data_source` (slime's signature
 `fn(args, rollout_id, data_source, evaluation=False)`), and nothing more.
 
-The long-lived parts (dock, engines, tokenizer, prompts) are the run's; the weight version and the
+The long-lived parts (dock, fleet, tokenizer, prompts) are the run's; the weight version and the
 progress callback are this iteration's, so the flow builds a new context per iteration (`for_iteration`).
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable
 
+from .contracts.fleet import Fleet
 from .drivers.rounds import DetachedRows
 from .prompt_data import PromptCursor, PromptSet, read_prompt_file
 from ..infra.data_files import data_file
@@ -33,7 +34,7 @@ class EvalSets:
 @dataclass(frozen=True)
 class RolloutContext:
     dock: Any                      # spillover.rollout.dock.transfer_dock.TransferDock (None when the rollout needs no dock)
-    engine: Any                    # spillover.rollout.fleet.manager.RolloutManager or anything with generate(requests)
+    fleet: Fleet | None            # the engines (None: no generation, e.g. replayed data)
     tokenizer: Any
     prompts: PromptSet
     cursor: PromptCursor

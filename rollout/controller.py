@@ -1,8 +1,8 @@
 """RolloutController: which samples an iteration trains on and where they come from.
 
-The rollout and eval functions are loaded by import path with the seed's signature
+The rollout and eval functions are the default rollout (imported) or loaded by import path, with the seed's signature
 `fn(args, rollout_id, data_source, evaluation=False)`, where `args` is the RunConfig and `data_source` a
-spillover.rollout.context.RolloutContext (dock with carried-over and surplus rows, engines, prompts, weight version).
+spillover.rollout.context.RolloutContext (dock with carried-over and surplus rows, fleet, prompts, weight version).
 Debug rollout data replaces generation when `storage.load_debug_rollout_data` is set, and is written
 after every rollout when `storage.save_debug_rollout_data` is set.
 """
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from ..infra.config.run_config import RunConfig
 from .debug_data import load_debug_rollout_data, save_debug_rollout_data
+from .contracts.rollout_function import RolloutOutput, flatten_rollout, load_rollout_function, to_rollout_output
+from .drivers.default_rollout import generate_rollout
 from .drivers.evaluation import eval_log_dict, eval_step
-from .functions import RolloutOutput, flatten_rollout, load_rollout_function, to_rollout_output
 
-DEFAULT_ROLLOUT = "spillover.rollout.drivers.default_rollout.generate_rollout"
+DEFAULT_ROLLOUT = f"{generate_rollout.__module__}.{generate_rollout.__name__}"  # rollout.rollout_function_path's default
 
 
 class RolloutController:
@@ -21,13 +22,13 @@ class RolloutController:
         self.cfg = cfg
         rollout = cfg.rollout
         # Loaded now: a wrong path or signature stops the run at start-up, naming the setting.
-        self.rollout_fn = None if cfg.storage.load_debug_rollout_data else load_rollout_function(
+        self.rollout_fn = None if cfg.storage.load_debug_rollout_data else function_at(
             rollout.rollout_function_path, "rollout.rollout_function_path")
         # A custom eval function runs without data.eval_paths too (it may bring its own data, as in slime); the
         # default one needs them.
         eval_path = rollout.eval_function_path or DEFAULT_ROLLOUT
         wanted = bool(cfg.data.eval_paths or rollout.eval_function_path)
-        self.eval_fn = load_rollout_function(eval_path, "rollout.eval_function_path") if wanted else None
+        self.eval_fn = function_at(eval_path, "rollout.eval_function_path") if wanted else None
 
     @property
     def uses_dock(self) -> bool:
@@ -54,3 +55,8 @@ class RolloutController:
         if not isinstance(results, dict):
             results = {"default": flatten_rollout(results, source="the eval function")}
         return eval_log_dict(results, eval_step(rollout_id, train_step, use_train_step=False))
+
+
+def function_at(path: str, setting: str):
+    """The default rollout as imported; any other import path loaded and its signature checked."""
+    return generate_rollout if path == DEFAULT_ROLLOUT else load_rollout_function(path, setting)

@@ -14,14 +14,14 @@ from .results import Rollout
 def generate_until_ready(controller: RolloutController, context: RolloutContext, iteration: int) -> Rollout:
     """controller: spillover.rollout.controller.RolloutController; context: spillover.rollout.context.RolloutContext."""
     overlap = context.detached is not None  # rollout.overlap: requests may have run through the last update
-    before = context.engine.overlap_stats() if overlap else {}
+    before = context.fleet.overlap_stats() if overlap else {}
     out = controller.generate(iteration, context)
-    if getattr(context.engine, "colocated", False):  # the learner's turn with the device (update resumes them)
-        context.engine.offload()
+    if context.fleet is not None and context.fleet.colocated:  # the learner's turn with the device (update resumes them)
+        context.fleet.offload()
     batch = out.batch
     metrics = {"groups": len(batch.group_ids), "samples": len(batch), **out.stats}
     if overlap:
-        metrics.update(overlap_metrics(before, context.engine.overlap_stats()))
+        metrics.update(overlap_metrics(before, context.fleet.overlap_stats()))
     return Rollout(metrics=metrics, batch=batch, from_dock=controller.uses_dock)
 
 

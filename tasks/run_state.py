@@ -18,8 +18,7 @@ from ..infra.config.run_config import RunConfig
 from ..infra.storage.store import Store, open_store
 from ..rollout.prompt_data import PromptCursor
 from ..rollout.dock.transfer_dock import TransferDock
-from ..rollout.fleet.manager import RolloutManager
-from ..rollout.fleet.weights.fleet_weights import policy_update
+from ..rollout.contracts.fleet import Fleet
 from .learner.group import LearnerGroup
 from .learner.state import from_format_1
 from .results import Checkpointed
@@ -122,8 +121,8 @@ def written_decay_horizon(saved_config: dict) -> int:
         _get(saved_config, "schedule.num_iterations") * _get(saved_config, "grpo.num_steps_per_rollout"))
 
 
-def restore_weights(policy: LearnerGroup, engine: RolloutManager | None, state: CheckpointState) -> int:
-    """Learner state into the policy actor, its weights to the engines -> the weight version."""
+def restore_weights(policy: LearnerGroup, fleet: Fleet | None, state: CheckpointState) -> int:
+    """Learner state into the policy actor, its weights to the fleet's engines -> the weight version."""
     meta = state.meta
     if "learner_shards" in meta:  # written rank by rank: put the slices together, each rank keeps its own
         from .learner.shards import assemble
@@ -136,8 +135,8 @@ def restore_weights(policy: LearnerGroup, engine: RolloutManager | None, state: 
         learner_meta = from_format_1(learner_meta, written_decay_horizon(meta["config"]))
     ray.get(policy.set_state.remote(tensors, learner_meta))
     version = int(meta["weight_version"])
-    if engine is not None:
-        engine.update_weights(policy_update(policy, version, engine.cfg, engine.model_path, engine.colocated))
+    if fleet is not None:
+        fleet.load_policy_weights(policy, version)
     log.info("resumed from iteration %d (weight version %d)", state.iteration, version)
     return version
 

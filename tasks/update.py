@@ -10,8 +10,7 @@ import ray
 from prefect import task
 from prefect.cache_policies import NONE
 
-from ..rollout.fleet.manager import RolloutManager
-from ..rollout.fleet.weights.fleet_weights import policy_update
+from ..rollout.contracts.fleet import Fleet
 from .learner.group import LearnerGroup
 from .results import Logprobs, Scored, Updated
 
@@ -23,18 +22,18 @@ LOGGED = ("loss", "pg_loss", "kl", "kl_coef", "clip_fraction", "grad_norm", "tis
 
 
 @task(name="update", retries=0, cache_policy=NONE)
-def update(policy: LearnerGroup, engine: RolloutManager | None, scored: Scored, old: Logprobs, ref: Logprobs) -> Updated:
-    """engine: the RolloutManager to send the new weights to (None: no engines, e.g. replayed data)."""
+def update(policy: LearnerGroup, fleet: Fleet | None, scored: Scored, old: Logprobs, ref: Logprobs) -> Updated:
+    """fleet: the engines to send the new weights to (None: no engines, e.g. replayed data)."""
     metrics = ray.get(policy.update.remote(scored.batch_ref, old.ref, ref.ref))
     version = int(metrics["weight_version"])
     out = {k: metrics[k] for k in LOGGED if k in metrics}
     out["old_logprob_source"] = old.source  # "computed" by the learner, or "rollout" logprobs
-    if engine is not None:
-        start, overlapped = time.perf_counter(), engine.overlap_stats()["updates_while_generating"]
-        engine.update_weights(policy_update(policy, version, engine.cfg, engine.model_path, engine.colocated))
+    if fleet is not None:
+        start, overlapped = time.perf_counter(), fleet.overlap_stats()["updates_while_generating"]
+        fleet.load_policy_weights(policy, version)
         out["weight_sync_s"] = time.perf_counter() - start
         # rollout.overlap: 1 when requests generated through this update (paused and continued, not aborted)
-        out["update_while_generating"] = engine.overlap_stats()["updates_while_generating"] - overlapped
-        if engine.colocated:  # what the hosting process did this iteration, in order
-            out["colocation_events"] = engine.take_colocation_log()
+        out["update_while_generating"] = fleet.overlap_stats()["updates_while_generating"] - overlapped
+        if fleet.colocated:  # what the hosting process did this iteration, in order
+            out["colocation_events"] = fleet.take_colocation_log()
     return Updated(metrics=out, weight_version=version)

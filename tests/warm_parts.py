@@ -144,7 +144,7 @@ class WarmParts:
 
         return create_learners(model_path, cfg, start_group=borrow)
 
-    def engine(self, engines_cfg: EnginesConfig, model_path: Path, deterministic: bool = False,
+    def fleet(self, engines_cfg: EnginesConfig, model_path: Path, deterministic: bool = False,
                seed: int = 0) -> RolloutManager:
         """A spillover.rollout.fleet.manager.RolloutManager serving model_path's weights as version 0, engine i sampling
         from seed + i (a kept torch engine is reseeded; SGLang's seed is a launch flag)."""

@@ -133,7 +133,7 @@ class SimulatedEngine:
         self.timing, self.lengths, self.eos, self.weight_version = timing, lengths, int(eos_token_id), weight_version
         # requests pinned to no engine wait in one queue and each goes to the first engine with a free slot: a
         # load-aware pool, so length-aware dispatch only orders them: it pins to num_engines engines
-        # (spillover.rollout.drivers.dispatch.engine_count), one here; bench/longtail.py's *_pinned modes set
+        # (DispatchPlanner.from_config), one here; bench/longtail.py's *_pinned modes set
         # timing.num_engines
         self.num_engines = 1
         self._base, self._per_seq = round(timing.step_base_s * NS), round(timing.step_per_seq_s * NS)

@@ -9,15 +9,16 @@ from collections.abc import Sequence
 
 from ...infra.config.rollout import RolloutConfig
 from ..dock.transfer_dock import TransferDock
-from .requests import GenerationStats, Generator, SamplingSettings
+from ..contracts.fleet import Fleet
+from .requests import GenerationStats, SamplingSettings
 from .rounds import DetachedRows, OnRound, RoundHooks, generate_rounds
 from .tool_turns import ToolTurns, turn_metrics
-from ..functions import RolloutOutput
+from ..contracts.rollout_function import RolloutOutput
 from ..stop_strings import Decode
 from .evaluation import run_eval
 
 
-def generate_training_batch(dock: TransferDock, engine: Generator, rollout_cfg: RolloutConfig,
+def generate_training_batch(dock: TransferDock, fleet: Fleet, rollout_cfg: RolloutConfig,
                             stop_token_ids: Sequence[int], weight_version: int, drain: bool,
                             on_round: OnRound | None = None, seed: int | None = None,
                             hooks: RoundHooks | None = None, detached: DetachedRows | None = None,
@@ -26,7 +27,7 @@ def generate_training_batch(dock: TransferDock, engine: Generator, rollout_cfg: 
     once. seed: model.seed, used with rollout.deterministic_sampling; detached: the run's DetachedRows
     (rollout.overlap); decode: the tokenizer's (rollout.stop strings are matched across partial-rollout cuts)."""
     sampling = SamplingSettings.from_rollout(rollout_cfg, stop_token_ids, seed)
-    stats = generate_rounds(dock, engine, rollout_cfg, sampling, weight_version, drain, on_round, hooks, detached,
+    stats = generate_rounds(dock, fleet, rollout_cfg, sampling, weight_version, drain, on_round, hooks, detached,
                             decode)
     dock.select_batch()
     return stats
@@ -44,7 +45,7 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
     dock = data_source.dock
     drain = rollout_id == args.schedule.num_iterations - 1
     tools = _tool_turns(args, rollout_id, data_source) if args.rollout.env_path else None
-    stats = generate_training_batch(dock, data_source.engine, args.rollout, data_source.stop_token_ids,
+    stats = generate_training_batch(dock, data_source.fleet, args.rollout, data_source.stop_token_ids,
                                     data_source.weight_version, drain, data_source.on_round, args.model.seed, tools,
                                     data_source.detached, data_source.tokenizer.decode)
     batch = dock.rollout_batch()
@@ -59,11 +60,11 @@ def _tool_turns(args, rollout_id: int, data_source) -> ToolTurns:
     if data_source.envs is None:
         raise ValueError("rollout.env_path is set but the rollout context has no env pool (RolloutContext.envs)")
     return ToolTurns(data_source.dock, data_source.weight_version, args.rollout, data_source.envs,
-                     data_source.tokenizer, data_source.engine.loop, rollout_id)
+                     data_source.tokenizer, data_source.fleet.loop, rollout_id)
 
 
 def _evaluate(args, data_source) -> dict:
-    return run_eval(data_source.eval_sets, data_source.engine.generate, data_source.reward_fn,
+    return run_eval(data_source.eval_sets, data_source.fleet, data_source.reward_fn,
                     tokenizer=data_source.tokenizer, stop_token_ids=data_source.stop_token_ids,
                     max_new_tokens=args.rollout.max_tokens, max_model_len=args.rollout.max_model_len,
                     temperature=0.0, top_p=1.0, top_k=-1,  # greedy: eval measures the policy's best guess

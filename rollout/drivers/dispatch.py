@@ -1,6 +1,6 @@
 """The driver's side of rollout.scheduling: order the rows of a round, pick their engines, hold tail rows back.
 
-    planner = DispatchPlanner.from_config(rollout_cfg, engine, weight_version, drain)
+    planner = DispatchPlanner.from_config(rollout_cfg, fleet, weight_version, drain)
     rows, engines = planner.plan(dock, dock.take_rows(...))   # engines: int64[k] or None (the router chooses)
     jobs = planner.route(build_requests(...), engines)         # GenerateJobs, pinned where an engine was chosen
     planner.release_held(dock)                                 # in a `finally`: held rows go back untouched
@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..contracts.fleet import Fleet
 from ..sglang.protocol import GenerateJob, GenerateRequest
 from .scheduling import plan_dispatch
-
-
-def engine_count(engine) -> int:
-    """Engines to pin rows to: a generator's `num_engines`, else 1 (no pinning: rows are ordered only)."""
-    return int(getattr(engine, "num_engines", 1) or 1)
 
 
 class DispatchPlanner:
@@ -30,11 +26,12 @@ class DispatchPlanner:
         self.held = np.zeros(0, dtype=np.int64)
 
     @classmethod
-    def from_config(cls, rollout_cfg, engine, weight_version: int, drain: bool) -> "DispatchPlanner":
+    def from_config(cls, rollout_cfg, fleet: Fleet, weight_version: int, drain: bool) -> "DispatchPlanner":
+        """Rows are pinned to the fleet's num_engines engines (1: no pinning, rows are only ordered)."""
         scheduling = rollout_cfg.scheduling
         every = rollout_cfg.tail_round_every
         long_round = drain or (int(weight_version) + 1) % every == 0
-        return cls(scheduling, engine_count(engine), rollout_cfg.tail_factor, long_round,
+        return cls(scheduling, max(1, int(fleet.num_engines)), rollout_cfg.tail_factor, long_round,
                    rollout_cfg.tail_engines)
 
     def plan(self, dock, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

@@ -1,8 +1,7 @@
 """Eval: generate responses for each eval data set, score them, and log slime's eval metrics.
 
-Engine-agnostic: `generate_fn(jobs) -> answers` takes /generate jobs (rollout/sglang/protocol.py: GenerateJob) and
-returns their answers in order (RolloutManager.generate, or any fleet of the same interface). Metrics per data set
-key, as in slime's log_eval_data: `eval/<key>` (mean reward), `eval/<key>-truncated_ratio`, plus `eval/step`.
+Engine-agnostic: `fleet.generate(jobs) -> answers` takes /generate jobs (rollout/sglang/protocol.py: GenerateJob)
+and returns their answers in order (rollout/contracts/fleet.py). Metrics per data set key, as in slime's log_eval_data: `eval/<key>` (mean reward), `eval/<key>-truncated_ratio`, plus `eval/step`.
 """
 from __future__ import annotations
 
@@ -10,12 +9,12 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from ..contracts.fleet import Fleet
 from .requests import SamplingSettings, build_requests, mix_seeds, parse_responses
 from ..sglang.protocol import GenerateJob, GenerateResponse
 from ..sample import Sample, Status
 from ..scoring.rule_reward import decode_responses, score_samples
 
-GenerateFn = Callable[[list[GenerateJob]], list[GenerateResponse]]
 
 
 class PromptSetLike(Protocol):
@@ -52,12 +51,12 @@ def eval_log_dict(results: Mapping[str, list[list[Sample]]], step: int) -> dict[
     return out
 
 
-def run_eval(datasets: Mapping[str, PromptSetLike], generate_fn: GenerateFn, reward_fn: Callable, *,
+def run_eval(datasets: Mapping[str, PromptSetLike], fleet: Fleet, reward_fn: Callable, *,
              tokenizer, stop_token_ids: Sequence[int], max_new_tokens: int, max_model_len: int | None = None,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1, n_samples_per_prompt: int = 1,
              reward_fn_path: str = "grpo.reward_function_path", stop: Sequence[str] = (), seed: int | None = None
              ) -> dict[str, list[list[Sample]]]:
-    """Generate n responses per prompt of every data set (one generate_fn call for all), decode and score them.
+    """Generate n responses per prompt of every data set (one fleet.generate call for all), decode and score them.
 
     -> {key: groups}, group g = prompt g of that set, with n scored samples. temperature 0 is greedy.
     A response is TRUNCATED when it ended by length without a stop token, COMPLETED otherwise. seed (the run's
@@ -91,9 +90,9 @@ def run_eval(datasets: Mapping[str, PromptSetLike], generate_fn: GenerateFn, rew
     seeds = None if seed is None else mix_seeds(
         seed, (np.asarray(set_of_sample) << 32) + [s.group_index for s in samples], [s.index for s in samples])
     requests = build_requests([s.prompt_tokens for s in samples], np.array(budgets), sampling, seeds)
-    responses = generate_fn([GenerateJob(request) for request in requests])
+    responses = fleet.generate([GenerateJob(request) for request in requests])
     if len(responses) != len(samples):
-        raise RuntimeError(f"generate_fn returned {len(responses)} answers for {len(samples)} eval requests")
+        raise RuntimeError(f"the fleet returned {len(responses)} answers for {len(samples)} eval requests")
     tokens, logprobs, _, versions = parse_responses(responses, default_version=-1)
     stops = set(stop_token_ids)
     for s, resp, ids, lps, version in zip(samples, responses, tokens, logprobs, versions):

@@ -1,47 +1,16 @@
 """The request codec between the dock and the engines: dock rows -> /generate requests, answers -> tokens, logprobs,
-stop flags and weight versions; and the engine interface the drivers call. Requests and answers are
-rollout/sglang/protocol.py's types.
-
-The engine side is anything with `generate(jobs, on_result=None, detach=False) -> list[answer | None]` and
-`collect_detached() -> {index: answer}`: RolloutManager through the router, or bench.simulator.engine.SimulatedEngine.
+stop flags and weight versions. Requests and answers are rollout/sglang/protocol.py's types; the fleet that
+answers them is rollout/contracts/fleet.py's Fleet.
 """
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
-from ..sglang.protocol import GenerateJob, GenerateRequest, GenerateResponse, SamplingParams, WeightVersionSpan
-
-OnResult = Callable[[int, GenerateResponse], "bool | None"]
-"""on_result(index, answer) as each answer arrives; returning True (the bool itself: a callback's incidental
-truthy result does not count) stops the round (see Generator)."""
-
-
-class Generator(Protocol):
-    def generate(self, jobs: list[GenerateJob], on_result: OnResult | None = None,
-                 detach: bool = False) -> list[GenerateResponse | None]:
-        """Answers in input order. An on_result that returns True stops the round: nothing more is sent,
-        running requests come back with their tokens so far (finish_reason abort), unsent ones with none,
-        and generate returns once the engines are idle.
-
-        detach=True (rollout.overlap): an on_result that returns True makes the call return at once instead;
-        the requests not answered yet keep running (not aborted) and their entries are None until
-        collect_detached() hands them over."""
-        ...
-
-    def collect_detached(self) -> dict[int, GenerateResponse]:
-        """The answers of every request the last detached call left unanswered: index in that call's request
-        list -> answer. What still runs is aborted first (its partial output, finish_reason abort). {} when
-        nothing is detached. Weight updates while detached requests run pause them in the engines' pause mode
-        (abort: they end at the pause, partial answers kept here; in_place: they go on with their KV; retract:
-        they go on after recomputing their KV), so later tokens carry the new version
-        (meta_info.weight_versions spans)."""
-        ...
-
+from ..sglang.protocol import GenerateRequest, GenerateResponse, SamplingParams, WeightVersionSpan
 
 @dataclass
 class SamplingSettings:

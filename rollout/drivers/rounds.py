@@ -1,6 +1,6 @@
 """The generation driver: rounds of requests over the transfer dock until it is ready, one loop for every mode.
 
-    stats = generate_rounds(dock, engine, rollout_cfg, sampling, weight_version, drain, on_round, hooks)
+    stats = generate_rounds(dock, fleet, rollout_cfg, sampling, weight_version, drain, on_round, hooks)
 
 Each round takes rows from the dock (carried-over rows first, oldest first; spillover.rollout.drivers.dispatch orders
 and pins them), sends them with the mode's budget (RoundBudget) and writes the answers into the dock:
@@ -9,7 +9,7 @@ and pins them), sends them with the mode's budget (RoundBudget) and writes the a
   (APRIL). With max_split = 1 a round generates whole responses: plain GRPO. A round's answers are written at once
   when it ends (one dock call for all rows), unless the hooks want each as it arrives.
 - async: every row that can generate, with its whole remaining budget; each answer is written as it arrives (the
-  Generator's on_result), and the one that finds the dock ready stops the round (the engines abort); the partial
+  Fleet's on_result), and the one that finds the dock ready stops the round (the engines abort); the partial
   tokens that come back stay in the dock for the next iteration. The check runs on every answer (finer than
   MindSpeed's "every 20 engine steps": it costs microseconds).
 
@@ -35,7 +35,8 @@ import numpy as np
 from ...infra.config.rollout import RolloutConfig
 from ..dock.transfer_dock import TransferDock
 from .dispatch import DispatchPlanner
-from .requests import (GenerationStats, Generator, SamplingSettings, build_requests,
+from ..contracts.fleet import Fleet
+from .requests import (GenerationStats, SamplingSettings, build_requests,
                        parse_responses, request_seeds)
 from ..sglang.protocol import GenerateResponse
 from ..stop_strings import Decode, completing_token, stop_window
@@ -208,7 +209,7 @@ class _Round:
             self.dock.release(left)
 
 
-def generate_rounds(dock: TransferDock, engine: Generator, rollout_cfg: RolloutConfig, sampling: SamplingSettings,
+def generate_rounds(dock: TransferDock, fleet: Fleet, rollout_cfg: RolloutConfig, sampling: SamplingSettings,
                     weight_version: int, drain: bool = False, on_round: OnRound | None = None,
                     hooks: RoundHooks | None = None, detached: DetachedRows | None = None,
                     decode: Decode | None = None) -> GenerationStats:
@@ -227,11 +228,11 @@ def generate_rounds(dock: TransferDock, engine: Generator, rollout_cfg: RolloutC
     dock.set_drain(drain)
     stats = GenerationStats()
     progress = _Progress(dock, on_round, rollout_cfg.global_batch_size, stats)
-    planner = DispatchPlanner.from_config(rollout_cfg, engine, weight_version, drain)
+    planner = DispatchPlanner.from_config(rollout_cfg, fleet, weight_version, drain)
     try:
         hooks.on_start()
         if detached is not None:
-            _collect_detached(dock, engine, detached, hooks, budget, stats, progress)
+            _collect_detached(dock, fleet, detached, hooks, budget, stats, progress)
         while True:
             hooks.between_rounds()
             if dock.update_ready():
@@ -245,7 +246,7 @@ def generate_rounds(dock: TransferDock, engine: Generator, rollout_cfg: RolloutC
             keep = hooks.before_round(rows)
             rows, engines = rows[keep], None if engines is None else engines[keep]
             if len(rows):
-                stopped = _run_round(dock, engine, rows, engines, planner, sampling, budget, hooks, stats, progress,
+                stopped = _run_round(dock, fleet, rows, engines, planner, sampling, budget, hooks, stats, progress,
                                      detached)
                 progress.report(force=stopped or not budget.stop_when_ready)
     finally:
@@ -258,7 +259,7 @@ def generate_rounds(dock: TransferDock, engine: Generator, rollout_cfg: RolloutC
     return stats
 
 
-def _run_round(dock: TransferDock, engine: Generator, rows: np.ndarray, engines: np.ndarray | None,
+def _run_round(dock: TransferDock, fleet: Fleet, rows: np.ndarray, engines: np.ndarray | None,
                planner: DispatchPlanner, sampling: SamplingSettings, budget: RoundBudget, hooks: RoundHooks,
                stats: GenerationStats, progress: _Progress, detached: DetachedRows | None) -> bool:
     """One engine call over `rows` -> whether an answer found the dock ready and stopped it."""
@@ -271,9 +272,9 @@ def _run_round(dock: TransferDock, engine: Generator, rows: np.ndarray, engines:
     try:
         try:
             if detached is None:
-                engine.generate(jobs, on_result=round_.on_result)
+                fleet.generate(jobs, on_result=round_.on_result)
             else:
-                engine.generate(jobs, on_result=round_.on_result, detach=True)
+                fleet.generate(jobs, on_result=round_.on_result, detach=True)
         finally:
             stats.engine_s += time.perf_counter() - start
         round_.write_the_rest()
@@ -284,14 +285,14 @@ def _run_round(dock: TransferDock, engine: Generator, rows: np.ndarray, engines:
     return round_.stopping
 
 
-def _collect_detached(dock: TransferDock, engine: Generator, detached: DetachedRows, hooks: RoundHooks,
+def _collect_detached(dock: TransferDock, fleet: Fleet, detached: DetachedRows, hooks: RoundHooks,
                       budget: RoundBudget, stats: GenerationStats, progress: _Progress) -> None:
     """The previous call's detached answers into the dock (what still runs is aborted with its tokens so far); rows
     without an answer go back untouched."""
     rows, pending = detached.take()
     start = time.perf_counter()
     try:
-        answers = engine.collect_detached()
+        answers = fleet.collect_detached()
     finally:
         stats.engine_s += time.perf_counter() - start
     if not len(pending):

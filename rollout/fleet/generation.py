@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from .engine_client import EngineClient, EngineError, EngineUnreachable
 from .pinned_router import PinnedRouter
 from ..sglang.protocol import GenerateJob, GenerateResponse
-from ..drivers.requests import OnResult
+from ..contracts.fleet import OnResult
 
 log = logging.getLogger(__name__)
 

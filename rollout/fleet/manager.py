@@ -33,11 +33,11 @@ from .engine_client import EngineClient
 from .router import Router
 from .generation import BatchGenerator
 from .pinned_router import PinnedRouter
-from ..drivers.requests import OnResult
+from ..contracts.fleet import OnResult, PolicyLearner
 from ..sglang.protocol import (ContinueGenerationRequest, GenerateJob, GenerateResponse, PauseGenerationRequest,
                                ReleaseMemoryOccupationRequest, ResumeMemoryOccupationRequest)
 from .weights.weight_update import WeightUpdate
-from .weights.fleet_weights import ENGINE_GONE, FleetWeights
+from .weights.fleet_weights import ENGINE_GONE, FleetWeights, policy_update
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -196,6 +196,11 @@ class RolloutManager:
         self._call(self._gen.abort_all, timeout_s)
 
     # ---- weights and memory ---------------------------------------------------------------------------
+    def load_policy_weights(self, policy: PolicyLearner, version: int) -> dict[int, int | None]:
+        """Every engine loads the policy's current weights as `version`, through the update this fleet's
+        engines.weight_sync asks for (colocated engines: the ranks hosting them load them)."""
+        return self.update_weights(policy_update(policy, version, self.cfg, self.model_path, self.colocated))
+
     def update_weights(self, update: WeightUpdate) -> dict[int, int | None]:
         """Load `update` on every engine (rollout/fleet/weights/fleet_weights.py: one strategy per kind); an engine
         that dies meanwhile is restarted and loads it too, as does any engine restarted later. Colocated engines are resumed

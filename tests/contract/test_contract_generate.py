@@ -28,7 +28,7 @@ GPU_RECIPES = ["qwen2.5-0.5b-gsm8k", "qwen2.5-0.5b-math", "qwen2.5-1.5b-gsm8k", 
 
 
 class Recorder:
-    """A Generator that keeps the wire body of every request and answers with SimulatedEngine."""
+    """A fleet (the driver loop's part) that keeps the wire body of every request and answers with SimulatedEngine."""
 
     def __init__(self, engine=None, stop_after: int | None = None):
         self.engine, self.stop_after = engine, stop_after
@@ -144,11 +144,11 @@ def test_gpu_recipe_bodies_are_sglangs(sglang, recipe):
     class PromptSet:
         texts, labels, tokens = ["q"], ["1"], [list(range(300, 700))]
 
-    data_source = type("DataSource", (), dict(eval_sets={"eval": PromptSet()}, engine=Recorder(), reward_fn=None,
+    data_source = type("DataSource", (), dict(eval_sets={"eval": PromptSet()}, fleet=Recorder(), reward_fn=None,
                                               tokenizer=None, stop_token_ids=[151645]))()
     with pytest.raises(Captured):
         generate_rollout(run, 0, data_source, evaluation=True)
-    check_all(sglang, data_source.engine.bodies, run.rollout.max_model_len)
+    check_all(sglang, data_source.fleet.bodies, run.rollout.max_model_len)
     assert train[0]["sampling"] is None or train[0]["sampling"][0]["temperature"] == run.rollout.temperature
 
 

@@ -6,6 +6,7 @@ and '?' (which the model often writes) is a stop token besides EOS, so both ends
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -39,7 +40,7 @@ def eval_sets(varied_model_dir, tmp_path_factory):
 
 def evaluate(manager, tok, sets, **kw):
     kw = {"max_new_tokens": MAX_NEW, **kw}
-    return run_eval(sets, manager.generate, reward, tokenizer=tok, stop_token_ids=stops(tok), reward_fn_path="length share",
+    return run_eval(sets, manager, reward, tokenizer=tok, stop_token_ids=stops(tok), reward_fn_path="length share",
                     **kw)
 
 
@@ -90,7 +91,7 @@ def test_an_abort_during_eval_is_an_error_not_a_metric(rollout_manager, eval_set
     tok, sets = eval_sets
     m = rollout_manager
 
-    def generate_then_abort(jobs):  # long answers, aborted once both engines are busy
+    def generate_then_abort(jobs, on_result=None, detach=False):  # long answers, aborted once both engines are busy
         for job in jobs:
             job.request.sampling_params.ignore_eos = True
 
@@ -108,7 +109,7 @@ def test_an_abort_during_eval_is_an_error_not_a_metric(rollout_manager, eval_set
             aborter.join(30)  # never let this abort reach a later test's requests
 
     with pytest.raises(EvalAborted, match="was aborted after"):
-        run_eval(sets, generate_then_abort, reward, tokenizer=tok, stop_token_ids=[],
+        run_eval(sets, SimpleNamespace(generate=generate_then_abort), reward, tokenizer=tok, stop_token_ids=[],
                  max_new_tokens=400)
     assert len(evaluate(m, tok, {"toy": sets["toy"]})["toy"]) == len(sets["toy"])  # the engines run on
 

@@ -148,7 +148,7 @@ def scored_rollout(args, rollout_id, data_source, evaluation=False):
         samples = [Sample(g, g * n + i, ids, label=prompts.labels[g % len(prompts.labels)]) for i in range(n)]
         sampling = SamplingSettings(args.rollout.temperature, stop_token_ids=data_source.stop_token_ids)
         requests = build_requests([ids] * n, np.full(n, args.rollout.max_tokens), sampling)
-        answers = data_source.engine.generate([GenerateJob(request) for request in requests])
+        answers = data_source.fleet.generate([GenerateJob(request) for request in requests])
         tokens, logprobs, stopped, _ = parse_responses(answers, data_source.weight_version)
         for i, s in enumerate(samples):
             s.append_segment(tokens[i], logprobs[i], data_source.weight_version)
@@ -192,7 +192,7 @@ def weight_version_eval(args, rollout_id, data_source, evaluation=False):
     for g in range(2):
         ids = list(data_source.prompts.tokens[g])
         request = build_requests([ids], np.array([4]), SamplingSettings(temperature=0.0))[0]
-        answer = data_source.engine.generate([GenerateJob(request)])
+        answer = data_source.fleet.generate([GenerateJob(request)])
         tokens, logprobs, _, versions = parse_responses(answer, -1)
         sample = Sample(g, g, ids)
         sample.append_segment(tokens[0], logprobs[0], int(versions[0]))

@@ -187,7 +187,7 @@ def custom_multi_turn_rollout(args, rollout_id, data_source, evaluation=False):
                    for i in range(2)]
         for turn in range(2):
             params = {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}
-            answers = data_source.engine.generate([GenerateJob(GenerateRequest(
+            answers = data_source.fleet.generate([GenerateJob(GenerateRequest(
                 input_ids=s.tokens, return_logprob=True, sampling_params=params)) for s in samples])
             for s, a in zip(samples, answers):
                 s.append_segment(a.output_ids, a.meta_info.logprobs, 0)
@@ -204,7 +204,7 @@ def test_custom_rollout_functions_keep_their_own_loss_mask(rollout_manager, vari
     run_cfg = build_config({"rollout": {"rollout_function_path": "test_multi_turn.custom_multi_turn_rollout",
                                         "global_batch_size": 2, "n_samples_per_prompt": 2},
                             "grpo": {"micro_batch_size": 4}})
-    context = RolloutContext(dock=None, engine=rollout_manager, tokenizer=load_tokenizer(varied_model_dir),
+    context = RolloutContext(dock=None, fleet=rollout_manager, tokenizer=load_tokenizer(varied_model_dir),
                              prompts=None, cursor=None, stop_token_ids=(EOS,), reward_fn=None)
     batch = RolloutController(run_cfg).generate(0, context).batch
     assert batch.response_lengths.tolist() == [10] * 4

@@ -72,12 +72,12 @@ def test_a_reset_restarts_each_engines_random_stream(ray_session, warm_parts, tm
         return [manager.generate([GenerateJob(GenerateRequest(input_ids=[3, 4, 5, 6], sampling_params=params), i)])[0]
                 .output_ids for i in range(manager.num_engines)]
 
-    manager = warm_parts.engine(cfg.engines, model)
+    manager = warm_parts.fleet(cfg.engines, model)
     try:
         first, later = sample(manager), sample(manager)  # later: what the next run would get without a reset
     finally:
         warm_parts.give_back(manager)
-    manager = warm_parts.engine(cfg.engines, model)
+    manager = warm_parts.fleet(cfg.engines, model)
     try:
         again = sample(manager)
     finally:

@@ -23,7 +23,6 @@ FRAMEWORK_NAMES = "tests/dead_code_whitelist.py"
 RUNTIME_USERS = (*LAYERS, FRAMEWORK_NAMES)
 # (file, name): what a user imports or a config path names, although no runtime module calls it
 PUBLIC_API = {
-    ("rollout/drivers/default_rollout.py", "generate_rollout"),  # rollout.rollout_function_path's default
     ("rollout/builtin/sft.py", "generate_sft_rollout"),  # rollout.rollout_function_path for SFT
     ("rollout/builtin/calculator.py", "CalculatorEnv"),  # rollout.env_path (configs/tiny-tools.yaml)
     ("infra/tracking/wandb_shared.py", "join_shared_run"),  # a user's own Ray actors (docs/deploy-and-watch.md)

@@ -112,6 +112,8 @@ def test_a_run_loads_and_trains_exactly_iterations_x_gbs_groups(max_split, extra
 class CountingEngine:
     """A simulated engine (bench/simulator/engine.py) that records how many requests each round sent."""
 
+    num_engines = 1  # rows are only ordered, never pinned
+
     def __init__(self, lengths):
         from spillover.bench.simulator.engine import EngineTiming, SimulatedEngine
         from spillover.bench.simulator.workload import TableLengths

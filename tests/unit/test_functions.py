@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from spillover.infra.imports import ImportPathError
-from spillover.rollout.functions import RolloutResultError, flatten_rollout, load_rollout_function
+from spillover.rollout.contracts.rollout_function import RolloutResultError, flatten_rollout, load_rollout_function
 from spillover.rollout.sample import Sample
 
 USER_MODULE = """

@@ -203,6 +203,48 @@ def test_no_layer_imports_a_layer_above_it():
     assert upward == [], f"imports of a layer above: {upward}"
 
 
+# rollout/'s rooms from the top down: a room imports only rooms of lower levels (the folders of one level not each
+# other; the single files of one level are one room).
+# The run-level files wire rollouts together; builtin/ holds rollout functions, rewards and tools of our own; drivers/
+# generate over the dock and eval; contracts/ declares the fleet and the rollout-function results; sglang/ is the
+# wire; the base files (samples, batches, prompt data) sit under everything.
+ROLLOUT_ROOMS = (("controller", "context", "debug_data"), ("builtin",), ("drivers",), ("scoring", "tools", "fleet", "dock"),
+                 ("torch_engine",), ("contracts",), ("sglang",),
+                 ("sample", "batch", "prompt_data", "prompt_formats", "chat", "stop_strings"))
+
+
+def rollout_room(module: str) -> str | None:
+    """spillover.rollout.drivers.rounds -> drivers; spillover.rollout.batch -> batch; None outside rollout/ (and for
+    the rollout package itself)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "rollout" else None
+
+
+def is_file_room(module: str) -> bool:
+    """spillover.rollout.batch (a file directly in rollout/), not spillover.rollout.drivers.rounds."""
+    return len(module.split(".")) == 3
+
+
+def rollout_level(room: str) -> int:
+    return next(i for i, rooms in enumerate(ROLLOUT_ROOMS) if room in rooms)
+
+
+def test_every_rollout_room_has_a_level():
+    rooms = {rollout_room(m) for m in project_modules()} - {None}
+    assert rooms == {r for level in ROLLOUT_ROOMS for r in level}, \
+        f"ROLLOUT_ROOMS: place {sorted(rooms - {r for level in ROLLOUT_ROOMS for r in level})}, drop " \
+        f"{sorted({r for level in ROLLOUT_ROOMS for r in level} - rooms)}"
+
+
+def test_rollout_rooms_import_only_rooms_below_them():
+    wrong = sorted(f"{name} -> {dep}" for name, deps in import_graph().items() for dep in deps
+                   if rollout_room(name) and rollout_room(dep) and rollout_room(name) != rollout_room(dep)
+                   and rollout_level(rollout_room(dep)) <= rollout_level(rollout_room(name))
+                   and not (is_file_room(name) and is_file_room(dep)
+                            and rollout_level(rollout_room(dep)) == rollout_level(rollout_room(name))))
+    assert wrong == [], f"rollout/ imports against its rooms' order: {wrong}"
+
+
 def test_every_package_folder_is_installed_under_spillover():
     import tomllib
 

@@ -11,7 +11,7 @@ import torch
 from spillover.infra.config.run_config import build_config
 from spillover.bench.reference_lm import load_causal_lm
 from spillover.infra.models import build_char_tokenizer
-from spillover.rollout.functions import flatten_rollout
+from spillover.rollout.contracts.rollout_function import flatten_rollout
 from batch_views import convert_samples_to_train_data
 from spillover.rollout.sample import Sample, Status
 from spillover.rollout.batch import is_sft_batch

@@ -35,7 +35,8 @@ import ray
 from ....infra.config.engines import EnginesConfig
 from ..engine_client import EngineClient, EngineUnreachable
 from ..engine_pool import EngineHandle
-from .weight_update import LearnerHandle, WeightKind, WeightUpdate, reported_version
+from ...contracts.fleet import PolicyLearner
+from .weight_update import WeightKind, WeightUpdate, reported_version
 from ...sglang import backend as sgl
 from ...sglang.protocol import (BeginWeightUpdateRequest, DestroyWeightsUpdateGroupRequest, EndWeightUpdateRequest,
                                 InitWeightsUpdateGroupRequest, UpdateWeightsFromDistributedRequest)
@@ -144,7 +145,7 @@ class DistributedWeights:
         self.bucket_bytes, self.ranks_per_engine = int(bucket_bytes), int(ranks_per_engine)
         self.backend, self.timeout_s = backend, float(timeout_s)
         self.group_name: str | None = None
-        self._members: tuple[LearnerHandle, tuple[str, ...]] | None = None  # (learner, engine urls) of the group
+        self._members: tuple[PolicyLearner, tuple[str, ...]] | None = None  # (learner, engine urls) of the group
         self._usable = False  # False after a failed rendezvous: the group is left and formed anew
         self._prefix = f"spillover-{secrets.token_hex(4)}"
         self.epoch = 0
@@ -172,7 +173,7 @@ class DistributedWeights:
                 await restart(handle.index)  # joins a new group and gets the current weights
             await self.load(update, engines(), flush_cache)
 
-    async def sync(self, policy: LearnerHandle, urls: list[str], version: int, flush_cache: bool = True) -> None:
+    async def sync(self, policy: PolicyLearner, urls: list[str], version: int, flush_cache: bool = True) -> None:
         """Send the policy's current weights to every engine at `urls` as `version` (forms the group if needed);
         flush_cache=False: no bucket flushes the engines' cache (requests paused in_place keep theirs)."""
         if not self._usable or self._members != (policy, tuple(urls)):
@@ -202,7 +203,7 @@ class DistributedWeights:
                                  return_exceptions=True)
         self.last = {"buckets": len(buckets), "bucket_bytes": self.bucket_bytes, **report}
 
-    async def form(self, policy: LearnerHandle, urls: list[str]) -> None:
+    async def form(self, policy: PolicyLearner, urls: list[str]) -> None:
         """Leave the old group (best effort), then host a new one on the learner with every engine joined."""
         await self.leave()
         client = self.client
@@ -308,7 +309,7 @@ class FleetWeights:
         await self.distributed.leave()
 
 
-def policy_update(policy: LearnerHandle, version: int, cfg: EnginesConfig, model_path: str,
+def policy_update(policy: PolicyLearner, version: int, cfg: EnginesConfig, model_path: str,
                   colocated: bool) -> WeightUpdate:
     """The policy learner's current weights as the update engines.weight_sync asks for: distributed (the group
     broadcasts), tensor (its state dict to Ray's object store) or disk (an HF folder the policy writes, waited for);

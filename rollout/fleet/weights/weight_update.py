@@ -3,7 +3,7 @@
 kind         source                                                       how it reaches the engines
 disk         an HF folder (path)                                          /update_weights_from_disk on each engine
 tensor       a state dict of HF-named tensors, or its Ray ObjectRef       each engine actor posts it to its server
-distributed  the policy learner group (LearnerHandle)                     SGLang's weight-update group, broadcast
+distributed  the policy learner group (PolicyLearner)                     SGLang's weight-update group, broadcast
 colocated    the policy learner group whose ranks host the engines        each rank loads the engine it hosts
 
 `version` is the learner's weight version (an int: the number of updates it has made); every engine reports it
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
+from ...contracts.fleet import PolicyLearner
 from ...sglang.protocol import parse_version
 
 if TYPE_CHECKING:  # imported where a tensor or learner source is checked: the GPU machine's checks run without Ray
@@ -25,23 +26,10 @@ WEIGHT_KINDS: tuple[str, ...] = get_args(WeightKind)
 FROM_POLICY: tuple[str, ...] = ("distributed", "colocated")  # kinds whose source is the learner group itself
 
 
-class RemoteMethod(Protocol):
-    def remote(self, *args: object, **kwargs: object) -> ray.ObjectRef: ...
-
-
-class LearnerHandle(Protocol):
-    """The policy learner group (spillover.tasks.learner.group.LearnerGroup): `handle.method.remote(...)` calls every
-    rank and returns rank 0's result; `each(name, ...)` returns every rank's."""
-
-    def each(self, name: str, *args: object, **kwargs: object) -> list[ray.ObjectRef]: ...
-
-    def __getattr__(self, name: str) -> RemoteMethod: ...
-
-
 @dataclass(frozen=True)
 class WeightUpdate:
     kind: WeightKind
-    source: str | dict | ray.ObjectRef | LearnerHandle  # what the kind needs (the table above)
+    source: str | dict | ray.ObjectRef | PolicyLearner  # what the kind needs (the table above)
     version: int
 
     def __post_init__(self) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..infra.imports import ImportPathError, load_function
-from .batch import RolloutBatch, is_sft_batch
-from .sample import Sample
+from ...infra.imports import ImportPathError, load_function
+from ..batch import RolloutBatch, is_sft_batch
+from ..sample import Sample
 
 ROLLOUT_PARAMS = ("args", "rollout_id", "data_source")
 ROLLOUT_KEYWORDS = ("evaluation",)
