@@ -26,11 +26,11 @@ class RunParts(Protocol):
     name instead of walking every actor it holds."""
 
     def learners(self, model_path: Path, cfg: RunConfig) -> tuple[LearnerGroup, LearnerGroup | None]:
-        """The run's policy group and (grpo.kl_coef > 0) reference group, both starting from model_path's weights:
-        what spillover.tasks.learner.group.create_learners starts."""
+        """The run's policy group and (grpo.kl_coef > 0, learner.reference_placement=separate) reference group, both
+        starting from model_path's weights: what spillover.tasks.learner.group.create_learners starts."""
         ...
 
-    def engine(self, engines_cfg: EnginesConfig, model_path: Path, deterministic: bool = False,
+    def fleet(self, engines_cfg: EnginesConfig, model_path: Path, deterministic: bool = False,
                seed: int = 0) -> RolloutManager:
         """Engines serving model_path's weights as weight version 0, engine i sampling from seed + i."""
         ...
@@ -51,7 +51,7 @@ class NewParts:
 
         return create_learners(model_path, cfg)
 
-    def engine(self, engines_cfg: EnginesConfig, model_path: Path, deterministic: bool = False,
+    def fleet(self, engines_cfg: EnginesConfig, model_path: Path, deterministic: bool = False,
                seed: int = 0) -> RolloutManager:
         from ..rollout.fleet.manager import RolloutManager
 

@@ -5,7 +5,6 @@ tasks piece by piece; no task replaces any of them.
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +21,9 @@ from ..infra.data_files import DataFile, data_file, pin_data
 from ..infra.hub_models import is_hub_id, resolve_reward_models
 from ..infra.models import end_token_ids, load_tokenizer, resolve_model_path
 from ..rollout.builtin import toy_task
-from ..rollout.context import EvalSets, RolloutContext
+from ..rollout.context import RolloutContext, build_context
 from ..rollout.controller import RolloutController
-from ..rollout.prompt_data import PromptCursor, read_prompt_file
-from ..rollout.dock.transfer_dock import TransferDock
-from ..rollout.drivers.rounds import DetachedRows
-from ..rollout.tools.env_pool import EnvPool
+from ..rollout.prompt_data import read_prompt_file
 from ..rollout.scoring.reward_models import start_reward_models
 from ..tasks.reward import REWARD_KEYWORDS, RewardSetup
 
@@ -45,20 +41,26 @@ class Run:
     cfg: RunConfig
     run_dir: Path
     model_path: Path
-    dock: TransferDock
-    cursor: PromptCursor
     controller: RolloutController
     context: RolloutContext          # rollout functions' data_source (per iteration: context.for_iteration)
     reward: RewardSetup
     policy: LearnerGroup | None      # None: rollout only (no learner)
-    ref: LearnerGroup | None         # None: no KL
-    engine: RolloutManager | None    # None: no engines (replayed debug data, SFT without eval)
-    parts: RunParts                  # where policy, ref and engine go back to (shutdown_run)
+    ref: LearnerGroup | None         # None: no KL, or the policy's ranks hold the reference (with_policy)
+    fleet: RolloutManager | None     # None: no engines (replayed debug data, SFT without eval)
+    parts: RunParts                  # where policy, ref and fleet go back to (shutdown_run)
     baseline: float | None = None    # the built-in task's prompt-independent baseline reward
 
     @property
     def prompts(self):
         return self.context.prompts
+
+    @property
+    def dock(self):
+        return self.context.dock
+
+    @property
+    def cursor(self):
+        return self.context.cursor
 
 
 def prepare_data(cfg: RunConfig, run_dir: Path) -> Path | DataFile:
@@ -104,7 +106,6 @@ def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunPa
     run_dir.mkdir(parents=True, exist_ok=True)
     reward_fn = load_function(cfg.grpo.reward_function_path, "grpo.reward_function_path",
                               required_params=("response", "label"), optional_keywords=REWARD_KEYWORDS)
-    envs = EnvPool.from_config(cfg.rollout) if cfg.rollout.env_path else None  # multi-turn tools (rollout/tools/env_pool.py)
     controller = RolloutController(cfg)
     model_path = resolve_model_path(cfg.model, run_dir, max(512, cfg.rollout.max_model_len), cfg.storage)
     if is_hub_id(cfg.model.path):  # the run's config keeps the commit: a resume loads these weights, not the Hub's newest
@@ -122,41 +123,26 @@ def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunPa
     if needed > len(prompts):
         log.warning("%d prompts for %d groups: the run goes over the data more than once", len(prompts), needed)
     stop_ids = end_token_ids(model_path, tokenizer)
-    if saved is not None:
-        from ..tasks.run_state import restore_dock_and_cursor
-
-        dock, cursor = restore_dock_and_cursor(saved)
-        dock.require_max_age_all_finished = cfg.rollout.require_max_age_all_finished  # the config's rule, not the snapshot's
-        if cfg.rollout.env_path:
-            from ..rollout.dock.turns import enable
-
-            enable(dock)  # a checkpoint without tool turns: every token so far is a policy token
-    else:
-        dock = TransferDock.from_config(cfg.rollout, stop_ids)
-        cursor = PromptCursor(len(prompts), seed=cfg.model.seed, shuffle=cfg.data.shuffle)
+    context = build_context(cfg, tokenizer, prompts, stop_ids, reward_fn, saved)  # a bad checkpoint fails here
     init_ray(cfg.engines.ray_address)
     refuse_unplaceable(cfg, resuming=saved is not None)
     if is_remote_model(cfg.model.path):  # every node reads the model from its own local copy
         stage_on_other_nodes(str(model_path), cfg.storage)
     reward_models = start_reward_models(reward_model_entries, cfg.model.dtype)  # first: a bad folder fails early
-    learners, engine = start_learners_and_engines(cfg, model_path, parts, resuming=saved is not None)
+    learners, fleet = start_learners_and_engines(cfg, model_path, parts, resuming=saved is not None)
     builtin = cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD
-    context = RolloutContext(dock=dock, engine=engine, tokenizer=tokenizer, prompts=prompts, cursor=cursor,
-                             stop_token_ids=stop_ids, reward_fn=reward_fn,
-                             eval_data=EvalSets(cfg, tokenizer) if cfg.data.eval_paths else None, envs=envs,
-                             detached=DetachedRows() if cfg.rollout.overlap else None)
+    context = context.with_fleet(fleet)
     reward = RewardSetup(tokenizer, stop_ids, reward_fn, cfg.grpo.reward_function_path, cfg.grpo.rule_reward_weight,
                          exact_match=toy_task.exact_match if builtin else None,
-                         prompt_texts=lambda ids: [prompts.texts[i] for i in cursor.dataset_indices(ids).tolist()],
+                         prompt_texts=lambda ids: [prompts.texts[i] for i in context.cursor.dataset_indices(ids).tolist()],
                          concurrency=cfg.grpo.reward_concurrency, reward_models=reward_models,
                          keep_sample_rewards=builtin)  # a custom rollout function's own rewards, unless one is set
-    return Run(cfg, run_dir, Path(model_path), dock, cursor, controller, context, reward, learners[0], learners[1],
-               engine, parts, baseline=toy_task.prompt_independent_baseline(prompts.labels)[1] if builtin else None)
+    return Run(cfg, run_dir, Path(model_path), controller, context, reward, learners[0], learners[1], fleet, parts, baseline=toy_task.prompt_independent_baseline(prompts.labels)[1] if builtin else None)
 
 
 def start_learners_and_engines(cfg: RunConfig, model_path: Path, parts: RunParts, resuming: bool = False
                                ) -> tuple[tuple[LearnerGroup | None, LearnerGroup | None], RolloutManager | None]:
-    """((policy, ref), engine) from `parts`. Colocated engines live in the policy's ranks (placement.colocate): both
+    """((policy, ref), fleet) from `parts`. Colocated engines live in the policy's ranks (placement.colocate): both
     are started for the run (parts shuts them down at its end). schedule.debug_rollout_only starts no learner
     ((None, None)), unless resuming: the policy then carries the checkpoint's weights to the engines (it never
     trains)."""
@@ -169,7 +155,7 @@ def start_learners_and_engines(cfg: RunConfig, model_path: Path, parts: RunParts
     if not needs_engines(cfg):
         return learners, None
     try:
-        return learners, parts.engine(cfg.engines, model_path, cfg.rollout.deterministic_sampling, cfg.model.seed)
+        return learners, parts.fleet(cfg.engines, model_path, cfg.rollout.deterministic_sampling, cfg.model.seed)
     except BaseException:
         give_back(parts, learners, keep=False)
         raise
@@ -202,8 +188,7 @@ def shutdown_run(run: Run | None, keep_parts: bool = True) -> None:
     """keep_parts=False: a run that failed gives its parts up, even to a RunParts that would keep them."""
     if run is None:
         return
-    give_back(run.parts, (run.engine, run.policy, run.ref), keep_parts)
-    if run.context.envs is not None:
-        run.context.envs.close()
+    give_back(run.parts, (run.fleet, run.policy, run.ref), keep_parts)
+    run.context.close()
     if run.reward.reward_models:
         run.reward.reward_models.shutdown()

@@ -108,12 +108,6 @@ def load_resume_point(cfg: RunConfig, store: Store) -> CheckpointState | None:
     return state
 
 
-def restore_dock_and_cursor(state: CheckpointState) -> tuple[TransferDock, PromptCursor]:
-    """The dock (partial responses included) and the prompt cursor as the checkpoint left them."""
-    dock = TransferDock.restore(state.arrays["dock"], state.meta["dock"], f"{state.url}/meta.json")
-    return dock, PromptCursor.from_state(state.meta["cursor"])
-
-
 def written_decay_horizon(saved_config: dict) -> int:
     """The lr decay horizon (optimizer steps) of the config a checkpoint records, as the release that wrote it read
     it: optimizer.decay_steps, else schedule.num_iterations x grpo.num_steps_per_rollout."""

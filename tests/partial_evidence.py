@@ -23,7 +23,7 @@ class CutRow:
 def cut_rows(store, iteration: int) -> list[CutRow]:
     """Checkpoint `iteration`'s dock -> its cut rows: generated, not complete (callers check 0 < length < max_tokens)."""
     from spillover.infra.storage.checkpoint import load_checkpoint
-    from spillover.tasks.run_state import restore_dock_and_cursor
+    from spillover.rollout.context import restore_dock_and_cursor
 
     dock, _ = restore_dock_and_cursor(load_checkpoint(store, iteration))
     occupied = np.repeat(dock.group_ids >= 0, dock.n)

@@ -76,7 +76,7 @@ def test_kill_9_inside_a_tool_call_then_resume(spillover, prefect_harness, ray_s
     from spillover.infra.models import load_tokenizer
     from spillover.infra.storage.store import open_store
     from spillover.rollout.debug_data import load_debug_rollout_data
-    from spillover.tasks.run_state import restore_dock_and_cursor
+    from spillover.rollout.context import restore_dock_and_cursor
 
     run_dir = tmp_path / "tools"
     ray_address = ray_session.get_runtime_context().gcs_address  # it joins the session's cluster: no Ray start

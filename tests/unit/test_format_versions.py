@@ -60,7 +60,7 @@ def test_a_manifest_of_another_version_is_refused_not_skipped(tmp_path, caplog, 
 
 
 def test_a_dock_snapshot_of_another_version_is_refused_naming_the_checkpoints_meta(tmp_path):
-    from spillover.tasks.run_state import restore_dock_and_cursor
+    from spillover.rollout.context import restore_dock_and_cursor
 
     dock = TransferDock(1, 2, 2, 8, 16, [0])
     dock.load_groups([0], [[3, 4]], ["a"])
