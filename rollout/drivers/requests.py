@@ -98,9 +98,10 @@ def parse_responses(responses: Sequence[GenerateResponse], default_version: int
                     ) -> tuple[list[list[int]], list[list[float]], np.ndarray, np.ndarray | list[np.ndarray]]:
     """Answers -> (tokens per row, logprobs per row, finished_by_stop[bool], weight versions).
 
-    The versions are int64[k], one per row, unless a response lived through a weight update
-    (meta_info.weight_versions spans): then a list of k int64 arrays, one version per output token (what
-    TransferDock.put_generation takes either way)."""
+    Each token's version is what its answer's meta_info.weight_versions spans say (SGLang puts them on every
+    finished answer; meta_info.weight_version only where an engine sends none). The versions are int64[k], one per
+    row, unless an answer's tokens carry more than one version (it lived through a weight update): then a list of
+    k int64 arrays, one version per output token (what TransferDock.put_generation takes either way)."""
     tokens, logprobs, stopped, versions = [], [], [], []
     spanned = False
     for resp in responses:
@@ -113,11 +114,12 @@ def parse_responses(responses: Sequence[GenerateResponse], default_version: int
         logprobs.append(lps)
         stopped.append(meta.finish_reason.type == "stop")
         version = _as_version(meta.weight_version, default_version)
-        if meta.weight_versions:
+        per_token = token_versions(meta.weight_versions or (), len(ids), version, meta.id)
+        if len(per_token) and (per_token != per_token[0]).any():
             spanned = True
-            versions.append(token_versions(meta.weight_versions, len(ids), version, meta.id))
-        else:
-            versions.append(version)
+            versions.append(per_token)
+        else:  # one version for the whole answer: the spans' (an answer with no tokens: weight_version)
+            versions.append(int(per_token[0]) if len(per_token) else version)
     if spanned:
         return tokens, logprobs, np.asarray(stopped, dtype=bool), [
             v if isinstance(v, np.ndarray) else np.full(len(t), v, dtype=np.int64) for v, t in zip(versions, tokens)]

@@ -203,8 +203,9 @@ class MetaInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
-    weight_version: WeightVersion = None
-    # present only when the request lived through a weight update (SGLang 0.5.23)
+    weight_version: WeightVersion = None  # SGLang 0.5.23: the last span's version
+    # SGLang 0.5.23 puts the spans on every finished answer, one per version that made its tokens, covering them all
+    # (one span unless the request lived through a weight update); an engine that sends none: weight_version
     weight_versions: list[WeightVersionSpan] | None = None
     # (logprob, token id, token text or None) per output token; typed as tuples, the answer parses ~1.5x faster
     output_token_logprobs: list[tuple[float, int, str | None]] | None = None

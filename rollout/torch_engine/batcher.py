@@ -48,9 +48,9 @@ class EngineRequest:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     slot: int = -1
-    # (weight version, first output position) from the request's admission on; a second entry means the request
-    # lived through a weight update (reported as SGLang's meta_info.weight_versions spans)
-    version_spans: list[tuple[int | str, int]] = field(default_factory=list)
+    # SGLang's weight-version events: (the version before a change, output tokens it had made by then), one per
+    # change the request lived through with output; its answer's meta_info.weight_versions spans come from them
+    version_events: list[tuple[int | str, int]] = field(default_factory=list)
 
     @property
     def tokens_so_far(self) -> list[int]:
@@ -114,13 +114,18 @@ class ContinuousBatcher:
         self._wake.set()
         return fut
 
-    def set_weight_version(self, version: int | str) -> None:
-        """Engine thread only: the version of every token generated from now on; requests that started under
-        another version get a new span."""
-        self.weight_version = version
+    def set_weight_version(self, version: int | str | None) -> None:
+        """Engine thread only, between steps: the version of every token generated from now on. As SGLang's
+        record_weight_version_change: a change (None or the same version is none) gives every running or waiting
+        request with output an event (old version, its output tokens so far). Every token so far was sampled
+        from the old weights (no step is in flight between two steps, paused in_place or not), so the spans label
+        each token with the weights that made it."""
+        if version is None or str(version) == str(self.weight_version):
+            return
+        old, self.weight_version = self.weight_version, version
         for req in [*self.running.values(), *self.waiting]:
-            if req.version_spans and req.version_spans[-1][0] != version:
-                req.version_spans.append((version, len(req.output_ids)))
+            if req.output_ids:
+                req.version_events.append((old, len(req.output_ids)))
 
     def pause(self, mode: str) -> None:
         """Engine thread only: SGLang's /pause_generation. abort: every request returns now with its partial
@@ -231,13 +236,12 @@ class ContinuousBatcher:
             return
         meta = {
             "id": req.rid, "finish_reason": reason, "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(req.output_ids), "cached_tokens": 0, "weight_version": self.weight_version,
+            "completion_tokens": len(req.output_ids), "cached_tokens": 0,
         }
-        spans = version_spans(req.version_spans, len(req.output_ids))
-        if len(spans) > 1:  # as SGLang: present only when the request's tokens span a weight update
-            meta["weight_versions"] = spans
-        if spans:
-            meta["weight_version"] = spans[-1]["version"] if len(spans) > 1 else req.version_spans[-1][0]
+        # as SGLang 0.5.23: spans on every finished answer (also one that lived through no update), and
+        # weight_version the last span's
+        meta["weight_versions"] = weight_version_spans(req.version_events, self.weight_version, len(req.output_ids))
+        meta["weight_version"] = meta["weight_versions"][-1]["version"]
         if req.return_logprob:
             meta["output_token_logprobs"] = list(zip(req.logprobs, req.output_ids, repeat(None)))
         req.future.set_result(GenerateResponse(output_ids=req.output_ids, meta_info=MetaInfo(**meta)))
@@ -290,8 +294,6 @@ class ContinuousBatcher:
             longest = longest_if
             req.slot = heapq.heappop(self._free)
             self.running[req.slot] = req
-            if not req.version_spans:
-                req.version_spans.append((self.weight_version, 0))
             batch.append(req)
         return batch
 
@@ -325,11 +327,22 @@ class ContinuousBatcher:
                 self._finish(req, {"type": "length", "length": n})
 
 
-def version_spans(spans: list[tuple[int | str, int]], length: int) -> list[dict]:
-    """[(version, start)] -> SGLang's [{version: str, start, end}] over output positions [start, end), empty spans
-    (an update between two steps that produced no token under a version) left out."""
-    ends = [start for _, start in spans[1:]] + [length]
-    return [{"version": str(v), "start": start, "end": end} for (v, start), end in zip(spans, ends) if end > start]
+def weight_version_spans(events: list[tuple[int | str, int]], current: int | str, length: int) -> list[dict]:
+    """A request's version events, the engine's version now and its output length -> SGLang's meta_info
+    weight_versions: [{version: str, start, end}] over output positions [start, end), in order, covering them all
+    (sglang/srt/utils/weight_versions.py: compute_weight_version_spans, then add_weight_versions_to_meta_info's
+    visible spans). A version under which the request made no token gets no span (but a request with no output
+    gets one empty span: the version now)."""
+    spans: list[dict] = []
+    for version, end in [*events, (current, length)]:
+        version, end = str(version), min(end, length)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return [s for s in spans if s["start"] < length or s["start"] == 0]
 
 
 def matched_stop_string(req: EngineRequest) -> str | None:

@@ -17,6 +17,9 @@ Checks, each what SGLang 0.5.23's server does with the same input:
   SGLang's flags, ServerArgs.from_cli_args), then ServerArgs.resolve_once() on the same flags with
   `--model-path dummy`: the model-independent resolution and validation. Skipped without a GPU and a model: the
   model-config and device steps of the pipeline (memory fraction, CUDA graphs, attention backend for the GPU).
+- weight_versions(events, current, num_output_tokens): a finished answer's meta_info weight_version(s) from a
+  request's weight-version events ([old version, output tokens then]) as the scheduler and the tokenizer manager
+  make them (sglang/srt/utils/weight_versions.py: compute_weight_version_spans, add_weight_versions_to_meta_info).
 """
 from __future__ import annotations
 
@@ -78,6 +81,9 @@ class SGLangOracle:
 
     def route(self, cls: str, body: dict) -> dict:
         return self._call("route", cls=cls, body=body)
+
+    def weight_versions(self, events: list[list], current: str, num_output_tokens: int) -> dict:
+        return self._call("weight_versions", events=events, current=current, num_output_tokens=num_output_tokens)
 
     def server_args(self, argv: list[str], resolve: bool = True) -> dict:
         return self._call("server_args", argv=list(argv), resolve=resolve)
@@ -191,6 +197,16 @@ def _check_server_args(sgl, argv: list[str], resolve: bool) -> dict:
     return {"ok": True, "fields": fields}
 
 
+def _weight_versions(events: list[list], current: str, num_output_tokens: int) -> dict:
+    from sglang.srt.utils import weight_versions as wv
+
+    spans = wv.compute_weight_version_spans([wv.WeightVersionEvent(old_version=v, num_output_tokens=n)
+                                             for v, n in events], current, num_output_tokens)
+    meta: dict = {}
+    wv.add_weight_versions_to_meta_info(meta, spans, num_output_tokens)
+    return {"ok": True, "meta_info": meta}
+
+
 def serve() -> None:
     """The subprocess: one JSON answer line per JSON request line; SGLang's own prints go to stderr."""
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
@@ -206,7 +222,8 @@ def serve() -> None:
     answers.write(json.dumps({"ok": True, "version": sgl.version}) + "\n")
     ops = {"generate": lambda r: _check_generate(sgl, r["body"], r["vocab_size"], r["context_len"]),
            "route": lambda r: _check_route(sgl, r["cls"], r["body"]),
-           "server_args": lambda r: _check_server_args(sgl, r["argv"], r.get("resolve", True))}
+           "server_args": lambda r: _check_server_args(sgl, r["argv"], r.get("resolve", True)),
+           "weight_versions": lambda r: _weight_versions(r["events"], r["current"], r["num_output_tokens"])}
     for line in sys.stdin:
         request = json.loads(line)
         try:

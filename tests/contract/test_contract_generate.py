@@ -193,3 +193,19 @@ def test_engine_client_generate_body_is_sglangs(sglang):
         asyncio.run(client.generate(GenerateRequest(
             input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True})))
     check_all(sglang, sent, 64)
+
+
+# (events: [old version, output tokens then] per weight change, version now, output tokens at the end)
+SPAN_CASES = [([], "0", 0), ([], "0", 12), ([["0", 5]], "7", 12), ([["0", 5]], "7", 5), ([["0", 5], ["7", 5]], "8", 9),
+              ([["0", 3], ["7", 6]], "0", 10), ([["0", 4], ["7", 9]], "8", 6), ([["0", 2]], "7", 0)]
+
+
+@pytest.mark.parametrize("events,current,length", SPAN_CASES)
+def test_the_torch_engine_reports_weight_versions_as_sglang(sglang_classes, events, current, length):
+    """Issue 37: a finished answer's meta_info weight_versions and weight_version, from the same weight-version events,
+    as SGLang 0.5.23 makes them (on every answer, one span per version that made tokens)."""
+    from spillover.rollout.torch_engine.batcher import weight_version_spans
+
+    want = accepted(sglang_classes.weight_versions(events, current, length), "the weight-version events")["meta_info"]
+    spans = weight_version_spans([tuple(e) for e in events], current, length)
+    assert {"weight_versions": spans, "weight_version": spans[-1]["version"]} == want

@@ -38,6 +38,15 @@ def test_without_spans_versions_stay_one_per_row():
     assert isinstance(versions, np.ndarray) and versions.tolist() == [1, 2]
 
 
+def test_spans_of_one_version_give_that_version_per_row():
+    """SGLang 0.5.23 sends spans on every finished answer: a single span labels the row, whatever else it says; an
+    answer with no tokens (an empty span) takes its weight_version."""
+    one = [{"version": "2", "start": 0, "end": 4}]
+    _, _, _, versions = parse_responses([_answer(4, "3", one), _answer(0, "3", [{"version": "3", "start": 0,
+                                                                                 "end": 0}])], 0)
+    assert isinstance(versions, np.ndarray) and versions.tolist() == [2, 3]
+
+
 def test_a_span_outside_the_output_is_refused():
     with pytest.raises(ValueError, match=r"span \[2, 9\)"):
         token_versions([WeightVersionSpan(version="1", start=2, end=9)], 4, 1)
