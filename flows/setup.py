@@ -18,7 +18,7 @@ from ..infra.config.placement_plan import needs_engines as plan_needs_engines, p
 from ..infra.imports import load_function
 from ..infra.storage.model_staging import is_remote_model, stage_on_other_nodes
 from ..infra.data_files import DataFile, data_file, pin_data
-from ..infra.hub_models import is_hub_id, resolve_reward_models
+from ..infra.hub_models import is_hub_id, resolve_on_other_nodes, resolve_reward_models
 from ..infra.models import end_token_ids, load_tokenizer, resolve_model_path
 from ..rollout.builtin import toy_task
 from ..rollout.context import RolloutContext, build_context
@@ -128,6 +128,11 @@ def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunPa
     refuse_unplaceable(cfg, resuming=saved is not None)
     if is_remote_model(cfg.model.path):  # every node reads the model from its own local copy
         stage_on_other_nodes(str(model_path), cfg.storage)
+    if is_hub_id(cfg.model.path):  # likewise: each node's Hub cache holds the recorded commit at the same path
+        resolve_on_other_nodes(cfg.model.path, cfg.model.revision, model_path)
+    for i, (entry, loaded) in enumerate(zip(cfg.grpo.reward_models, reward_model_entries)):
+        if is_hub_id(entry.path):
+            resolve_on_other_nodes(entry.path, entry.revision, Path(loaded.path), f"grpo.reward_models[{i}].path")
     reward_models = start_reward_models(reward_model_entries, cfg.model.dtype)  # first: a bad folder fails early
     learners, fleet = start_learners_and_engines(cfg, model_path, parts, resuming=saved is not None)
     builtin = cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD

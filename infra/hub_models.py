@@ -56,6 +56,30 @@ def resolve_hub_model(repo_id: str, revision: str | None = None, field: str = "m
     return folder, folder.name
 
 
+def resolve_on_other_nodes(repo_id: str, commit: str, folder: Path, field: str = "model.path") -> list[dict]:
+    """The same commit resolved on every other alive node of the joined Ray cluster, through that node's own Hub
+    cache (a download there when it is online), so actors anywhere load `folder`. A node whose cache puts the snapshot
+    elsewhere (another HF_HOME or HF_HUB_CACHE) is one HubModelError. -> one {node_id, path} per other node."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    others = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here]
+    resolve = ray.remote(num_cpus=0, max_retries=0)(snapshot_folder)
+    found = ray.get([resolve.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                     .remote(repo_id, commit, field) for node in others])
+    for node, there in zip(others, found):
+        if Path(there) != Path(folder):
+            raise HubModelError(f"{field}: {repo_id} at {commit} lies in {there} on node {node} but in {folder} on the "
+                                "driver's node: give every node the same HF_HOME (or HF_HUB_CACHE)")
+    return [{"node_id": node, "path": there} for node, there in zip(others, found)]
+
+
+def snapshot_folder(repo_id: str, commit: str, field: str) -> str:
+    """resolve_hub_model's folder, as text (what a node's Ray task returns)."""
+    return str(resolve_hub_model(repo_id, commit, field)[0])
+
+
 def resolve_reward_models(cfg) -> tuple[object, list]:
     """(cfg, a RunConfig, with each grpo.reward_models entry named by Hub id at the commit it resolved to; the entries
     the reward model actors load, a Hub id's path replaced by its snapshot folder). The driver calls this once,

@@ -73,9 +73,15 @@ def placement_child(background, tiny_model_dir, s3_server, tmp_path_factory):
     store = open_store(s3_url, storage)
     for f in sorted(Path(tiny_model_dir).iterdir()):
         store.put_bytes(f.name, f.read_bytes())
+    hub_home, commit = tmp_path_factory.mktemp("hf"), "c" * 40  # a Hub cache as huggingface_hub lays it out
+    repo = hub_home / "hub" / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(tiny_model_dir, repo / "snapshots" / commit)
     staging = {"url": s3_url, "endpoint_url": storage.endpoint_url,
-               "cache_dir": str(tmp_path_factory.mktemp("model-cache"))}
+               "cache_dir": str(tmp_path_factory.mktemp("model-cache")), "hub": {"repo_id": "org/tiny", "commit": commit}}
     env = {**os.environ, "PYTHONPATH": f"{TESTS.parent}{os.pathsep}{TESTS}", "RAY_ADDRESS": "",
+           "HF_HOME": str(hub_home), "HF_HUB_OFFLINE": "1",  # the nodes' workers inherit them
            "AWS_ACCESS_KEY_ID": storage.access_key_id.get_secret_value(),  # the nodes' workers inherit them
            "AWS_SECRET_ACCESS_KEY": storage.secret_access_key.get_secret_value()}
     script = TESTS / "integration" / "test_placement.py"

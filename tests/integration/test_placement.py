@@ -9,7 +9,7 @@ a node holds 2 slots.
 Checks: PACK keeps two engines on one node, STRICT_SPREAD (started, serving) puts them on different
 nodes, a 4-slot engine spans both nodes and only its node-0 actor serves and is registered with the router, generation
 goes through, an s3:// model is staged on both nodes (issue 12) and a STRICT_SPREAD world_size 2 learner group trains
-on it, and every listening socket of the cluster (Ray, engines, router, learners) is on loopback.
+on it, a model by Hub id resolves to the driver's snapshot folder on the other node, and every listening socket of the cluster (Ray, engines, router, learners) is on loopback.
 """
 from __future__ import annotations
 
@@ -66,6 +66,16 @@ def test_every_node_stages_the_s3_model_and_a_spread_learner_group_trains_on_bot
 
 
 @pytest.mark.slow
+def test_every_node_resolves_a_hub_model_at_the_drivers_commit(placement_report):
+    """model.path by Hub id on two nodes (flows/setup.py): the other node's task resolves the recorded commit in its
+    own Hub cache (offline here: the same HF_HOME on one machine) to the folder the driver's actors load."""
+    hub = placement_report["hub"]
+    assert hub["driver"]["path"].endswith("/snapshots/" + "c" * 40)
+    assert [o["path"] for o in hub["others"]] == [hub["driver"]["path"]]
+    assert hub["others"][0]["node_id"] != hub["driver"]["node_id"]
+
+
+@pytest.mark.slow
 def test_cluster_listens_only_on_loopback(placement_report):
     assert placement_report["node_ips"] == ["127.0.0.1", "127.0.0.1"]
     assert placement_report["gcs_address"].startswith("127.0.0.1:")
@@ -96,6 +106,7 @@ def _stage_and_train(staging: dict) -> dict:
     import ray
 
     from spillover.infra.config.run_config import StorageConfig, build_config
+    from spillover.infra.hub_models import resolve_hub_model, resolve_on_other_nodes
     from spillover.infra.storage.model_staging import stage_model, stage_on_other_nodes
     from learner_batches import random_batch
     from spillover.tasks.learner.group import create_learner_group
@@ -105,6 +116,10 @@ def _stage_and_train(staging: dict) -> dict:
     others = stage_on_other_nodes(path, storage)  # checked against this node's digests there (raises if not)
     report = {"staging": [{"node_id": ray.get_runtime_context().get_node_id(), "downloaded": downloaded,
                            "files": sorted(digests), "path": path}, *others]}
+    hub = staging["hub"]  # a model by Hub id: every node resolves the driver's commit in its own cache
+    folder, commit = resolve_hub_model(hub["repo_id"], hub["commit"])
+    report["hub"] = {"driver": {"node_id": ray.get_runtime_context().get_node_id(), "path": str(folder)},
+                     "others": resolve_on_other_nodes(hub["repo_id"], commit, folder)}
     cfg = build_config(overrides=["grpo.kl_coef=0", "grpo.micro_batch_size=2", "rollout.global_batch_size=2",
                                   "rollout.n_samples_per_prompt=4", "optimizer.lr=0.01", "learner.world_size=2",
                                   "learner.placement_strategy=STRICT_SPREAD"])
