@@ -28,10 +28,15 @@ AdamW, in padded micro-batches: `count` the learner's own, the token budgets row
 micro-batch as fit the budget padded (what a plain loop would do with that budget: little padding, no packing).
 
 Also (the learner_precision check of bench/gpu_smoke.py): params, dtypes of masters / AdamW state / compute / what
-engines get, moved_share (share of weights the first update changed at the recipe's lr), step_s.
+engines get, moved_share (share of weights the first update changed at the recipe's lr), step_s, and the KL
+reference's pass in the learner (the recipe's grpo.kl_coef and learner.reference_placement, or --reference):
+reference_placement, ref_logprob_s per iteration (not in step_s or mfu; offloaded: the copy back included), its
+memory in peak_gpu_gb. --reference none: no KL, no reference (so too a recipe whose reference has GPUs of its own,
+reference_placement=separate, or that has no KL).
 
     python bench/gpu_learner.py [--device cuda|cpu] [--learner-size tiny|0.5b|1.5b] [--recipe FILE]
                                 [--modes count,budget] [--samples 64] [--max-response N] [--budget TOKENS] [--plain]
+                                [--reference with_policy|with_policy_offloaded|none]
 """
 from __future__ import annotations
 
@@ -96,16 +101,21 @@ def random_batch(samples: int, max_response: int, vocab: int, seed: int):
                           advantages=rng.normal(size=samples))
 
 
-def recipe_settings(recipe: str | Path, device: str, mode: str = "budget", budget: int | None = None):
-    """A recipe's (model.dtype, learner section at world_size 1 on `device` micro-batched by `mode`, grpo without the
-    reference, optimizer, rollout.max_tokens)."""
+def recipe_settings(recipe: str | Path, device: str, mode: str = "budget", budget: int | None = None,
+                    reference: str | None = None):
+    """A recipe's (model.dtype, learner section at world_size 1 on `device` micro-batched by `mode`, grpo, optimizer,
+    rollout.max_tokens). reference: where the learner holds the KL reference (default: the recipe's
+    learner.reference_placement); "none", a reference of its own or a recipe without KL (grpo.kl_coef 0): no KL."""
     from ..infra.config.run_config import load_config
 
     cfg = load_config(recipe)
     tokens = None if mode == "count" else (budget or cfg.learner.max_tokens_per_micro_batch or 16384)
+    placement = reference or cfg.learner.reference_placement
+    held = placement in ("with_policy", "with_policy_offloaded") and cfg.grpo.kl_coef > 0
     lcfg = cfg.learner.model_copy(update={"world_size": 1, "device": device, "max_tokens_per_micro_batch": tokens,
-                                          "pack_sequences": mode == "budget"})
-    grpo = cfg.grpo.model_copy(update={"kl_coef": 0.0})
+                                          "pack_sequences": mode == "budget",
+                                          "reference_placement": placement if held else "separate"})
+    grpo = cfg.grpo if held else cfg.grpo.model_copy(update={"kl_coef": 0.0})
     return cfg.model.dtype, lcfg, grpo, cfg.optimizer, cfg.rollout.max_tokens
 
 
@@ -151,14 +161,14 @@ def _sync(device: str) -> None:
 
 def learner_smoke(size: str, device: str, iterations: int = 3, samples: int = 64, tokens: int | None = None,
                   recipe: str | Path = DEFAULT_RECIPE, mode: str = "budget", budget: int | None = None,
-                  plain: bool = False, peak_flops: float | None = None) -> dict:
+                  plain: bool = False, peak_flops: float | None = None, reference: str | None = None) -> dict:
     """One mode's figures (the module docstring). tokens: the response cap (default: the recipe's rollout.max_tokens);
-    peak_flops: the matmul rate to measure mfu against (default: measured here)."""
+    peak_flops: the matmul rate to measure mfu against (default: measured here); reference: recipe_settings'."""
     from ..tasks.learner.actor import LearnerActor
     from ..tasks.learner.distributed import DTYPES
 
     cuda = device == "cuda"
-    model_dtype, lcfg, grpo, optim, max_tokens = recipe_settings(recipe, device, mode, budget)
+    model_dtype, lcfg, grpo, optim, max_tokens = recipe_settings(recipe, device, mode, budget, reference)
     tokens = tokens or max_tokens
     peak_flops = peak_flops or matmul_flops_per_s(device, DTYPES[lcfg.param_dtype])
     with tempfile.TemporaryDirectory() as tmp:
@@ -174,13 +184,19 @@ def learner_smoke(size: str, device: str, iterations: int = 3, samples: int = 64
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     before = [_local(p).detach().clone() for p in learner.model.parameters()]
-    step_s, plain_s, flops, tokens_per_step, moved, padding = [], [], [], 0, 0, []
+    step_s, plain_s, flops, tokens_per_step, moved, padding, ref_s = [], [], [], 0, 0, [], []
     for k in range(iterations):
         batch = random_batch(samples, tokens, SIZES[size]["vocab_size"], k)
         tokens_per_step = int(batch.seq_lengths.sum())
+        ref = None
+        if learner.reference is not None:
+            _sync(device)
+            tic = time.perf_counter()
+            ref = learner.compute_ref_logprobs(batch)
+            ref_s.append(round(time.perf_counter() - tic, 3))  # its result on the host: the device is done
         _sync(device)
         tic = time.perf_counter()
-        metrics = learner.update(batch, learner.compute_logprobs(batch))
+        metrics = learner.update(batch, learner.compute_logprobs(batch), ref)
         _sync(device)
         step_s.append(round(time.perf_counter() - tic, 3))
         padding.append(metrics["padding_share"])
@@ -208,6 +224,8 @@ def learner_smoke(size: str, device: str, iterations: int = 3, samples: int = 64
            "padding_share": round(float(np.mean(padding)), 4),
            "mfu": round(float(np.median(np.asarray(flops) / np.asarray(step_s))) / peak_flops, 4),
            "matmul_tflops": round(peak_flops / 1e12, 2),
+           "reference_placement": lcfg.reference_placement if learner.reference is not None else "none",
+           "ref_logprob_s": ref_s,
            "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0.0}
     if plain_s:
         out["plain_tokens_per_s"] = round(tokens_per_step / float(np.median(plain_s)), 1)
@@ -302,6 +320,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--plain", action=argparse.BooleanOptionalAction, default=None,
                         help="also time plain torch for vs_plain_torch (default: on CPU only)")
+    parser.add_argument("--reference", choices=["with_policy", "with_policy_offloaded", "none"], default=None,
+                        help="the KL reference in the learner (default: the recipe's learner.reference_placement)")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if set(modes) - set(MODES):
@@ -316,7 +336,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for mode in modes:
         out = learner_smoke(size, args.device, args.iterations, args.samples or (256 if cuda else 64),
                             args.max_response, recipe, mode, args.budget,
-                            plain=not cuda if args.plain is None else args.plain, peak_flops=peak)
+                            plain=not cuda if args.plain is None else args.plain, peak_flops=peak,
+                            reference=args.reference)
         print(json.dumps(out), flush=True)
         results.append(out)
         if cuda:

@@ -20,9 +20,10 @@ process; each is a function in CHECKS (args, device) -> its figures, merged into
 - learner_precision (issues 12, 28, 36; bench/gpu_learner.py): a random-init Qwen2 of --learner-size (0.5b on CUDA:
   Qwen2.5-0.5B's shape, no download) in spillover's LearnerActor with --recipe's precision, optimizer and micro-batches
   (bfloat16 compute, float32 masters and AdamW state, lr 1e-6, packed micro-batches of the recipe's token budget),
-  FSDP2, three iterations of old logprobs + GRPO update on long-tailed lengths -> "learner": {params, master_dtypes,
-  optimizer_state_dtypes, compute_dtypes, sent_dtypes, moved_share, step_s, tokens_per_s, mfu (against this run's
-  own bf16 matmul rate), padding_share, peak_gpu_gb, ...}.
+  FSDP2, three iterations of the KL reference's pass (held in the learner as the recipe places it) + old logprobs +
+  GRPO update on long-tailed lengths -> "learner": {params, master_dtypes, optimizer_state_dtypes, compute_dtypes,
+  sent_dtypes, moved_share, step_s, tokens_per_s, mfu (against this run's own bf16 matmul rate), padding_share,
+  reference_placement, ref_logprob_s, peak_gpu_gb, ...}.
 - rollout_split (issue 18): max_split 1 vs 4 on long-tailed lengths (bench/longtail.py --real --local: the real dock
   and sync driver, engines in this process) -> "rollout".
 

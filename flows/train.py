@@ -89,9 +89,9 @@ def run_iteration(run: Run, iteration: int, version: int, wandb_run_id: str | No
     scored = timed(compute_reward)(rollout, run.reward)
     stages = [loaded, rollout, scored]
     if not cfg.schedule.debug_rollout_only:  # rollout only: no learner, so no logprobs and no update
-        ref = timed(compute_ref_logprob)(run.ref, scored)
+        ref = timed(compute_ref_logprob)(run.policy, run.ref, scored, cfg.grpo.kl_coef)
         old = timed(compute_old_logprob)(run.policy, scored, version, cfg.grpo.skip_old_logprob)
-        updated = timed(update)(run.policy, run.engine, scored, old, ref)
+        updated = timed(update)(run.policy, run.fleet, scored, old, ref)
         version = updated.weight_version
         stages += [ref, old, updated]
     interval = cfg.schedule.eval_interval
@@ -134,7 +134,7 @@ def grpo_train(config: RunConfig, resume: bool = False, parts: RunParts | None =
         run = build_run(config, saved, parts)
         first, version = 0, 0
         if saved is not None:
-            version = restore_weights(run.policy, run.engine, saved)
+            version = restore_weights(run.policy, run.fleet, saved)
             first = int(saved.meta["next_iteration"])
             rewind_metrics(run.run_dir, first, saved.meta.get("metrics"))
         tracker = RunTracker(run.run_dir, config.tracking, run_config=config,

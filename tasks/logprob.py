@@ -20,11 +20,17 @@ def needs_old_logprob_pass(token_versions: tuple[int, int], current_version: int
 
 
 @task(name="compute_ref_logprob", retries=1, cache_policy=NONE)
-def compute_ref_logprob(ref_actor: LearnerGroup | None, scored: Scored) -> Logprobs:
-    if ref_actor is None:
+def compute_ref_logprob(policy: LearnerGroup, ref_group: LearnerGroup | None, scored: Scored,
+                        kl_coef: float) -> Logprobs:
+    """The KL reference's logprobs (grpo.kl_coef > 0): from its own group (learner.reference_placement=separate), or
+    from the frozen copy the policy's ranks hold."""
+    if kl_coef <= 0:
         return Logprobs(source="skipped (grpo.kl_coef = 0)")
     start = time.perf_counter()
-    ref = ref_actor.compute_logprobs.remote(scored.batch_ref)
+    if ref_group is not None:
+        ref = ref_group.compute_logprobs.remote(scored.batch_ref)
+    else:
+        ref = policy.compute_ref_logprobs.remote(scored.batch_ref)
     ray.wait([ref])
     return Logprobs(metrics={"ref_logprob_s": time.perf_counter() - start}, ref=ref, source="computed")
 

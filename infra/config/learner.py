@@ -52,6 +52,14 @@ class LearnerConfig(Section):
     deterministic: bool = Field(
         True, description="torch.use_deterministic_algorithms in the learner's process (warn only): the CPU runs' "
         "bit-exact resume; on CUDA it selects slower kernels, so the GPU recipes turn it off.")
+    reference_placement: Literal["with_policy", "with_policy_offloaded", "separate"] = Field(
+        "with_policy", description="Where the KL reference (grpo.kl_coef > 0: the frozen initial model) computes its "
+        "logprobs. with_policy: inside the policy's ranks, on their devices, sharded like the policy, with no "
+        "gradients or optimizer state; its float32 weights stay resident (4 bytes per parameter / world_size on each "
+        "rank). with_policy_offloaded: the same, its weights in pinned host memory between uses, copied back for "
+        "each reference pass, for GPUs too full to keep them (on device=cpu it saves nothing). separate: a learner "
+        "group of its own (learner.world_size more ranks, and their GPUs on device=cuda). The logprobs are the same "
+        "in all three.")
 
     @model_validator(mode="after")
     def _check(self) -> "LearnerConfig":
@@ -63,6 +71,11 @@ class LearnerConfig(Section):
     def packs_sequences(self) -> bool:
         """Micro-batches are packed rows: a token budget and pack_sequences."""
         return self.max_tokens_per_micro_batch is not None and self.pack_sequences
+
+    @property
+    def reference_with_policy(self) -> bool:
+        """The policy's ranks hold the KL reference (when grpo.kl_coef > 0), resident or offloaded."""
+        return self.reference_placement != "separate"
 
     @property
     def backend(self) -> str:

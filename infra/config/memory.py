@@ -1,7 +1,9 @@
 """A rough memory estimate per GPU for a placement plan (infra/config/placement_plan.py), from the model's config.json.
 
 Learner ranks hold float32 master weights, gradients and AdamW's two moments (16 B per parameter), sharded over
-learner.world_size by FSDP2; activations come on top. The reference holds float32 weights. An engine holds
+learner.world_size by FSDP2; activations come on top. The reference holds float32 weights, sharded the same way: on
+GPUs of its own, or on the policy's (learner.reference_placement=with_policy; with_policy_offloaded: in host memory
+between uses). An engine holds
 its weights (split over engines.gpus_per_engine) and a KV pool: SGLang takes mem_fraction_static of the GPU for both,
 so the estimate says what KV cache every decode slot at full length would need (max_running_requests x
 max_model_len tokens). Pure functions; nothing is loaded.
@@ -50,8 +52,14 @@ def memory_lines(plan, cfg, shape: ModelShape) -> list[str]:
             extra = ""
             if cfg.placement.colocate:
                 extra = "; the colocated engine's weights and KV pool are released while it trains"
-            lines.append(f"policy learner: ~{size} per GPU (fp32 weights, gradients and AdamW state of "
-                         f"{_count(p)} parameters / {world} rank(s); activations extra{extra})")
+            held = f"fp32 weights, gradients and AdamW state of {_count(p)} parameters"
+            placement = cfg.learner.reference_placement
+            if cfg.grpo.kl_coef > 0 and placement == "with_policy":
+                size = _size((LEARNER_BYTES_PER_PARAM + MASTER_BYTES) * p / world)
+                held += ", and the KL reference's fp32 weights (learner.reference_placement=with_policy)"
+            elif cfg.grpo.kl_coef > 0 and placement == "with_policy_offloaded":
+                extra += f"; the KL reference's ~{_size(MASTER_BYTES * p / world)} only during its pass ({placement})"
+            lines.append(f"policy learner: ~{size} per GPU ({held} / {world} rank(s); activations extra{extra})")
         elif group.name == "reference learner" and group.gpus:
             lines.append(f"reference learner: ~{_size(MASTER_BYTES * p / world)} per GPU (float32 weights, "
                          f"loaded as the policy's / {world} rank(s))")

@@ -1,7 +1,8 @@
 """The placement plan: every Ray actor a run starts, with the CPUs and GPUs it reserves, from the config alone.
 
 One place counts what flows/setup.py starts (tasks/learner/group.py: the policy ranks, and the reference ranks when
-grpo.kl_coef > 0; rollout/fleet/engine_pool.py: the engines' bundles, none when placement.colocate puts them in the policy
+grpo.kl_coef > 0 with learner.reference_placement=separate, none when the policy's ranks hold the reference;
+rollout/fleet/engine_pool.py: the engines' bundles, none when placement.colocate puts them in the policy
 ranks; rollout/scoring/reward_models.py: one actor per grpo.reward_models entry), so that `spillover check` and the start of a
 run refuse what the cluster cannot hold before any placement group waits for it. The bundle shapes below are the
 ones those modules request (they import them from here).
@@ -105,13 +106,19 @@ def placement_plan(cfg, cluster_gpus: float | None = None, eval_only: bool = Fal
     learners = not eval_only and (not cfg.schedule.debug_rollout_only or resuming)
     if learners:
         rank = learner_bundle(learner)
+        kl = cfg.grpo.kl_coef > 0
+        hosts = [what for what, held in (("the engines (placement.colocate)", colocated),
+                                         (f"the KL reference (learner.reference_placement={learner.reference_placement})",
+                                          kl and learner.reference_with_policy)) if held]
         groups.append(ActorGroup("policy learner", learner.world_size, rank["CPU"], rank.get("GPU", 0.0),
                                  "learner.world_size x learner.gpus_per_rank" if rank.get("GPU") else
-                                 "learner.world_size", "hosts the engines (placement.colocate)" if colocated else ""))
-        if cfg.grpo.kl_coef > 0:
+                                 "learner.world_size", "hosts " + " and ".join(hosts) if hosts else ""))
+        if kl and not learner.reference_with_policy:
             groups.append(ActorGroup("reference learner", learner.world_size, rank["CPU"], rank.get("GPU", 0.0),
-                                     "grpo.kl_coef > 0: learner.world_size x learner.gpus_per_rank" if rank.get("GPU")
-                                     else "grpo.kl_coef > 0", "frozen copy of the policy, sharded the same way"))
+                                     "grpo.kl_coef > 0, learner.reference_placement=separate: learner.world_size x "
+                                     "learner.gpus_per_rank" if rank.get("GPU") else
+                                     "grpo.kl_coef > 0, learner.reference_placement=separate",
+                                     "frozen copy of the policy, sharded the same way"))
     for i, rm in enumerate(() if eval_only else cfg.grpo.reward_models):
         groups.append(ActorGroup(f"reward model {rm.name or i}", 1, 0.0, rm.num_gpus,
                                  f"grpo.reward_models[{i}].num_gpus", rm.path))
@@ -170,9 +177,11 @@ def plan_problems(plan: PlacementPlan, cluster: Cluster, storage_url: str | None
     placement with node-local checkpoint storage."""
     problems = []
     if cluster.gpus is not None and plan.total_gpus > cluster.gpus + 1e-9:
+        reference = any(g.name == "reference learner" and g.gpus for g in plan.groups)
+        hint = (" (learner.reference_placement=with_policy runs the reference on the policy's GPUs, grpo.kl_coef=0 "
+                "drops it)" if reference else "")
         problems.append(f"the run needs {_gpus(plan.total_gpus)} ({plan.gpu_breakdown()}) but {cluster.source} has "
-                        f"{cluster.gpus:g}; lower those settings (grpo.kl_coef=0 drops the reference learner) or add "
-                        "GPUs")
+                        f"{cluster.gpus:g}; lower those settings{hint} or add GPUs")
     if cluster.cpus is not None and plan.total_cpus > cluster.cpus + 1e-9:
         problems.append(f"the run's actors reserve {plan.total_cpus:g} CPUs (learner.num_cpus_per_rank, "
                         f"engines.num_cpus_per_engine) but {cluster.source} has {cluster.cpus:g}; lower them")

@@ -1,4 +1,6 @@
-"""The learner: policy and reference models in Ray actors (one class; the reference is `trainable=False`).
+"""The learner: policy and reference models in Ray actors (one class; a reference group of its own is
+`trainable=False`; learner.reference_placement=with_policy puts the reference inside the policy's ranks instead:
+tasks/learner/reference.py).
 
 Both compute per-token logprobs of response tokens (log_softmax(logits / T), T = the sampler's
 temperature), projecting only response positions to the vocabulary, in chunks (tasks/learner/token_logprobs.py). The policy
@@ -26,7 +28,6 @@ from dataclasses import asdict, replace
 import numpy as np
 import torch
 
-from ...infra.process_memory import peak_rss_bytes, reset_peak_rss
 from ...infra.config.training import OFF_POLICY_NEEDS_OLD_LOGPROBS, DecaySpan, GRPOConfig, OptimizerConfig
 from ...infra.config.learner import LearnerConfig
 from ...rollout.batch import RolloutBatch
@@ -34,12 +35,12 @@ from .micro_batches import MicroBatch, check_per_token, make_micro_batch, micro_
 from .token_budget import token_budget_micro_batches
 from ..grpo_loss import aggregate, clipped_policy_loss, kl_penalty, off_policy_correction
 from .kl_control import next_kl_coef
-from .distributed import (all_reduce, balanced_shards, checkpoint_layers, compute_precision, init_distributed,
-                          load_learner_lm, shard_model)
+from .distributed import (all_reduce, balanced_shards, compute_precision, init_distributed, load_learner_lm,
+                          logprob_net)
 from .state import (STATE_FORMAT, full_model_state, load_state, save_hf_folder, save_state,
                     unique_state_keys)
 from .engine_host import EngineHost
-from .token_logprobs import ResponseLogprobModel
+from .reference import ReferenceModel
 from .offpolicy_metrics import OffPolicyStats
 from .weight_sender import WeightSender, for_engines, free_address
 
@@ -77,16 +78,10 @@ class LearnerActor:
         lm = load_learner_lm(self.model_path, lcfg)
         self.state_keys = unique_state_keys(lm)
         self.param_names = [name for name, _ in lm.named_parameters()]
-        if not trainable:
-            lm.requires_grad_(False)
-        if self.device == "cuda":
-            lm.to("cuda")
-        self.model, self.net = lm, ResponseLogprobModel(lm, temperature, lcfg.logprob_chunk_tokens)  # net: FSDP root
-        layers = lm.get_decoder().layers
-        if self.sharded:
-            shard_model(self.net, layers, lcfg, trainable)
-        elif trainable and lcfg.gradient_checkpointing:
-            checkpoint_layers(layers)
+        self.model, self.net = lm, logprob_net(lm, lcfg, temperature, self.sharded, self.device, trainable)  # FSDP root
+        # the KL reference in this rank (learner.reference_placement=with_policy[_offloaded]): the initial model
+        self.reference = (ReferenceModel(self.model_path, lcfg, temperature, self.sharded, self.device)
+                          if trainable and grpo_cfg.kl_coef > 0 and lcfg.reference_with_policy else None)
         cfg = lm.config
         pad = getattr(cfg, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else (getattr(cfg, "eos_token_id", None) or 0))
@@ -104,15 +99,17 @@ class LearnerActor:
                 weight_decay=optim_cfg.weight_decay, **kernel)
 
     # ----- logprobs -----
-    def _forward(self, mb: MicroBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs[B, R], entropy[B, R]) of the micro-batch's response tokens (padded or packed), float32."""
+    def _forward(self, net: torch.nn.Module, mb: MicroBatch, with_entropy: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs[B, R], entropy[B, R]) of the micro-batch's response tokens (padded or packed) under net (the
+        policy's or the reference's), float32."""
         d = self.device
         packed = {} if mb.cu_seqlens is None else dict(position_ids=mb.position_ids.to(d),
                                                        cu_seqlens=mb.cu_seqlens.to(d), max_seqlen=mb.max_seqlen)
         mask = None if mb.attention_mask is None else mb.attention_mask.to(d)
         with compute_precision(self.lcfg, self.sharded, d):
-            return self.net(mb.input_ids.to(d), mask, mb.logit_positions.to(d), mb.targets.to(d),
-                            mb.response_mask.to(d), with_entropy=with_entropy, **packed)
+            return net(mb.input_ids.to(d), mask, mb.logit_positions.to(d), mb.targets.to(d),
+                       mb.response_mask.to(d), with_entropy=with_entropy, **packed)
 
     def _micro_batches(self, batch: RolloutBatch, subset: list[int] | None = None, all_rows: bool = False):
         """This rank's micro-batches of `subset` (all rows when None). Sharded: a token-balanced share, and the
@@ -150,9 +147,24 @@ class LearnerActor:
     def compute_logprobs(self, batch: RolloutBatch) -> np.ndarray:
         """Logprob of every response token of the batch -> float32[Tr] (the batch's token order)."""
         self._note("compute_logprobs")
+        return self._logprobs(self.net, batch)
+
+    @torch.no_grad()
+    def compute_ref_logprobs(self, batch: RolloutBatch) -> np.ndarray:
+        """The KL reference's logprobs of the batch, from the frozen initial model this policy rank holds
+        (learner.reference_placement=with_policy or with_policy_offloaded) -> float32[Tr]."""
+        if self.reference is None:
+            raise RuntimeError("compute_ref_logprobs: this learner holds no reference; a policy learner holds one "
+                               "with grpo.kl_coef > 0 and learner.reference_placement=with_policy or "
+                               "with_policy_offloaded")
+        self._note("compute_ref_logprobs")
+        with self.reference.in_use() as net:
+            return self._logprobs(net, batch)
+
+    def _logprobs(self, net: torch.nn.Module, batch: RolloutBatch) -> np.ndarray:
         out = np.zeros(len(batch.response_tokens), dtype=np.float32)
         starts = batch.response_offsets
-        done = [(mb.indices, self._forward(mb)[0]) for mb in self._micro_batches(batch)]
+        done = [(mb.indices, self._forward(net, mb)[0]) for mb in self._micro_batches(batch)]
         flat = torch.cat([logp.flatten() for _, logp in done]).cpu().numpy() if done else np.zeros(0, np.float32)
         at = 0  # one device-to-host copy for the batch, not a host sync per micro-batch
         for indices, logp in done:
@@ -251,7 +263,7 @@ class LearnerActor:
         acc = torch.tensor([sums[k] for k in DEVICE_SUMS], dtype=torch.float64, device=self.device)
         tis_max = torch.tensor(-math.inf, device=self.device)
         for mb in self._micro_batches(batch, subset):
-            logp, entropy = self._forward(mb, with_entropy=True)
+            logp, entropy = self._forward(self.net, mb, with_entropy=True)
             mask = mb.loss_mask.to(self.device)
             old_mb = pad_per_token(old, batch, mb.indices, mask.size(1)).to(self.device)
             pg, clipped = clipped_policy_loss(logp, old_mb, mb.advantages.to(self.device), g.clip_eps, g.clip_eps_high)
@@ -291,14 +303,6 @@ class LearnerActor:
         return grad_norm, stepped
 
     # ----- weights and state -----
-    def reset(self, model_path: str, **init_kwargs) -> None:
-        """Start over as a new actor would (flows/parts.py): leave every weight-update group, construct again; a
-        hosted engine stays (its manager resets it)."""
-        self.weight_sender.leave_all()
-        host = self.engine_host
-        self.__init__(model_path, **init_kwargs)
-        self.engine_host = host
-
     def weight_version(self) -> int:
         return self._version
 
@@ -369,15 +373,6 @@ class LearnerActor:
 
     def broadcast_weights(self, group_name: str, buckets: list[list[str]]) -> dict:
         return self.weight_sender.broadcast(group_name, buckets)
-
-    def weight_digests(self) -> dict[str, str]:
-        return self.weight_sender.digests()
-
-    def reset_peak_rss(self) -> int:
-        return reset_peak_rss()
-
-    def peak_rss(self) -> int:
-        return peak_rss_bytes()
 
     # ----- a colocated engine in this rank's process (tasks/learner/engine_host.py) -----
     def node_id(self) -> str:

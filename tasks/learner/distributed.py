@@ -23,9 +23,10 @@ import torch.distributed as dist
 from ...infra.config.learner import LearnerConfig
 from ...rollout.sglang.update_group import tcp_store
 from .packed_attention import use_packed_attention
+from .token_logprobs import ResponseLogprobModel
 
 __all__ = ["MASTER_DTYPE", "all_reduce", "balanced_shards", "checkpoint_layers", "compute_precision",
-           "init_distributed", "load_learner_lm", "shard_model"]
+           "init_distributed", "load_learner_lm", "logprob_net", "shard_model"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MASTER_DTYPE = torch.float32
 
@@ -89,6 +90,24 @@ def load_learner_lm(model_path: str, lcfg: LearnerConfig) -> torch.nn.Module:
     if lcfg.packs_sequences:  # every forward is then one packed row (tasks/learner/packed_attention.py)
         use_packed_attention(lm)
     return lm.eval()
+
+
+def logprob_net(lm: torch.nn.Module, lcfg: LearnerConfig, temperature: float, sharded: bool, device: str,
+                trainable: bool) -> torch.nn.Module:
+    """lm on the learner's device inside the module that computes response logprobs (tasks/learner/token_logprobs.py),
+    its FSDP2 root when sharded; frozen (trainable=False: a KL reference) it takes no gradients and is never
+    checkpointed in backward."""
+    if not trainable:
+        lm.requires_grad_(False)
+    if device == "cuda":
+        lm.to("cuda")
+    net = ResponseLogprobModel(lm, temperature, lcfg.logprob_chunk_tokens)
+    layers = lm.get_decoder().layers
+    if sharded:
+        shard_model(net, layers, lcfg, trainable)
+    elif trainable and lcfg.gradient_checkpointing:
+        checkpoint_layers(layers)
+    return net
 
 
 def compute_precision(lcfg: LearnerConfig, sharded: bool, device: str):

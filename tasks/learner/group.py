@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ...infra.config.learner import LearnerConfig, check_learner_start
 from .actor import LearnerActor
 
-__all__ = ["LearnerGroup", "create_learner_group", "create_learners", "reset_learner_group"]
+__all__ = ["LearnerGroup", "create_learner_group", "create_learners"]
 log = logging.getLogger(__name__)
 RANK0_ONLY = ("state_dict_ref", "get_state")  # big results: rank 0's ref as is
 RENDEZVOUS_ATTEMPTS = 3
@@ -139,19 +139,9 @@ def rank_options(cfg, trainable: bool, lcfg: LearnerConfig, rank: int = 0, maste
                 learner_cfg=lcfg, rank=rank, master=master)
 
 
-def reset_learner_group(group: LearnerGroup, model_path, cfg, trainable: bool) -> None:
-    """A group started anew for another run with the same learner section (flows/parts.py): every rank constructs
-    itself again at once (weights from model_path, fresh state); a sharded group keeps its process group."""
-    if group.world_size != cfg.learner.world_size:
-        raise ValueError(f"a learner group of {group.world_size} ranks cannot serve learner.world_size="
-                         f"{cfg.learner.world_size}")
-    ray.get([actor.reset.remote(str(model_path), **rank_options(cfg, trainable, cfg.learner, rank, group.master))
-             for rank, actor in enumerate(group.actors)])
-    group.pending = []
-
-
 def create_learners(model_path, cfg, start_group=None) -> tuple[LearnerGroup, LearnerGroup | None]:
-    """The policy group, and the frozen reference group (sharded the same way) when grpo.kl_coef > 0.
+    """The policy group, and the frozen reference group (sharded the same way) when grpo.kl_coef > 0 and
+    learner.reference_placement=separate (with_policy: the policy's ranks hold the reference themselves).
     start_group(trainable) -> group: how a group is got (flows/parts.py borrows kept ones); default: started.
 
     Refuses at start what the cluster cannot run (learner.device=cuda without enough GPUs, flash attention
@@ -160,7 +150,7 @@ def create_learners(model_path, cfg, start_group=None) -> tuple[LearnerGroup, Le
     start_group = start_group or (lambda trainable: create_learner_group(model_path, cfg, trainable=trainable))
     policy = start_group(True)
     try:
-        ref = start_group(False) if cfg.grpo.kl_coef > 0 else None
+        ref = start_group(False) if cfg.grpo.kl_coef > 0 and not cfg.learner.reference_with_policy else None
     except BaseException:
         policy.shutdown()
         raise

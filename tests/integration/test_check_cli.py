@@ -74,10 +74,11 @@ def test_check_refuses_a_bad_import_path():
 def test_check_refuses_an_impossible_gpu_count_naming_the_fields():
     """Torch engines (no SGLang import: the recipes' own refusals are checked in process below)."""
     code, _, err, _ = spillover("check", "--config", "configs/tiny.yaml", "--gpus", "1", "learner.device=cuda",
-                                "grpo.kl_coef=0.01")
+                                "grpo.kl_coef=0.01", "learner.reference_placement=separate")
     line = refused_once(code, err)
     assert "the run needs 2 GPUs" in line and "--gpus 1" in line
-    assert all(f in line for f in ("learner.world_size x learner.gpus_per_rank", "grpo.kl_coef > 0"))
+    assert all(f in line for f in ("learner.world_size x learner.gpus_per_rank", "grpo.kl_coef > 0",
+                                   "learner.reference_placement=with_policy"))
 
 
 def test_check_refuses_multi_node_placement_with_local_storage():
@@ -199,7 +200,7 @@ def test_every_recipe_passes_check_with_the_gpus_its_header_states(recipe, tiny_
         assert code == expected, err.getvalue()
         if expected:
             [line] = err.getvalue().splitlines()
-            assert f"needs {gpus} GPUs" in line and "grpo.kl_coef > 0" in line and "learner.world_size" in line
+            assert f"needs {gpus} GPUs" in line and "learner.world_size" in line and "engines.rollout_num_gpus" in line
         else:
             assert f"total: {gpus} GPUs" in out.getvalue() and not err.getvalue()
 

@@ -22,23 +22,36 @@ def gpus(name_counts: dict, plan) -> dict:
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_recipes_count_the_reference_learner(recipe):
+def test_recipes_run_the_reference_on_the_policys_gpus(recipe):
+    """The recipes (grpo.kl_coef > 0) hold the reference in the policy's ranks: 2 GPUs for the 0.5B ones, 4 for the
+    1.5B ones; learner.reference_placement=separate gives it GPUs of its own again (3 and 6)."""
     cfg = load_config(recipe)
+    assert cfg.grpo.kl_coef > 0 and cfg.learner.reference_placement == "with_policy"
     plan = placement_plan(cfg)
     ranks = cfg.learner.world_size
-    assert {g.name: g.total_gpus for g in plan.groups} == {"policy learner": ranks, "reference learner": ranks,
-                                                          "engine": cfg.engines.rollout_num_gpus}
-    assert plan.total_gpus == 3 * ranks  # 3 for the 0.5B recipes, 6 for the 1.5B ones (their headers said 2 and 4)
-    assert plan_problems(plan, Cluster(gpus=3 * ranks)) == []
-    short = plan_problems(plan, Cluster(gpus=3 * ranks - 1, source="--gpus"))
-    assert len(short) == 1 and f"needs {3 * ranks} GPUs" in short[0]
-    assert all(f in short[0] for f in ("learner.world_size", "grpo.kl_coef", "engines.rollout_num_gpus"))
+    engines = cfg.engines.rollout_num_gpus
+    assert engines == ranks and {g.name: g.total_gpus for g in plan.groups} == {"policy learner": ranks,
+                                                                               "engine": engines}
+    assert "learner.reference_placement=with_policy" in plan.groups[0].note
+    assert plan.total_gpus == 2 * ranks and plan_problems(plan, Cluster(gpus=2 * ranks)) == []
+    short = plan_problems(plan, Cluster(gpus=2 * ranks - 1, source="--gpus"))
+    assert len(short) == 1 and f"needs {2 * ranks} GPUs" in short[0]
+    assert all(f in short[0] for f in ("learner.world_size", "engines.rollout_num_gpus"))
+    separate = placement_plan(load_config(recipe, ["learner.reference_placement=separate"]))
+    assert {g.name: g.total_gpus for g in separate.groups} == {"policy learner": ranks, "reference learner": ranks,
+                                                              "engine": engines}
+    [short] = plan_problems(separate, Cluster(gpus=2 * ranks, source="--gpus"))
+    assert all(f in short for f in (f"needs {3 * ranks} GPUs", "grpo.kl_coef > 0, learner.reference_placement=separate",
+                                    "learner.reference_placement=with_policy runs the reference on the policy's GPUs"))
 
 
 def test_what_is_started_decides_the_count():
     gpu = ["learner.device=cuda", "engines.backend=sglang", "engines.rollout_num_gpus=2"]
     assert placement_plan(build_config({}, gpu)).total_gpus == 3  # 1 rank, no KL: 2 engine GPUs
-    assert placement_plan(build_config({}, gpu + ["grpo.kl_coef=0.1"])).total_gpus == 4
+    assert placement_plan(build_config({}, gpu + ["grpo.kl_coef=0.1"])).total_gpus == 3  # the reference in the policy
+    for placement in ("with_policy_offloaded", "separate"):
+        assert placement_plan(build_config({}, gpu + ["grpo.kl_coef=0.1", f"learner.reference_placement={placement}"]
+                                           )).total_gpus == {"separate": 4}.get(placement, 3)
     colocated = build_config({}, ["learner.device=cuda", "learner.world_size=2", "placement.colocate=true",
                                   "engines.backend=sglang", "engines.rollout_num_gpus=2", "grpo.micro_batch_size=16"])
     plan = placement_plan(colocated)
@@ -109,8 +122,15 @@ def test_memory_estimate_of_a_recipe():
     assert 0.48e9 < shape.params < 0.50e9  # Qwen2.5-0.5B: 494M parameters
     cfg = load_config("configs/gpu/qwen2.5-0.5b-gsm8k.yaml")
     lines = memory_lines(placement_plan(cfg), cfg, shape)
+    assert [line.split(":")[0] for line in lines] == ["policy learner", "engine"]  # the reference in the policy's
+    assert "~9.2 GiB" in lines[0] and "KL reference" in lines[0] and "256 slots at 1536 tokens" in lines[1]  # +1.8
+    offloaded = load_config("configs/gpu/qwen2.5-0.5b-gsm8k.yaml", ["learner.reference_placement=with_policy_offloaded"])
+    [policy, _] = memory_lines(placement_plan(offloaded), offloaded, shape)
+    assert "~7.4 GiB" in policy and "~1.8 GiB only during its pass" in policy
+    separate = load_config("configs/gpu/qwen2.5-0.5b-gsm8k.yaml", ["learner.reference_placement=separate"])
+    lines = memory_lines(placement_plan(separate), separate, shape)
     assert [line.split(":")[0] for line in lines] == ["policy learner", "reference learner", "engine"]
-    assert "~7.4 GiB" in lines[0] and "~1.8 GiB" in lines[1] and "256 slots at 1536 tokens" in lines[2]
+    assert "~7.4 GiB" in lines[0] and "~1.8 GiB" in lines[1]
 
 
 def test_reward_keywords_match_the_reward_task():
