@@ -59,8 +59,34 @@ class _GroupMethod:
         return _rank0_result.remote(*refs)
 
 
+class _OnEveryRank:
+    """A LearnerActor method that the group calls on every rank: `group.<name>.remote(...)` (see _GroupMethod)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, group: "LearnerGroup | None", owner=None):
+        return self if group is None else _GroupMethod(group, self.name)
+
+
 class LearnerGroup:
-    """world_size ranks of one learner (policy or reference); `.method.remote(...)` -> ObjectRef of rank 0's result."""
+    """world_size ranks of one learner (policy or reference); `.method.remote(...)` -> ObjectRef of rank 0's result.
+    The methods below are tasks/learner/actor.py LearnerActor's that run on every rank; per-rank ones (shards,
+    colocated engines) go through `each` or the actors themselves."""
+
+    compute_logprobs = _OnEveryRank()
+    compute_ref_logprobs = _OnEveryRank()
+    update = _OnEveryRank()
+    weight_version = _OnEveryRank()
+    state_dict_ref = _OnEveryRank()
+    save_weights = _OnEveryRank()
+    get_state = _OnEveryRank()
+    set_state = _OnEveryRank()
+    weight_specs = _OnEveryRank()
+    weight_sync_address = _OnEveryRank()
+    join_weight_group = _OnEveryRank()
+    leave_weight_group = _OnEveryRank()
+    broadcast_weights = _OnEveryRank()
 
     def __init__(self, actors: list, pg=None, master: tuple[str, int] | None = None):
         self.actors, self.pg, self.pending, self.master = list(actors), pg, [], master  # master: rank 0's rendezvous
@@ -68,11 +94,6 @@ class LearnerGroup:
     @property
     def world_size(self) -> int:
         return len(self.actors)
-
-    def __getattr__(self, name: str) -> _GroupMethod:
-        if name.startswith("_") or name in ("actors", "pg", "pending", "master"):
-            raise AttributeError(name)
-        return _GroupMethod(self, name)
 
     def each(self, name: str, *args, **kwargs) -> list:
         """Call a method on every rank -> [ObjectRef of each rank's result] (e.g. write_state_shards)."""
