@@ -337,6 +337,13 @@ class ModelInfo(BaseModel):
     model_path: str
     tokenizer_path: str | None = None
     is_generation: bool = True
+    preferred_sampling_params: dict | None = None
+    weight_version: WeightVersion = None
+
+
+class WeightVersionInfo(BaseModel):
+    """GET /get_weight_version."""
+
     weight_version: WeightVersion = None
 
 

@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from ..sglang.protocol import (AbortRequest, BadRequest, ContinueGenerationRequest, GenerateRequest, LoadEntry,
-                               LoadsResponse, PauseGenerationRequest, ReleaseMemoryOccupationRequest,
-                               ResumeMemoryOccupationRequest, UpdateWeightsFromDiskRequest, new_rid)
+                               LoadsResponse, ModelInfo, PauseGenerationRequest, ReleaseMemoryOccupationRequest,
+                               ResumeMemoryOccupationRequest, UpdateWeightsFromDiskRequest, WeightVersionInfo, new_rid)
 from .served_engine import ServedEngine
 
 ENGINE_VERSION = "spillover-torch-0.1"
@@ -152,15 +152,15 @@ def build_app(server: ServedEngine) -> FastAPI:
                              loads=[entry], aggregate=aggregate).model_dump()
 
     def model_info() -> dict:
-        return {"model_path": server.model_path, "tokenizer_path": server.model_path, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": server.weight_version}
+        return ModelInfo(model_path=server.model_path, tokenizer_path=server.model_path,
+                         weight_version=server.weight_version).model_dump(mode="json")
 
     app.get("/model_info")(model_info)
     app.get("/get_model_info")(model_info)
 
     @app.get("/get_weight_version")
     async def get_weight_version():
-        return {"weight_version": server.weight_version}
+        return WeightVersionInfo(weight_version=server.weight_version).model_dump(mode="json")
 
     def server_info() -> dict:
         return {**model_info(), "max_running_requests": batcher.num_slots, "context_length": server.max_len,

@@ -123,7 +123,7 @@ def test_weight_update_changes_outputs_and_versions(rollout_manager, tiny_model_
         assert versions == {0: 7, 1: 7}
         assert engine_events(m) == [IN_ONE_SESSION] * 2  # /update_weights_from_tensor inside SGLang's session
         for url in m.urls:
-            assert httpx.get(url + "/model_info").json()["weight_version"] == 7
+            assert httpx.get(url + "/model_info").json()["weight_version"] == "7"  # text, as SGLang
         after = m.generate(batch(GREEDY))
         assert [r.output_ids for r in after] != [r.output_ids for r in before]
         assert {r.meta_info.weight_version for r in after} == {7}
@@ -162,7 +162,7 @@ def test_tensor_update_in_buckets_runs_in_one_session_and_a_failed_one_ends_it(r
             m.update_weights(WeightUpdate("tensor", {**tiny, "model.no_such.weight": torch.zeros(3)}, 9))
         assert engine_events(m) == [["begin_weight_update", "update_weights_from_tensor failed",
                                      "end_weight_update"]] * 2
-        assert [httpx.get(u + "/model_info").json()["weight_version"] for u in m.urls] == [5, 0]
+        assert [httpx.get(u + "/model_info").json()["weight_version"] for u in m.urls] == ["5", "0"]
         assert m.update_weights(WeightUpdate("tensor", tiny, 6)) == {0: 6, 1: 6}  # a session can begin again
         assert engine_events(m) == [IN_ONE_SESSION] * 2
     finally:
