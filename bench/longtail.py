@@ -24,7 +24,12 @@ ready decode on through the update and pause only for the --swap-s weight swap, 
 overlap_age2_* (max_age 2), overlap_os_age4_in_place (over-sampled, max_age 4). The pause modes print the same rows:
 the swap ends the update and the next generation collects what still runs, so none generates in between.
 --group-share gives a group's samples correlated lengths (hard prompts); at 0, the default, they are independent and
-siblings predict nothing.
+siblings predict nothing. Issue 38: --workload recurring is the disaggregated workload with prompts that come back
+every epoch (--num-prompts), each with its own difficulty (--prompt-share of the log-length variance; lengths otherwise
+as disaggregated): *_hist modes are their base mode with rollout.start_order = predicted_longest (the dock's
+per-prompt length history starts the groups predicted longest first). --seeds 0,1,2 runs every mode on each seed: one
+row per mode and seed (speedup against that seed's no_partial), then one row per mode with "seeds",
+"speedup_min" and "speedup_mean".
 
 Keys (one JSON line per mode on stdout; logs on stderr):
   tokens_per_s       trained (completed) response tokens per second of iteration (generation + update)
@@ -43,6 +48,9 @@ Keys (one JSON line per mode on stdout; logs on stderr):
                      (ready point, pause, collect) and retract's KV recompute; what partial rollout pays instead
   detached_tokens_per_iteration  tokens generated after the round detached (through the update), written next call
   update_engine_busy_share  share of engine time during the update with a request running
+  seed               the workload's seed (lengths; with --seeds one row per seed)
+  predictor_r        *_hist: correlation of the history's predicted and the true mean length of the trained groups
+                     whose prompt had a history (measured iterations); null where no predictor runs
 """
 from __future__ import annotations
 
@@ -55,9 +63,10 @@ import logging
 import sys
 
 from .simulator.engine import EngineTiming, SimulatedEngine  # noqa: E402
-from .simulator.workload import DEFAULT_EOS, LognormalLengths, simulated_prompt  # noqa: E402
+from .simulator.workload import DEFAULT_EOS, LognormalLengths, RecurringLengths, simulated_prompt  # noqa: E402
 from .mode_run import run_mode  # noqa: E402
-from .longtail_modes import DISAGGREGATED_MODES, MODES, TODAY_MODES, Workload, pause_mode  # noqa: E402
+from .longtail_modes import (DISAGGREGATED_MODES, MODES, RECURRING_MODES, TODAY_MODES, Workload,  # noqa: E402
+                             pause_mode)
 
 log = logging.getLogger("longtail")
 def add_speedups(results: list[dict]) -> None:
@@ -71,6 +80,25 @@ def add_speedups(results: list[dict]) -> None:
             r["speedup_bound"] = round(r["tokens_per_s_bound"] / base["tokens_per_s"], 3)
 
 
+def seed_summary(results: list[dict]) -> list[dict]:
+    """Rows of every seed -> one row per mode: the seeds, and the minimum and mean of speedup, rollout_speedup and
+    token_staleness_max's maximum over them."""
+    out = []
+    for mode in dict.fromkeys(r["mode"] for r in results):
+        rows = [r for r in results if r["mode"] == mode]
+        row = {"mode": mode, "summary": True, "seeds": [r["seed"] for r in rows],
+               "token_staleness_max": max(r["token_staleness_max"] for r in rows),
+               "discarded_tokens_per_update_max": max((r.get("discarded_tokens_per_update") or 0) for r in rows),
+               "trained_tokens_per_iteration_mean": round(sum(r["trained_tokens_per_iteration"] for r in rows)
+                                                          / len(rows))}
+        for key in ("speedup", "rollout_speedup", "predictor_r"):
+            values = [r[key] for r in rows if r.get(key) is not None]
+            row[f"{key}_min"] = min(values) if values else None
+            row[f"{key}_mean"] = round(sum(values) / len(values), 3) if values else None
+        out.append(row)
+    return out
+
+
 class SimulatedRun:
     """The simulated engine with the clock, update and usage hooks run_mode needs.
 
@@ -81,13 +109,20 @@ class SimulatedRun:
     """
 
     def __init__(self, args):
+        self.key_for = None
         k = args.token_scale
         if args.max_tokens % (k * 8) or args.prompt_tokens % k:
             raise SystemExit(f"--token-scale {k} must divide --max-tokens / 8 and --prompt-tokens")
         self.timing = EngineTiming(args.engines, args.slots, k * args.step_base_ms / 1e3,
                                    k * args.step_per_seq_ms / 1e3, k * args.prefill_us_per_token / 1e6)
-        self.lengths = LognormalLengths(n=args.n, median=args.median / k, sigma=args.sigma, seed=args.seed,
-                                        group_share=args.group_share)
+        if args.workload == "recurring":  # the history key: the prompt, the same every epoch
+            self.lengths = RecurringLengths(n=args.n, num_prompts=args.num_prompts, median=args.median / k,
+                                            sigma=args.sigma, seed=args.seed, group_share=args.group_share,
+                                            prompt_share=args.prompt_share)
+            self.key_for = self.lengths.prompt_of
+        else:
+            self.lengths = LognormalLengths(n=args.n, median=args.median / k, sigma=args.sigma, seed=args.seed,
+                                            group_share=args.group_share)
         self.args = args
 
     def run(self, mode: str, work: Workload) -> dict:
@@ -109,7 +144,8 @@ class SimulatedRun:
 
         prompt = work.prompt_tokens // work.token_scale
         result = run_mode(mode, work, engine, lambda g: simulated_prompt(g, prompt), lambda: engine.clock_s,
-                          update, self.args.iterations, self.args.warmup, [DEFAULT_EOS], engine.usage)
+                          update, self.args.iterations, self.args.warmup, [DEFAULT_EOS], engine.usage,
+                          key_for=self.key_for)
         result["tokens_per_s_bound"] = round(self.bound(result["trained_tokens_per_iteration"],
                                                         result["generated_tokens_per_iteration"], work, overlap), 1)
         return result
@@ -134,12 +170,18 @@ def parse_args(argv=None):
     p.add_argument("--local", action="store_true", help="with --real: engines in this process, no Ray or router "
                    "(bench/local_engines.py; the GPU machine has neither)")
     p.add_argument("--device", default=None, help="with --real --local: the engines' device (cuda, cpu)")
-    p.add_argument("--workload", choices=("colocated", "disaggregated"), default="colocated",
+    p.add_argument("--workload", choices=("colocated", "disaggregated", "recurring"), default="colocated",
                    help="colocated (default): a short update, independent lengths, today's modes; disaggregated: "
                    "learner on its own GPUs, the update about half of no_partial's rollout (--update-s 450, "
-                   "--swap-s 5), --group-share 0.5, and the overlap modes")
+                   "--swap-s 5), --group-share 0.5, and the overlap modes; recurring: disaggregated with prompts "
+                   "that recur every epoch (--num-prompts, --prompt-share) and the *_hist modes")
+    p.add_argument("--num-prompts", type=int, default=1024, help="recurring: prompts in the data set (an epoch)")
+    p.add_argument("--prompt-share", type=float, default=0.4,
+                   help="recurring: share of the log-length variance that is the prompt's own, every epoch (of "
+                   "--group-share)")
     p.add_argument("--modes", default=None, help="comma-separated subset of " + ",".join(MODES))
-    p.add_argument("--iterations", type=int, default=None, help="measured iterations per mode (sim 3, real 5)")
+    p.add_argument("--iterations", type=int, default=None,
+                   help="measured iterations per mode (sim 3, disaggregated and recurring 15, real 5)")
     p.add_argument("--warmup", type=int, default=None, help="iterations run before measuring (default 2)")
     p.add_argument("--gbs", type=int, default=None, help="groups per batch (sim 512, real 32)")
     p.add_argument("--n", type=int, default=None, help="samples per group (sim 16, real 4)")
@@ -164,6 +206,7 @@ def parse_args(argv=None):
     p.add_argument("--step-per-seq-ms", type=float, default=0.08)
     p.add_argument("--prefill-us-per-token", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default=None, help="comma-separated seeds, each a full run of the modes (default: --seed)")
     p.add_argument("--token-scale", type=int, default=None,
                    help="sim: one simulated token stands for this many (default 8; 1 = exact, ~8x slower)")
     args = p.parse_args(argv)
@@ -171,15 +214,24 @@ def parse_args(argv=None):
     defaults = {"iterations": 3 if sim else 5, "warmup": 2, "token_scale": 8 if sim else 1, "gbs": 512 if sim else 32,
                 "n": 16 if sim else 4, "max_tokens": 32768 if sim else 512, "median": 2000.0 if sim else 32.0,
                 "prompt_tokens": 256 if sim else 16, "slots": 256 if sim else 16, "engines": 8 if sim else 2}
-    disaggregated = args.workload == "disaggregated"
+    disaggregated = args.workload in ("disaggregated", "recurring")
+    if disaggregated and sim:
+        defaults["iterations"] = 15
     defaults.update({"update_s": 450.0 if disaggregated else 30.0, "swap_s": 5.0 if disaggregated else 0.0,
                      "group_share": 0.5 if disaggregated else 0.0,
-                     "modes": ",".join(DISAGGREGATED_MODES if disaggregated else TODAY_MODES)})
+                     "modes": ",".join(RECURRING_MODES if args.workload == "recurring" else
+                                       DISAGGREGATED_MODES if disaggregated else TODAY_MODES)})
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if not 0 <= args.swap_s <= args.update_s:
         p.error(f"--swap-s ({args.swap_s}) must lie in [0, --update-s ({args.update_s})]")
+    try:
+        args.seeds = [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds else [args.seed]
+    except ValueError:
+        p.error(f"--seeds: comma-separated integers; got {args.seeds!r}")
+    if args.real and args.workload == "recurring":
+        p.error("--workload recurring runs in the simulator only (drop --real)")
     if args.over_sampling_groups is None:
         args.over_sampling_groups = args.gbs // 2
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -202,6 +254,25 @@ def main(argv=None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s", force=True)
     args = parse_args(argv)
     log.info("config: %s", vars(args))
+    work = Workload(args.gbs, args.n, args.max_tokens, args.prompt_tokens, args.async_max_age,
+                    args.over_sampling_groups, args.update_s, args.token_scale, args.swap_s)
+    results = []
+    for seed in args.seeds:
+        args.seed = seed
+        seed_results = run_seed(args, work)
+        for result in seed_results:
+            result["seed"] = seed
+            result.setdefault("predictor_r", None)
+            print(json.dumps(result), flush=True)
+        results += seed_results
+    if len(args.seeds) > 1:
+        for row in seed_summary(results):
+            print(json.dumps(row), flush=True)
+    return results
+
+
+def run_seed(args, work: Workload) -> list[dict]:
+    """Every mode on args.seed -> their rows, with speedups against this seed's no_partial."""
     if args.real:
         from .longtail_real import RealRun
         runner = RealRun(args)
@@ -209,8 +280,6 @@ def main(argv=None) -> list[dict]:
         runner = SimulatedRun(args)
     for name in ("longtail", "longtail.real"):  # importing Prefect (via the engines) disables existing loggers
         logging.getLogger(name).disabled = False
-    work = Workload(args.gbs, args.n, args.max_tokens, args.prompt_tokens, args.async_max_age,
-                    args.over_sampling_groups, args.update_s, args.token_scale, args.swap_s)
     results = []
     try:
         if args.real:  # one iteration of each mode in turn: load on the shared CPUs hits every mode alike
@@ -222,15 +291,12 @@ def main(argv=None) -> list[dict]:
         else:
             for mode in args.modes:
                 results.append(runner.run(mode, work))
-                log.info("%s", json.dumps(results[-1]))
+                log.info("seed %d: %s", args.seed, json.dumps(results[-1]))
         add_speedups(results)
     finally:
         if hasattr(runner, "close"):
             runner.close()
-    for result in results:
-        print(json.dumps(result), flush=True)
     return results
-
 
 if __name__ == "__main__":
     main()

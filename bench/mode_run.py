@@ -35,11 +35,15 @@ class ModeRun:
     """The iteration loop of one mode, one iteration per step() (so that --real can interleave the modes
     and share the machine's load fluctuations fairly). prompt_for(group_id) -> token ids; clock() ->
     seconds; update(version) -> seconds the weight update took; usage() -> cumulative engine counters;
-    prepare(version), if given, runs before each iteration's generation (untimed)."""
+    prepare(version), if given, runs before each iteration's generation (untimed); key_for(group_id), if given, the
+    prompt's key in the dock's length history (default: a digest of the prompt's tokens)."""
 
     def __init__(self, mode: str, work: Workload, engine, prompt_for, clock, update, eos_ids: list[int],
-                 usage=None, prepare=None):
+                 usage=None, prepare=None, key_for=None):
         self.mode, self.work, self.engine, self.prompt_for = mode, work, engine, prompt_for
+        self.key_for = key_for
+        self.predicted: dict[int, float] = {}  # group id -> its history prediction at load (predicted_longest)
+        self.pairs: list[tuple[int, np.ndarray, np.ndarray]] = []  # (iteration, predicted, true group mean length)
         self.clock, self.update, self.eos_ids, self.usage, self.prepare = clock, update, eos_ids, usage, prepare
         self.cfg = work.rollout_config(mode)
         self.dock = build_dock(self.cfg, eos_ids)
@@ -51,7 +55,10 @@ class ModeRun:
         wall0, it, dock = time.perf_counter(), len(self.rows), self.dock
         count = groups_for_iteration(dock, ENDLESS)
         ids = np.arange(self.next_id, self.next_id + count)
-        dock.load_groups(ids, [self.prompt_for(int(g)) for g in ids], [0] * count)
+        keys = [self.key_for(int(g)) for g in ids] if self.key_for else None
+        slots = dock.load_groups(ids, [self.prompt_for(int(g)) for g in ids], [0] * count, keys=keys)
+        if self.cfg.start_order == "predicted_longest":
+            self.predicted.update(zip(ids.tolist(), dock.predicted_length(slots).tolist()))
         self.next_id += count
         if self.prepare:
             self.prepare(it)
@@ -61,6 +68,10 @@ class ModeRun:
         after = self.usage() if self.usage else {}
         batch = dock.batch_arrays()
         versions = batch["weight_versions"]
+        if self.cfg.start_order == "predicted_longest":
+            true = batch["response_lengths"].reshape(-1, dock.n).mean(axis=1)
+            predicted = np.asarray([self.predicted.pop(g) for g in dock.batch_group_ids().tolist()])
+            self.pairs.append((it, predicted, true))
         row = {"rollout_s": rollout_s, "rounds": stats["rounds"], "trained": int(batch["response_lengths"].sum()),
                "stale": int((versions < it).sum()), "max_lag": int(it - versions.min()) if len(versions) else 0,
                "generated": stats["tokens_generated"], "detached": stats["detached_tokens"],
@@ -86,13 +97,26 @@ class ModeRun:
                 if self.detached is not None else 0
             lost = self.usage()["tokens_generated"] - sum(r["generated"] for r in self.rows) - waiting
             out["discarded_tokens_per_update"] = round(lost * self.work.token_scale / len(self.rows))
+        out["predictor_r"] = self.predictor_r(warmup)
         return out
+
+    def predictor_r(self, warmup: int) -> float | None:
+        """Pearson correlation of the history's predicted and the true mean length of the measured iterations'
+        trained groups (those whose prompt had a history); None where no predictor runs or too few were known."""
+        pairs = [(p, t) for it, p, t in self.pairs if it >= warmup]
+        if not pairs:
+            return None
+        predicted, true = np.concatenate([p for p, _ in pairs]), np.concatenate([t for _, t in pairs])
+        known = ~np.isnan(predicted)
+        if known.sum() < 3 or np.std(predicted[known]) == 0 or np.std(true[known]) == 0:
+            return None
+        return round(float(np.corrcoef(predicted[known], true[known])[0, 1]), 3)
 
 
 def run_mode(mode: str, work: Workload, engine, prompt_for, clock, update, iterations: int, warmup: int,
-             eos_ids: list[int], usage=None) -> dict:
+             eos_ids: list[int], usage=None, key_for=None) -> dict:
     """All iterations of one mode -> its JSON summary (see ModeRun)."""
-    run = ModeRun(mode, work, engine, prompt_for, clock, update, eos_ids, usage)
+    run = ModeRun(mode, work, engine, prompt_for, clock, update, eos_ids, usage, key_for=key_for)
     for _ in range(warmup + iterations):
         run.step()
     return run.result(warmup)

@@ -73,6 +73,39 @@ class LognormalLengths:
 
 
 @dataclass(frozen=True)
+class RecurringLengths:
+    """Natural lengths of prompts that recur across epochs (the bench's --workload recurring): group g asks prompt
+    g % num_prompts, whose difficulty (a standard normal z_prompt, seeded by (seed, prompt)) holds every epoch.
+
+    log length = log(median) + sigma (sqrt(prompt_share) z_prompt + sqrt(group_share - prompt_share) z_group
+    + sqrt(1 - group_share) z_sample): a group's samples share group_share of the variance, of which prompt_share is
+    the prompt's own and comes back next epoch (what a per-prompt history of lengths can learn); the marginal
+    lengths stay lognormal(median, sigma)."""
+
+    n: int
+    num_prompts: int
+    median: float = 2000.0
+    sigma: float = 1.0
+    seed: int = 0
+    group_share: float = 0.5
+    prompt_share: float = 0.4
+
+    def __post_init__(self):
+        if not 0 <= self.prompt_share <= self.group_share < 1 or self.num_prompts < 1:
+            raise ValueError("RecurringLengths: need 0 <= prompt_share <= group_share < 1 and num_prompts >= 1")
+
+    def prompt_of(self, group_id: int) -> int:
+        return int(group_id) % self.num_prompts
+
+    def group_lengths(self, group_id: int) -> np.ndarray:
+        z_prompt = np.random.default_rng([self.seed, 1, self.prompt_of(group_id)]).normal()
+        rng = np.random.default_rng([self.seed, int(group_id)])
+        z = (np.sqrt(self.prompt_share) * z_prompt + np.sqrt(self.group_share - self.prompt_share) * rng.normal()
+             + np.sqrt(1 - self.group_share) * rng.normal(size=self.n))
+        return np.maximum(np.ceil(self.median * np.exp(self.sigma * z)), 1).astype(np.int64)
+
+
+@dataclass(frozen=True)
 class TableLengths:
     """Natural lengths given per group (tests and hand-computed cases)."""
 

@@ -38,6 +38,12 @@ class RolloutConfig(Section):
     scheduling: Literal["fifo", "length_aware"] = Field(
         "fifo", description="Dispatch order: fifo = the dock's (oldest first); length_aware = longest expected remaining "
         "work first (carried-over rows, a group's finished siblings; rollout/drivers/scheduling.py), rows spread over engines.")
+    start_order: Literal["oldest", "predicted_longest"] = Field(
+        "oldest", description="length_aware: the order groups start in. oldest = oldest group first, then the longest "
+        "expected remaining work from tokens generated so far and finished siblings (a group not started yet expects "
+        "the mean completed length, so new groups start in load order); predicted_longest = the same, but a group "
+        "whose prompt was trained in an earlier epoch expects the mean length its groups reached (a per-prompt "
+        "history the dock keeps and checkpoints), so after each weight swap the groups predicted longest start first.")
     tail_factor: float = Field(0.0, ge=0, description="Tail batching (length_aware): rows expected above this x the "
                                "median remaining work wait for the long round; 0 = off.")
     tail_round_every: int = Field(2, ge=1, description="Tail batching: every k-th iteration is a long round.")
@@ -113,6 +119,9 @@ class RolloutConfig(Section):
                              f"({self.max_tokens}) to leave room for the prompt")
         if self.max_age is not None and self.max_age < 1:
             raise ValueError(f"rollout.max_age must be >= 1; got {self.max_age}")
+        if self.start_order != "oldest" and self.scheduling != "length_aware":
+            raise ValueError(f"rollout.start_order={self.start_order} orders rows by their expected length: it needs "
+                             "rollout.scheduling=length_aware")
         if self.overlap and self.mode != "async":
             raise ValueError(f"rollout.overlap=true needs rollout.mode=async (got mode={self.mode}): the sync driver's "
                              "rounds end with every request, so nothing runs on; set rollout.mode=async or "

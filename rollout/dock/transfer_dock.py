@@ -42,6 +42,7 @@ from ...infra.storage.format_version import check_format_version, format_tag
 from . import staleness as dock_staleness
 from ..batch import RolloutBatch
 from .buffers import PagedColumns, TokenRows
+from .length_history import LengthHistory, prompt_keys
 from .checks import (DockError, check_dock_sizes, check_in_flight, check_load, check_occupied,
                      check_rows, parse_generation, parse_prompts)
 
@@ -68,6 +69,8 @@ class TransferDock:
         self.capacity_rows = self.capacity_groups * self.n
         self.group_ids = np.full(self.capacity_groups, -1, dtype=np.int64)  # -1: free slot
         self.load_seq = np.zeros(self.capacity_groups, dtype=np.int64)
+        self.prompt_keys = np.zeros(self.capacity_groups, dtype=np.int64)  # the prompt's key in length_history
+        self.length_history = LengthHistory()  # per-prompt mean lengths of trained groups, across epochs
         self.labels: list[Any] = [None] * self.capacity_groups
         self.metadata: list[dict | None] = [None] * self.capacity_groups  # data.additional_keys per group (JSON)
         self.next_load_seq = 0
@@ -116,6 +119,10 @@ class TransferDock:
         key = self.group_age()[slots].astype(np.int64) * -(1 << 40) + self.load_seq[slots]
         return np.argsort(key, kind="stable")
 
+    def predicted_length(self, slots: np.ndarray) -> np.ndarray:
+        """float64[k]: the mean response length the groups' prompts reached in earlier epochs; NaN: no history."""
+        return self.length_history.predict(self.prompt_keys[np.asarray(slots, dtype=np.int64)])
+
     def prompt_lengths(self, rows: np.ndarray) -> np.ndarray:
         return self.prompts.length[np.asarray(rows, dtype=np.int64) // self.n]
 
@@ -124,13 +131,17 @@ class TransferDock:
         return int(np.count_nonzero(self.group_ids < 0))
 
     def load_groups(self, group_ids: np.ndarray | Sequence[int], prompt_tokens, labels: Sequence[Any],
-                    metadata: Sequence[dict | None] | None = None) -> np.ndarray:
+                    metadata: Sequence[dict | None] | None = None, keys: Sequence[int] | None = None) -> np.ndarray:
         """Load k prompt groups (n rows each) into free slots; -> slots[k]. A group id already here is an error.
-        metadata: a JSON-able dict per group (data.additional_keys), kept next to its label."""
+        metadata: a JSON-able dict per group (data.additional_keys), kept next to its label. keys: each prompt's key
+        in the length history (default: a digest of its token ids, the same whenever the prompt recurs)."""
         ids, flat, lengths = parse_prompts(group_ids, prompt_tokens, labels, self.max_model_len)
         check_load(ids, metadata, self.group_ids, self.batch is not None)
+        if keys is not None and len(keys) != len(ids):
+            raise ValueError(f"load_groups: {len(keys)} keys for {len(ids)} groups")
         slots = np.flatnonzero(self.group_ids < 0)[:len(ids)]
         self.group_ids[slots] = ids
+        self.prompt_keys[slots] = prompt_keys(flat, lengths) if keys is None else np.asarray(keys, dtype=np.int64)
         self.load_seq[slots] = self.next_load_seq + np.arange(len(ids))
         self.next_load_seq += len(ids)
         for slot, label, meta in zip(slots.tolist(), labels, metadata if metadata is not None else [None] * len(ids)):
@@ -283,6 +294,8 @@ class TransferDock:
         if flying:
             raise DockError(f"clear: {flying} {'batch ' if keep_generating else ''}rows are in flight; "
                             "put_generation() or release() them first")
+        means = self.responses.length[rows].reshape(len(batch), self.n).mean(axis=1)
+        self.length_history.record(self.prompt_keys[batch], means)
         self.group_ids[batch] = -1
         for slot in batch.tolist():
             self.labels[slot] = self.metadata[slot] = None
@@ -386,6 +399,7 @@ def snapshot(dock: "TransferDock") -> tuple[dict[str, np.ndarray], dict[str, Any
     """-> (arrays, JSON-able meta). Rows in flight are recorded as not in flight (see spillover.rollout.dock.transfer_dock)."""
     prompt_lengths, prompt_flat = dock.prompts.export()
     response_lengths, response_flat = dock.responses.export()
+    history_keys, history_lengths = dock.length_history.export()
     arrays = {
         "group_ids": dock.group_ids.copy(), "load_seq": dock.load_seq.copy(), "prompt_lengths": prompt_lengths,
         "prompt_tokens": prompt_flat["tokens"],
@@ -396,6 +410,7 @@ def snapshot(dock: "TransferDock") -> tuple[dict[str, np.ndarray], dict[str, Any
         **({"response_mask": response_flat["mask"], "turns": dock.turns.copy(), "awaiting_tool":
             dock.awaiting_tool.copy(), "env_reward": dock.env_reward.copy()} if dock.multi_turn else {}),
         "batch_slots": np.zeros(0, dtype=np.int64) if dock.batch is None else dock.batch.copy(),
+        "prompt_keys": dock.prompt_keys.copy(), "history_keys": history_keys, "history_lengths": history_lengths,
     }
     meta = {
         "format": format_tag(DOCK_FORMAT, DOCK_FORMAT_VERSION),
@@ -444,8 +459,24 @@ def restore(cls: type["TransferDock"], arrays: dict[str, np.ndarray], meta: dict
     dock.batch = np.asarray(arrays["batch_slots"], dtype=np.int64).copy() if meta["has_batch"] else None
     dock.drain = bool(meta["drain"])
     dock.next_load_seq = int(meta["next_load_seq"])
+    _restore_history(dock, arrays)
     _check_restored(dock)
     return dock
+
+
+def _restore_history(dock: "TransferDock", arrays: dict[str, np.ndarray]) -> None:
+    """The prompt keys and length history (optional: a snapshot from before them restores the keys as digests of the
+    prompts and starts an empty history)."""
+    if "prompt_keys" in arrays:
+        keys = np.asarray(arrays["prompt_keys"], dtype=np.int64)
+        if keys.shape != (dock.capacity_groups,):
+            raise ValueError(f"dock snapshot: prompt_keys has shape {keys.shape}, expected ({dock.capacity_groups},)")
+        dock.prompt_keys = keys.copy()
+    else:
+        slots = np.flatnonzero(dock.group_ids >= 0)
+        dock.prompt_keys[slots] = prompt_keys(dock.prompts.gather(slots, "tokens"), dock.prompts.length[slots])
+    if "history_keys" in arrays:
+        dock.length_history = LengthHistory.load(arrays["history_keys"], arrays["history_lengths"])
 
 
 def _check_restored(dock: "TransferDock") -> None:

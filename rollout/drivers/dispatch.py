@@ -20,8 +20,9 @@ from .scheduling import plan_dispatch
 
 class DispatchPlanner:
     def __init__(self, scheduling: str = "fifo", num_engines: int = 1, tail_factor: float = 0.0,
-                 long_round: bool = True, tail_engines: int = 0):
+                 long_round: bool = True, tail_engines: int = 0, start_order: str = "oldest"):
         self.scheduling, self.num_engines, self.tail_engines = scheduling, num_engines, tail_engines
+        self.start_order = start_order
         self.tail_factor, self.long_round = tail_factor, long_round
         self.held = np.zeros(0, dtype=np.int64)
 
@@ -32,13 +33,13 @@ class DispatchPlanner:
         every = rollout_cfg.tail_round_every
         long_round = drain or (int(weight_version) + 1) % every == 0
         return cls(scheduling, max(1, int(fleet.num_engines)), rollout_cfg.tail_factor, long_round,
-                   rollout_cfg.tail_engines)
+                   rollout_cfg.tail_engines, rollout_cfg.start_order)
 
     def plan(self, dock, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """In-flight rows from take_rows -> (rows to send now, in order; engine per row or None)."""
         rows, engines, aside = plan_dispatch(dock, rows, self.scheduling, self.num_engines, self.tail_factor,
                                              self.long_round or len(self.held) > 0 or self.tail_engines > 0,
-                                             self.tail_engines)
+                                             self.tail_engines, self.start_order)
         if len(aside) and len(rows) == 0:  # nothing else to do: the tail goes now
             return self.plan_all(dock, aside)
         self.held = np.concatenate([self.held, aside])
@@ -46,7 +47,7 @@ class DispatchPlanner:
 
     def plan_all(self, dock, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         rows, engines, _ = plan_dispatch(dock, rows, self.scheduling, self.num_engines, self.tail_factor, True,
-                                         self.tail_engines)
+                                         self.tail_engines, self.start_order)
         return rows, engines
 
     def take_held(self) -> np.ndarray:

@@ -5,7 +5,10 @@ The estimate reads only generated lengths and completion flags, never a token th
   that already reached L is likely to reach a multiple of it);
 - a group's finished siblings predict the rest (Seer): an unfinished row is expected to reach at least the
   longest finished sibling's length (the rows that are still running are the long ones);
-- with nothing known, the prior: the mean length of the rows completed in the dock (else max_tokens / 4).
+- with nothing known, the prior: the mean length of the rows completed in the dock (else max_tokens / 4); with
+  rollout.start_order = predicted_longest, a group whose prompt was trained in an earlier epoch expects the mean
+  length its groups reached (the dock's per-prompt length history, spillover.rollout.dock.length_history), also as a
+  floor over its finished siblings' (a prompt known to be long stays long when its short rows finish first).
 Capped by each row's room (max_tokens, max_model_len - prompt).
 
     est = expected_remaining(response_len[R], complete[R], room[k], n, rows[k])   # -> float64[k]
@@ -26,15 +29,17 @@ import numpy as np
 
 CARRY_GROWTH = 2.0
 SCHEDULING = ("fifo", "length_aware")
+START_ORDERS = ("oldest", "predicted_longest")
 
 
 def expected_remaining(response_len: np.ndarray, complete: np.ndarray, room: np.ndarray, n: int,
-                       rows: np.ndarray, prior: float | None = None) -> np.ndarray:
+                       rows: np.ndarray, prior: float | None = None, history: np.ndarray | None = None) -> np.ndarray:
     """Expected tokens still to generate per row.
 
     response_len[R], complete[R]: every dock row's generated length and completion flag (rows g*n .. g*n+n-1
     form group g); room[k]: the most tokens row k may still have in all (max_tokens - L, context limit);
-    rows[k]: the rows to estimate. -> float64[k], each in [1, room] (0 where room is 0).
+    rows[k]: the rows to estimate; history[k] (optional): the length each row's prompt reached in earlier epochs,
+    NaN where unknown. -> float64[k], each in [1, room] (0 where room is 0).
     """
     response_len = np.asarray(response_len, dtype=np.int64)
     complete = np.asarray(complete, dtype=bool)
@@ -46,6 +51,10 @@ def expected_remaining(response_len: np.ndarray, complete: np.ndarray, room: np.
     length = response_len[rows].astype(np.float64)
     sibling = finished[rows // n].astype(np.float64)
     total = np.where(sibling > 0, np.maximum(sibling, length + 1), prior)
+    if history is not None:
+        history = np.asarray(history, dtype=np.float64)
+        known = ~np.isnan(history)
+        total = np.where(known, np.where(sibling > 0, np.maximum(total, history), history), total)
     total = np.maximum(total, np.where(length > 0, CARRY_GROWTH * length, 0.0))
     remaining = np.clip(total - length, 1.0, None)
     return np.minimum(remaining, np.asarray(room, dtype=np.float64))
@@ -103,20 +112,26 @@ def split_tail(estimate: np.ndarray, ages: np.ndarray, max_age: int, factor: flo
 
 
 def plan_dispatch(dock, rows: np.ndarray, scheduling: str, num_engines: int | None = None, tail_factor: float = 0.0,
-                  long_round: bool = True, tail_engines: int = 0) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+                  long_round: bool = True, tail_engines: int = 0, start_order: str = "oldest"
+                  ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """The dock's rows about to be dispatched -> (rows in dispatch order, engine per row or None, rows set aside).
 
     fifo: the dock's order, no engine choice, nothing set aside. length_aware: longest expected remaining work
     first (expected_remaining over the dock's generated lengths), rows balanced over num_engines engines (when
-    more than one), and outside a long round (long_round False) the tail rows (split_tail) set aside.
+    more than one), and outside a long round (long_round False) the tail rows (split_tail) set aside. start_order
+    predicted_longest: the estimate also reads the dock's per-prompt length history (see expected_remaining).
     """
     rows = np.asarray(rows, dtype=np.int64)
     if scheduling not in SCHEDULING:
         raise ValueError(f"rollout.scheduling must be one of {', '.join(SCHEDULING)}; got {scheduling!r}")
+    if start_order not in START_ORDERS:
+        raise ValueError(f"rollout.start_order must be one of {', '.join(START_ORDERS)}; got {start_order!r}")
     none = np.zeros(0, dtype=np.int64)
     if scheduling == "fifo" or len(rows) == 0:
         return rows, None, none
-    estimate = expected_remaining(dock.responses.length, dock.complete, dock.max_new_tokens(rows, None), dock.n, rows)
+    history = dock.predicted_length(rows // dock.n) if start_order == "predicted_longest" else None
+    estimate = expected_remaining(dock.responses.length, dock.complete, dock.max_new_tokens(rows, None), dock.n, rows,
+                                  history=history)
     if not long_round:
         tail = split_tail(estimate, dock.age[rows], dock.max_age, tail_factor)
         rows, estimate, aside = rows[~tail], estimate[~tail], rows[tail]
