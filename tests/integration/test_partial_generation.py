@@ -27,6 +27,7 @@ class Recording:
 
     def __init__(self, manager):
         self.manager, self.tokens_returned = manager, 0
+        self.num_engines = manager.num_engines
 
     def generate(self, jobs, on_result=None):
         def record(i, resp):
