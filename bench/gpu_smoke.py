@@ -3,11 +3,12 @@ process; each is a function in CHECKS (args, device) -> its figures, merged into
 
 - colocated_engine (issue 13): an HF learner model and the torch engine's core (lean decoder + continuous batcher)
   on one device, three iterations of what a colocated run does: generate a batch -> release the engine's memory
-  (weights + KV cache) -> a learner step on the generated tokens -> resume -> load the new weights bucket by bucket,
-  in place -> check them against the learner's. Figures: engine_gb / freed_gb (CUDA memory the engine held and what
-  its release gave back), engine_held_mb and released_to_zero (the engine's own count of its weight and KV bytes,
-  before and after a release), gen_tokens_per_s, sync_s per iteration, buckets, weights_equal (every iteration),
-  greedy_changed (the update reached the engine).
+  (weights + KV cache) -> a learner step on the generated tokens -> resume the weights -> load the new weights bucket
+  by bucket, in place -> resume the KV cache -> check them against the learner's. Figures: engine_gb / freed_gb
+  (CUDA memory the engine held and what its release gave back), engine_held_mb and released_to_zero (the engine's
+  own count of its weight and KV bytes, before and after a release), gen_tokens_per_s, sync_s per iteration,
+  buckets, weights_equal (every iteration), greedy_changed (the update reached the engine),
+  kv_cache_free_during_load (issue 37: no KV cache while loading).
 - tensor_update_session (issue 28): the torch engine's HTTP server on the device and WeightPoster (the client path that
   drives SGLang): an update outside /begin_weight_update ... /end_weight_update is refused; inside one session, bucket
   by bucket, weights and weight_version change -> "tensor_update": {refused_outside_session, version, weights_equal,
@@ -143,11 +144,14 @@ def colocated_engine(args, device: torch.device) -> dict:
             out["released_to_zero"] = decoder.weight_bytes() + batcher.runner.cache_bytes() == 0
             learner_step(learner, optimizer, prompts, outputs, device)
             tic = time.perf_counter()
-            batcher.call(lambda: batcher.resume_memory(None)).result()
+            # the manager's order (issue 37): the weights' memory, the load, then the KV cache
+            batcher.call(lambda: batcher.resume_memory(["weights"])).result()
             state = learner.state_dict()
             for bucket in buckets:
                 tensors = {name: state[name] for name, _, _ in bucket}
                 batcher.call(lambda t=tensors: decoder.load(t)).result()
+            out["kv_cache_free_during_load"] = batcher.runner.cache_bytes() == 0
+            batcher.call(lambda: batcher.resume_memory(["kv_cache", "cuda_graph"])).result()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             out["sync_s"].append(round(time.perf_counter() - tic, 4))

@@ -103,7 +103,7 @@ def main() -> None:
         try:
             distributed = lambda v: manager.update_weights(WeightUpdate("distributed", policy, v))  # noqa: E731
             object_store = lambda v: manager.update_weights(  # noqa: E731
-                WeightUpdate("tensor", policy.state_dict_ref.remote(), v))
+                WeightUpdate("tensor", policy.state_dict_refs.remote(), v))  # as policy_update sends it
             runs: dict[str, list[tuple[float, int]]] = {"distributed": [], "object_store": []}
             version = 0
             for rep in range(args.reps + 1):  # rep 0: warm-up (the group forms on the first distributed sync)

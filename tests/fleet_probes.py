@@ -29,6 +29,37 @@ def take_update_peak_bytes(engine) -> int:
     return peak
 
 
+def watch_held_tensor_bytes(engine) -> None:
+    """Inside an EngineActor (torch backend): from now on, as each weight load begins, note the bytes of every tensor
+    alive in this process (counted per storage, through the garbage collector's objects: no allocator statistics)
+    beyond those alive now, which include the engine's own weights and KV cache. take_held_tensor_bytes reads them."""
+    import gc
+
+    import torch
+
+    def storages() -> dict[int, int]:
+        found = (o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type != "meta")
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
+
+    server, baseline, held = engine.server, set(storages()), []
+    apply = server.apply_weights_future
+
+    def watched(*args, **kwargs):
+        held.append(sum(n for ptr, n in storages().items() if ptr not in baseline))
+        return apply(*args, **kwargs)
+
+    server.apply_weights_future, server.held_tensor_bytes = watched, held
+
+
+def take_held_tensor_bytes(engine) -> list[int]:
+    """Inside an EngineActor watched by watch_held_tensor_bytes: what each load held beyond the start; stops
+    watching."""
+    server = engine.server
+    held = server.held_tensor_bytes
+    del server.apply_weights_future, server.held_tensor_bytes  # the class's method again
+    return held
+
+
 def on_hosted_engine(learner, read, *args):
     """Inside a learner rank that hosts a colocated engine (placement.colocate): read(its EngineActor, *args)."""
     return read(learner.engine_host.engine, *args)

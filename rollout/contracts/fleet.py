@@ -26,7 +26,7 @@ class PolicyLearner(Protocol):
     `.remote(...)` runs on every rank and returns rank 0's ObjectRef; `each(name, ...)` returns every rank's."""
 
     @property
-    def state_dict_ref(self) -> RemoteMethod: ...          # .remote() -> ObjectRef of the HF-named state dict (tensor sync)
+    def state_dict_refs(self) -> RemoteMethod: ...         # .remote() -> ObjectRef of {name: ObjectRef} (tensor sync)
 
     @property
     def save_weights(self) -> RemoteMethod: ...            # .remote(folder) -> the HF folder written (disk sync)

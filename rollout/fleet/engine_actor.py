@@ -1,9 +1,10 @@
 """`EngineActor`: one node of one rollout engine, as a Ray actor.
 
 backend "torch": the actor holds a `TorchEngineServer` in-process (HTTP from a background thread); weights arrive
-as a Ray object and go to it over HTTP, as to SGLang (/update_weights_from_tensor inside a weight-update session),
-without touching disk. The torch engine has no tensor parallelism: a multi-node torch engine serves from node 0
-and its other nodes only hold their slots.
+as Ray objects, a tensor each, fetched a bucket at a time and posted to it over HTTP, as to SGLang
+(/update_weights_from_tensor inside a weight-update session), without touching disk or (in the actor) CUDA. The
+torch engine has no tensor parallelism: a multi-node torch engine serves from node 0 and its other nodes only hold
+their slots.
 
 backend "sglang": the actor launches `sglang.launch_server` as a child process on its node (node 0
 serves HTTP; other nodes join node 0's torch.distributed group) and maps weight updates to SGLang's
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 from ..sglang import backend as sgl
@@ -39,6 +41,15 @@ def free_ports(host: str, count: int, exclude: set[int] | frozenset[int] = froze
         for sock in held:
             sock.close()
     return ports
+
+
+def fetched(state_dict: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) in order, an ObjectRef's tensor fetched from Ray's object store when its turn comes (on the host:
+    the learner puts host tensors, so no CUDA context opens here)."""
+    import ray
+
+    for name, value in state_dict.items():
+        yield name, ray.get(value) if isinstance(value, ray.ObjectRef) else value
 
 
 class EngineActor:
@@ -122,12 +133,14 @@ class EngineActor:
 
     def update_weights(self, state_dict: dict[str, Any], weight_version: int,
                        bucket_bytes: int | None = None, flush_cache: bool = True) -> int | None:
-        """Apply HF-named tensors (Ray resolves an ObjectRef argument) by /update_weights_from_tensor, in buckets of
-        about bucket_bytes (None: one), inside one weight-update session; returns the version the engine reports.
+        """Apply HF-named tensors by /update_weights_from_tensor, in buckets of about bucket_bytes (None: one), inside
+        one weight-update session; returns the version the engine reports. state_dict: {name: ObjectRef of a tensor}
+        (the tensor sync's form: each is fetched when its bucket is posted and dropped after, so this process never
+        holds the model), or tensors (Ray resolved a whole state dict's ObjectRef: all of it is here already).
         flush_cache=False while requests paused in_place hold their KV cache."""
         if self.node_rank > 0:
             return None
-        return self.poster().update(state_dict, weight_version, bucket_bytes, flush_cache)
+        return self.poster().update(fetched(state_dict), weight_version, bucket_bytes, flush_cache)
 
     def memory_bytes(self) -> dict[str, int]:
         """Torch backend: bytes of the weights and of the KV cache (0 while released)."""

@@ -39,6 +39,12 @@ from ..sglang.protocol import (ContinueGenerationRequest, GenerateJob, GenerateR
 from .weights.weight_update import WeightUpdate
 from .weights.fleet_weights import ENGINE_GONE, FleetWeights, policy_update
 
+# A colocated update resumes the weights' memory, loads them, then resumes the rest (SGLang's tags): the KV cache is
+# not held while the learner's buckets arrive. SGLang releases and resumes CUDA graphs only when started with
+# SGLANG_MEMORY_SAVER_CUDA_GRAPH=1 (docs/gpu.md); the torch engine has none.
+RESUME_BEFORE_LOAD = ("weights",)
+RESUME_AFTER_LOAD = ("kv_cache", "cuda_graph")
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -203,8 +209,9 @@ class RolloutManager:
 
     def update_weights(self, update: WeightUpdate) -> dict[int, int | None]:
         """Load `update` on every engine (rollout/fleet/weights/fleet_weights.py: one strategy per kind); an engine
-        that dies meanwhile is restarted and loads it too, as does any engine restarted later. Colocated engines are resumed
-        first. Returns engine index -> the version it reports."""
+        that dies meanwhile is restarted and loads it too, as does any engine restarted later. Released colocated
+        engines get their weights' memory back first, then the load, then their KV cache (and CUDA graphs). Returns
+        engine index -> the version it reports."""
         return self._call(self._update_weights, update)
 
     async def _update_weights(self, update: WeightUpdate) -> dict[int, int | None]:
@@ -213,7 +220,15 @@ class RolloutManager:
                              "but detached requests still run: collect_detached() first (rollout.overlap needs "
                              "placement.colocate=false)")
         if update.kind == "colocated" and self._offloaded:
-            await self._memory(False, None)  # the weights come next, from the learner
+            # weights first, then the load, then the KV cache and CUDA graphs: resuming everything before the load
+            # would hold the KV cache while the learner's buckets arrive (SGLang's tags; slime orders them so)
+            async with self._engine_lock:
+                await self._post_memory(False, list(RESUME_BEFORE_LOAD))
+                await self.weights.update(update)
+                self._stale_prefix_cache = False
+                await self._post_memory(False, list(RESUME_AFTER_LOAD))
+                self._offloaded = False
+            return self.weight_versions
         async with self._engine_lock:
             if not self.detached_running:
                 await self.weights.update(update)
@@ -264,12 +279,16 @@ class RolloutManager:
     async def _memory(self, release: bool, tags: list[str] | None) -> None:
         """Release (offload) or resume every engine's memory; resumed weights come back empty, so a weight load
         follows (the colocated update's)."""
+        async with self._engine_lock:
+            await self._post_memory(release, tags)
+            self._offloaded = release
+
+    async def _post_memory(self, release: bool, tags: list[str] | None) -> None:
+        """With the engine lock held: release or resume `tags` (None: all) on every engine."""
         path = sgl.ENDPOINTS["release_memory" if release else "resume_memory"]
         request = ReleaseMemoryOccupationRequest if release else ResumeMemoryOccupationRequest
         payload = request(tags=tags).model_dump()
-        async with self._engine_lock:
-            await asyncio.gather(*(self._client(url).post(path, json=payload) for url in self.urls))
-            self._offloaded = release
+        await asyncio.gather(*(self._client(url).post(path, json=payload) for url in self.urls))
 
     # ---- health -------------------------------------------------------------------------------------
     def start_health_monitor(self, interval_s: float) -> None:

@@ -28,6 +28,11 @@ def error_response(message: str, status: int = 400) -> JSONResponse:
                          "param": None, "code": status}, status_code=status)
 
 
+def memory_event(kind: str, tags: list[str] | None) -> str:
+    """A memory_events entry: "release" / "resume" (every tag), or e.g. "resume:weights" (those tags only)."""
+    return kind if tags is None else f"{kind}:{','.join(tags)}"
+
+
 def validation_message(err: ValidationError) -> str:
     parts = []
     for e in err.errors():
@@ -222,7 +227,7 @@ def build_app(server: ServedEngine) -> FastAPI:
         if err is not None:
             return err
         err = await when_idle(lambda: batcher.release_memory(body.tags), "release_memory_occupation")
-        server.memory_events.append((time.monotonic(), "release"))
+        server.memory_events.append((time.monotonic(), memory_event("release", body.tags)))
         return err or Response(status_code=200)
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
@@ -231,7 +236,7 @@ def build_app(server: ServedEngine) -> FastAPI:
         if err is not None:
             return err
         await asyncio.wrap_future(batcher.call(lambda: batcher.resume_memory(body.tags)))
-        server.memory_events.append((time.monotonic(), "resume"))
+        server.memory_events.append((time.monotonic(), memory_event("resume", body.tags)))
         return Response(status_code=200)
 
     @app.post("/update_weights_from_disk")

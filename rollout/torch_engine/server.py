@@ -91,7 +91,8 @@ class TorchEngineServer:
         self.weight_update_events: deque[str] = deque(maxlen=256)
         self.update_group_timeout_s = 600.0
         self.update_peak_bytes = 0  # the most a weight load held beyond the model (take_update_peak_bytes)
-        self.memory_events: list[tuple[float, str]] = []  # (monotonic time, release | resume): colocation's order
+        # (monotonic time, release | resume, ":tags" when not all): colocation's order
+        self.memory_events: list[tuple[float, str]] = []
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def start(self, timeout_s: float = 60.0) -> str:

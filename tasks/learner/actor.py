@@ -312,6 +312,14 @@ class LearnerActor:
         return {k: for_engines(v, self.weight_dtype) for k, v in full_model_state(self.net, self.model,
                                                                                     self.sharded).items()}
 
+    def state_dict_refs(self) -> dict:
+        """The same tensors, each in its own object on the host (rank 0; the other ranks take part in the gather and
+        return {}): the tensor sync's engine actors fetch them bucket by bucket, so none holds the whole model, and a
+        learner's CUDA tensor never reaches an engine actor (unpickling it there would open a CUDA context)."""
+        import ray
+
+        return {name: ray.put(tensor.cpu()) for name, tensor in self.state_dict_ref().items()}
+
     def save_weights(self, folder: str) -> str:
         """Write an HF folder (safetensors + config + tokenizer, model.dtype) for /update_weights_from_disk (rank 0
         writes)."""

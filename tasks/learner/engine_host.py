@@ -81,6 +81,8 @@ class EngineHost:
                     poster.post_bucket(tensors, weight_version if last else None, flush_cache=last)
                     loaded += sum(t.numel() * t.element_size() for t in tensors.values())
                 del tensors
+        if str(sender.device).startswith("cuda"):  # the buckets' cached blocks back to the device: the engine's
+            torch.cuda.empty_cache()               # KV cache is resumed next (rollout/fleet/manager.py)
         version = poster.reported_version() if poster is not None else None
         self.note("load_weights")
         return {"buckets": len(buckets), "bytes": loaded, "version": version}

@@ -24,7 +24,7 @@ from .actor import LearnerActor
 
 __all__ = ["LearnerGroup", "create_learner_group", "create_learners"]
 log = logging.getLogger(__name__)
-RANK0_ONLY = ("state_dict_ref", "get_state")  # big results: rank 0's ref as is
+RANK0_ONLY = ("state_dict_ref", "state_dict_refs", "get_state")  # big results: rank 0's ref as is
 RENDEZVOUS_ATTEMPTS = 3
 BUNDLE_MIN_CPU = 0.01  # a bundle needs some resource; zero-CPU ranks would leave Ray's CPU slots to the engines
 
@@ -79,6 +79,7 @@ class LearnerGroup:
     update = _OnEveryRank()
     weight_version = _OnEveryRank()
     state_dict_ref = _OnEveryRank()
+    state_dict_refs = _OnEveryRank()
     save_weights = _OnEveryRank()
     get_state = _OnEveryRank()
     set_state = _OnEveryRank()

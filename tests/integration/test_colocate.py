@@ -5,8 +5,9 @@ the two take turns with its memory. Checked on real Ray actors and a real engine
   and after resume + the colocated sync (bucket by bucket, a bucket smaller than the largest tensor) its weights
   equal the learner's bit for bit and it generates the same greedy tokens as before the release;
 - a colocated run of the tiny task with two learner ranks (each hosting an engine, FSDP gathers collective) goes
-  release -> logprobs -> update -> resume -> weight load in that order in every iteration (read from rank 0's
-  process's own event log) and its reward rises (one rank colocated: the kill -9 test's file chain);
+  release -> logprobs -> update -> resume of the weights -> weight load -> resume of the KV cache in that order in
+  every iteration (read from rank 0's process's own event log) and its reward rises (one rank colocated: the kill -9
+  test's file chain);
 - bench/gpu_smoke.py, the same cycle without Ray for the GPU machine, runs on CPU.
 """
 from __future__ import annotations
@@ -74,8 +75,8 @@ def test_hosted_engine_releases_for_real_refuses_generation_and_comes_back_with_
         largest = max(4 * int(np.prod(shape)) for _, _, shape in ray.get(host.weight_specs.remote()))
         peak = ray.get(host.__ray_call__.remote(on_hosted_engine, take_update_peak_bytes))
         assert 0 < peak <= max(20000, largest)  # in place
-        log = ray.get(host.take_colocation_log.remote())
-        assert log[-3:] == ["release", "resume", "load_weights"], log
+        log = ray.get(host.take_colocation_log.remote())  # weights resumed, loaded, then the KV cache (issue 37)
+        assert log[-4:] == ["release", "resume:weights", "load_weights", "resume:kv_cache,cuda_graph"], log
     finally:
         if manager is not None:
             manager.shutdown()
@@ -97,7 +98,8 @@ def test_colocated_run_releases_trains_resumes_and_syncs_in_order_every_iteratio
     assert summary["iterations"] == 6
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for row in metrics:
-        assert row["colocation_events"] == ["release", "compute_logprobs", "update", "resume", "load_weights"], row
+        assert row["colocation_events"] == ["release", "compute_logprobs", "update", "resume:weights", "load_weights",
+                                            "resume:kv_cache,cuda_graph"], row
     rewards = [r["reward_mean"] for r in metrics]
     assert sum(rewards[-2:]) > sum(rewards[:2]), rewards
 
@@ -130,6 +132,7 @@ def test_gpu_smoke_dry_run_on_cpu(gpu_smoke_dry_run):
     out = json.loads(lines[-1])
     assert out["buckets"] > 1 and out["weights_equal"] == [True, True, True]
     assert out["released_to_zero"] and out["engine_held_mb"] > 0 and out["greedy_changed"]
+    assert out["kv_cache_free_during_load"]  # weights resumed and loaded before the KV cache (issue 37)
     learner = out["learner"]  # issue 12's learner part: spillover's LearnerActor, three update steps
     assert learner["size"] == "tiny" and learner["params"] > 0 and len(learner["step_s"]) == 3
     assert learner["update_tokens_per_s"] > 0 and learner["mfu"] > 0

@@ -178,6 +178,52 @@ def test_a_sync_failing_midway_leaves_the_old_version_and_is_sent_again(rollout_
         m.update_weights(WeightUpdate("disk", varied_model_dir, 0))
 
 
+def test_tensor_sync_fetches_and_frees_the_learners_tensors_bucket_by_bucket(rollout_manager, policy,
+                                                                             varied_model_dir):
+    """engines.weight_sync=tensor from the learner group (issue 37, item 7): the learner puts each tensor in its own
+    object, and each engine actor fetches a bucket's tensors at a time, posts them and drops them before the next
+    (a post per bucket, as plan_buckets groups the specs), so its process never holds the model a second time (the
+    old actor unpickled the whole state dict before the first post). Counted from the engine's process itself: the
+    tensors alive there as each bucket is loaded, beyond the engine's own weights and KV cache."""
+    from spillover.rollout.fleet.weights.fleet_weights import policy_update
+    from spillover.rollout.sglang.update_group import dtype_name, plan_buckets, spec_bytes
+    from fleet_probes import take_held_tensor_bytes, take_weight_update_events, watch_held_tensor_bytes
+
+    m = rollout_manager
+    sent = ray.get(policy.state_dict_ref.remote())  # what the sync sends, in its order
+    specs = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in sent.items()]
+    model_bytes, largest = sum(map(spec_bytes, specs)), max(map(spec_bytes, specs))
+    tensor = m.weights.tensor
+    shared_bucket_bytes = tensor.bucket_bytes
+    watched = False
+    try:
+        tensor.bucket_bytes = max(largest, model_bytes // 8)
+        buckets = plan_buckets(specs, tensor.bucket_bytes)
+        assert len(buckets) > 4 and 3 * tensor.bucket_bytes < model_bytes
+        ray.get([h.actors[0].__ray_call__.remote(take_weight_update_events) for h in m.engines])
+        ray.get([h.actors[0].__ray_call__.remote(watch_held_tensor_bytes) for h in m.engines])
+        watched = True
+        version = int(ray.get(policy.weight_version.remote()))
+        update = policy_update(policy, version, m.cfg.model_copy(update={"weight_sync": "tensor"}), m.model_path,
+                               colocated=False)
+        assert m.update_weights(update) == {h.index: version for h in m.engines}
+        for events in ray.get([h.actors[0].__ray_call__.remote(take_weight_update_events) for h in m.engines]):
+            assert events == ["begin_weight_update", *["update_weights_from_tensor"] * len(buckets),
+                              "end_weight_update"], events
+        held = ray.get([h.actors[0].__ray_call__.remote(take_held_tensor_bytes) for h in m.engines])
+        watched = False
+        bound = 3 * max(tensor.bucket_bytes, largest)  # a few copies of one bucket (the actor's, the server's
+        assert bound < model_bytes / 2                  # received one, its encoding): never the model (the old actor
+        for per_load in held:                           # held all of it, ~1.1x model_bytes here)
+            assert len(per_load) == len(buckets) and 0 < max(per_load) <= bound, held
+        assert_engines_hold(m, sent, version)
+    finally:
+        if watched:
+            ray.get([h.actors[0].__ray_call__.remote(take_held_tensor_bytes) for h in m.engines])
+        tensor.bucket_bytes = shared_bucket_bytes
+        m.update_weights(WeightUpdate("disk", varied_model_dir, 0))
+
+
 def test_flow_trains_with_distributed_weight_sync(prefect_harness, ray_session, warm_parts, tmp_path, monkeypatch):
     """engines.weight_sync=distributed through the flow's update task: two iterations, each update sent to the
     engines in several buckets by the distributed path (a spy counts its syncs), the sync timed."""

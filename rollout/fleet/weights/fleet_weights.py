@@ -97,9 +97,17 @@ class DiskWeights:
         await update_each_engine(self, update, engines, restart, flush_cache)
 
 
+def put_each(state_dict: dict) -> dict:
+    """{name: ObjectRef of that tensor}: engine actors fetch a bucket's tensors at a time (EngineActor.update_weights).
+    ObjectRefs already there stay."""
+    return {name: value if isinstance(value, ray.ObjectRef) else ray.put(value) for name, value in state_dict.items()}
+
+
 class TensorWeights:
-    """A state dict in Ray's object store: each engine actor resolves the ObjectRef and posts the tensors to its server
-    in buckets inside one weight-update session (rollout/fleet/weights/weight_poster.py)."""
+    """A state dict in Ray's object store, a tensor per object ({name: ObjectRef}, or that dict's ObjectRef: the
+    learner's state_dict_refs): each engine actor fetches the tensors bucket by bucket and posts each bucket to its
+    server inside one weight-update session, dropping it once posted (rollout/fleet/weights/weight_poster.py). A
+    whole state dict's ObjectRef works too, but each engine actor then holds all of it."""
 
     def __init__(self, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
@@ -294,8 +302,8 @@ class FleetWeights:
 
     async def update(self, update: WeightUpdate, flush_cache: bool = True) -> None:
         """flush_cache=False while requests paused in_place hold their KV cache."""
-        if update.kind == "tensor" and isinstance(update.source, dict):  # in the object store once, for every engine
-            update = replace(update, source=await asyncio.to_thread(ray.put, update.source))
+        if update.kind == "tensor" and isinstance(update.source, dict):  # in the object store once, for every engine,
+            update = replace(update, source=await asyncio.to_thread(put_each, update.source))  # a tensor per object
         self.latest = update
         await self.strategy(update.kind).update(update, self.engines, self.restart, flush_cache)
 
@@ -319,7 +327,7 @@ def policy_update(policy: PolicyLearner, version: int, cfg: EnginesConfig, model
     if cfg.weight_sync == "distributed":
         return WeightUpdate("distributed", policy, version)
     if cfg.weight_sync == "tensor":
-        return WeightUpdate("tensor", policy.state_dict_ref.remote(), version)
+        return WeightUpdate("tensor", policy.state_dict_refs.remote(), version)
     return WeightUpdate("disk", ray.get(policy.save_weights.remote(disk_folder(cfg, model_path, version))), version)
 
 

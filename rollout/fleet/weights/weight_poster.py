@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,27 @@ log = logging.getLogger(__name__)
 BUCKET_TIMEOUT_S = 600.0  # one bucket's load: an SGLang engine not paused waits for its running requests first
 
 
+def stream_buckets(named: Iterable[tuple[str, Any]],
+                   bucket_bytes: int | None) -> Iterator[tuple[dict[str, Any], bool]]:
+    """(bucket, is_last): consecutive tensors grouped as plan_buckets groups their specs (at most bucket_bytes each, a
+    larger tensor alone; None: one bucket). A bucket is yielded once the next tensor does not fit, and not kept here
+    after: with tensors produced as needed, a bucket and one tensor are held at a time."""
+    current: dict[str, Any] = {}
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and bucket_bytes and size + nbytes > bucket_bytes:
+            bucket, current, size = current, {}, 0
+            yield bucket, False
+            del bucket
+        current[name] = tensor
+        size += nbytes
+        del tensor
+    if current:
+        bucket, current = current, {}
+        yield bucket, True
+
+
 @dataclass
 class WeightPoster:
     url: str
@@ -36,21 +58,29 @@ class WeightPoster:
     # one connection for a whole session: a new httpx client per post builds an SSL context each time (~45 ms here)
     http: httpx.Client | None = field(default=None, init=False, repr=False)
 
-    def update(self, state_dict: dict[str, Any], weight_version: int, bucket_bytes: int | None = None,
-               flush_cache: bool = True) -> int:
-        """HF-named tensors in buckets of about bucket_bytes (None: one) inside one session; the last bucket sets
+    def update(self, named: Mapping[str, Any] | Iterable[tuple[str, Any]], weight_version: int,
+               bucket_bytes: int | None = None, flush_cache: bool = True) -> int:
+        """HF-named tensors (a state dict, or (name, tensor) pairs produced as needed: EngineActor fetches them from
+        Ray's object store) in buckets of about bucket_bytes (None: one) inside one session; the last bucket sets
         weight_version and flushes the cache (flush_cache=False: not, as requests paused in_place hold theirs).
+        Each bucket is dropped once posted, so pairs produced as needed hold at most one bucket and the next tensor.
         Returns the version the engine reports."""
-        from ...sglang.update_group import dtype_name, plan_buckets
-
-        specs = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in state_dict.items()]
-        buckets = plan_buckets(specs, bucket_bytes) if bucket_bytes else [specs]
+        pairs = named.items() if isinstance(named, Mapping) else named
         with self.session():
-            for i, bucket in enumerate(buckets):
-                last = i == len(buckets) - 1
-                self.post_bucket({name: state_dict[name] for name, _, _ in bucket},
-                                 weight_version if last else None, flush_cache=last and flush_cache)
+            for tensors, last in stream_buckets(pairs, bucket_bytes):
+                self.post_bucket(tensors, weight_version if last else None, flush_cache=last and flush_cache)
+                del tensors  # before the next bucket's tensors arrive
+        self.drop_device_cache()
         return self.reported_version()
+
+    def drop_device_cache(self) -> None:
+        """SGLang: the last bucket's GPU blocks go back to the device (torch's caching allocator would keep them from
+        the engine). Only where this process already uses CUDA: the torch engine's posts never touch it."""
+        if self.backend == "sglang":
+            import torch
+
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
 
     @contextmanager
     def session(self):

@@ -2,7 +2,8 @@
 
 kind         source                                                       how it reaches the engines
 disk         an HF folder (path)                                          /update_weights_from_disk on each engine
-tensor       a state dict of HF-named tensors, or its Ray ObjectRef       each engine actor posts it to its server
+tensor       a state dict of HF-named tensors (or of their ObjectRefs),  each engine actor posts it to its server,
+             or its Ray ObjectRef                                         fetched and freed bucket by bucket
 distributed  the policy learner group (PolicyLearner)                     SGLang's weight-update group, broadcast
 colocated    the policy learner group whose ranks host the engines        each rank loads the engine it hosts
 
