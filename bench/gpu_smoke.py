@@ -1,5 +1,6 @@
 """The checks for a lent GPU machine, without Ray or Prefect (the machine has neither), one after another in one
-process; each is a function in CHECKS (args, device) -> its figures, merged into one JSON line:
+process; each is a function in CHECKS (args, device) -> its figures, printed as a JSON line when it ends
+({"check": name, "check_s", "error", ...figures}) and merged into one last JSON line:
 
 - colocated_engine (issue 13): an HF learner model and the torch engine's core (lean decoder + continuous batcher)
   on one device, three iterations of what a colocated run does: generate a batch -> release the engine's memory
@@ -13,6 +14,8 @@ process; each is a function in CHECKS (args, device) -> its figures, merged into
   drives SGLang): an update outside /begin_weight_update ... /end_weight_update is refused; inside one session, bucket
   by bucket, weights and weight_version change -> "tensor_update": {refused_outside_session, version, weights_equal,
   update_s, buckets, events, greedy_changed}.
+- engine_health (issue 37): the torch engine's /health while paused and while released, with SGLang's generation
+  probe on (no answer; 503) and off as the fleet runs it (200 both) -> "health".
 - inflight_update (issue 31, rollout.overlap with engines.pause_mode=in_place): one request keeps running through a
   weight update as RolloutManager.update_weights drives it: /pause_generation {mode: in_place} -> new weights bucket by
   bucket through WeightPoster without a cache flush (the engine refuses a flush while the paused request keeps its KV)
@@ -208,6 +211,42 @@ def tensor_update_session(args, device: torch.device) -> dict:
     return {"tensor_update": out}
 
 
+def engine_health(args, device: torch.device) -> dict:
+    """The torch engine's /health on the device as SGLang's answers it (issue 37): with the generation probe on
+    (SGLang's default) a paused engine parks the probe (no answer) and a released one fails it; with
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 (what the fleet sets: ENGINE_ENV) both answer 200 at once."""
+    import httpx
+
+    from ..rollout.sglang.backend import ENGINE_ENV
+    from ..rollout.torch_engine.server import TorchEngineServer
+
+    def status(url: str, timeout_s: float) -> int | str:
+        try:
+            return httpx.get(url + "/health", timeout=timeout_s).status_code
+        except httpx.TimeoutException:
+            return "no answer"
+
+    out = {}
+    for probe, env in (("generation", {}), ("liveness", ENGINE_ENV)):
+        server = TorchEngineServer(args.model or _tiny_model(), device=device.type, max_running_requests=4, env=env)
+        url = server.start(timeout_s=300.0)
+        try:
+            httpx.post(url + "/pause_generation", json={"mode": "in_place"}, timeout=30.0).raise_for_status()
+            paused = status(url, 2.0 if probe == "generation" else 30.0)  # a parked probe: 2 s shows it
+            httpx.post(url + "/continue_generation", json={}, timeout=30.0).raise_for_status()
+            httpx.post(url + "/release_memory_occupation", json={}, timeout=60.0).raise_for_status()
+            released = status(url, 30.0)
+            httpx.post(url + "/resume_memory_occupation", json={}, timeout=60.0).raise_for_status()
+            out[probe] = {"paused": paused, "released": released, "after": status(url, 30.0)}
+        finally:
+            server.stop()
+    expected = {"generation": {"paused": "no answer", "released": 503, "after": 200},
+                "liveness": {"paused": 200, "released": 200, "after": 200}}
+    if out != expected:
+        raise CheckFailed(f"engine health: {out}, expected {expected}", {"health": out})
+    return {"health": out}
+
+
 def inflight_update(args, device: torch.device) -> dict:
     """A request running through an in_place weight update on the device (rollout.overlap): every token comes back (none
     lost to the update), the ones before the pause under version 0 and the ones after under version 1, as SGLang's
@@ -312,7 +351,7 @@ def rollout_split(args, device: torch.device) -> dict:
 
 # The checks, in the order they run: each takes (parsed args, device) and returns its figures (merged into the one
 # JSON line); a new GPU check is a function appended here (and named in --checks).
-CHECKS = [colocated_engine, tensor_update_session, inflight_update, learner_precision, rollout_split]
+CHECKS = [colocated_engine, tensor_update_session, engine_health, inflight_update, learner_precision, rollout_split]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -348,13 +387,17 @@ def main(argv: list[str] | None = None) -> dict:
     out: dict = {"device": str(device), "check_s": {}, "errors": {}}
     for name in chosen:
         tic = time.perf_counter()
+        figures, error = {}, None
         try:
-            out.update(known[name](args, device))
+            figures = known[name](args, device)
         except Exception as err:  # noqa: BLE001 - one failed check must not cost the lent machine's other checks
-            out.update(getattr(err, "figures", {}))
+            figures = getattr(err, "figures", {})
             traceback.print_exc(file=sys.stderr)
-            out["errors"][name] = f"{type(err).__name__}: {err}"[:2000]
+            error = out["errors"][name] = f"{type(err).__name__}: {err}"[:2000]
+        out.update(figures)
         out["check_s"][name] = round(time.perf_counter() - tic, 1)
+        # a line per check as it ends: a run cut short by its time limit still leaves the finished checks' figures
+        print(json.dumps({"check": name, "check_s": out["check_s"][name], "error": error, **figures}), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(json.dumps(out), flush=True)

@@ -30,13 +30,17 @@ M = TypeVar("M", bound=BaseModel)
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 CONTROL_PATHS = frozenset(sgl.ENDPOINTS[route] for route in sgl.CONTROL_ROUTES)
+MEMORY_PATHS = frozenset(sgl.ENDPOINTS[route] for route in sgl.MEMORY_ROUTES)
 
 
 def post_timeout_s(path: str, timeout: float | None) -> float | None:
     """A post's time limit: the caller's, else sgl.CONTROL_TIMEOUT_S on the control routes (pause/continue generation,
-    begin/end weight update, flush_cache: a live engine answers them within seconds), else the client's own."""
+    begin/end weight update, flush_cache: a live engine answers them within seconds), sgl.MEMORY_TIMEOUT_S on the
+    memory release and resume routes, else the client's own."""
     if timeout is None and path in CONTROL_PATHS:
         return sgl.CONTROL_TIMEOUT_S
+    if timeout is None and path in MEMORY_PATHS:
+        return sgl.MEMORY_TIMEOUT_S
     return timeout
 
 

@@ -49,6 +49,10 @@ ENGINE_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
 # answer within CONTROL_TIMEOUT_S means a hung engine: the post fails naming the route instead of holding the flow.
 CONTROL_ROUTES = ("pause_generation", "continue_generation", "begin_weight_update", "end_weight_update", "flush_cache")
 CONTROL_TIMEOUT_S = 60.0
+# Releasing or resuming an engine's memory (colocation) moves the weights between host and device: seconds at the
+# recipes' sizes, minutes at most for a large model; past MEMORY_TIMEOUT_S the engine is taken for hung.
+MEMORY_ROUTES = ("release_memory", "resume_memory")
+MEMORY_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)

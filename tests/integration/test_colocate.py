@@ -130,9 +130,12 @@ def test_gpu_smoke_dry_run_on_cpu(gpu_smoke_dry_run):
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     assert code == 0 and lines, stderr[-3000:]
     out = json.loads(lines[-1])
+    per_check = [c for c in map(json.loads, lines[:-1]) if "check" in c]  # a line as each check ends, then all
+    assert [c["check"] for c in per_check] == list(out["check_s"]) and all(c["error"] is None for c in per_check)
     assert out["buckets"] > 1 and out["weights_equal"] == [True, True, True]
     assert out["released_to_zero"] and out["engine_held_mb"] > 0 and out["greedy_changed"]
     assert out["kv_cache_free_during_load"]  # weights resumed and loaded before the KV cache (issue 37)
+    assert out["health"]["generation"]["paused"] == "no answer" and out["health"]["liveness"]["released"] == 200
     learner = out["learner"]  # issue 12's learner part: spillover's LearnerActor, three update steps
     assert learner["size"] == "tiny" and learner["params"] > 0 and len(learner["step_s"]) == 3
     assert learner["update_tokens_per_s"] > 0 and learner["mfu"] > 0

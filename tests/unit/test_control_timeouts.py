@@ -84,6 +84,19 @@ def test_engine_client_control_posts_time_out(silent_engine, short_limit, route)
     assert f"{sgl.ENDPOINTS[route]}: no answer within {LIMIT_S} s" in str(raised)
 
 
+@pytest.mark.parametrize("route", sgl.MEMORY_ROUTES)
+def test_memory_release_and_resume_posts_time_out(silent_engine, monkeypatch, route):
+    """Colocation's release/resume (RolloutManager._post_memory) go through EngineClient.post with MEMORY_TIMEOUT_S."""
+    monkeypatch.setattr(sgl, "MEMORY_TIMEOUT_S", LIMIT_S)
+
+    async def post():
+        async with EngineClient(silent_engine) as client:
+            await client.post(sgl.ENDPOINTS[route], json={})
+
+    raised = raised_within(lambda: asyncio.run(post()))
+    assert isinstance(raised, EngineTimeout) and f"{sgl.ENDPOINTS[route]}: no answer within {LIMIT_S} s" in str(raised)
+
+
 def test_other_posts_keep_the_callers_limit(silent_engine, short_limit):
     """A weight bucket may take minutes: only the control routes get CONTROL_TIMEOUT_S."""
     async def post():
