@@ -9,8 +9,6 @@ unreachable Hub and an uncached file offline are one line each. (A run that reco
 resumes on it: tests/integration/test_hub_models.py, beside the models it records.)"""
 from __future__ import annotations
 
-import io
-import json
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from encoded_rows import jsonl, parquet
 from hub_endpoint import HubEndpoint
 from small_run import SMALL_RUN
 from test_check_cli import SPILLOVER, refused_once, spillover
@@ -32,19 +31,6 @@ MATH_ROWS = [{"problem": f"What is ${n} + {n}$?", "solution": f"${n} + {n} = \\b
               "level": "Level 1", "type": "Prealgebra"} for n in (1, 2, 3, 4)]
 CHECK = ["check", "--config", "configs/tiny.yaml", *SMALL_RUN, "data.over_long_prompts=truncate",
          "grpo.reward_function_path=spillover.rollout.builtin.math_reward.reward"]
-
-
-def jsonl(rows: list[dict]) -> bytes:
-    return "".join(json.dumps(row) + "\n" for row in rows).encode()
-
-
-def parquet(rows: list[dict]) -> bytes:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    out = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows), out)
-    return out.getvalue()
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ object changed, and named by their s3:// path and line in every message. `spillo
 credentials and an unreachable server in one line each; a training run reads its prompts and eval set from S3."""
 from __future__ import annotations
 
-import io
 import json
 import logging
 import secrets
@@ -15,24 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from encoded_rows import jsonl, parquet
 from small_run import SMALL_RUN
 from test_check_cli import refused_once, spillover
 
 ROWS = [{"prompt": f"a*{n}=", "label": n} for n in range(1, 9)]
 CHECK = ["check", "--config", "configs/tiny.yaml", *SMALL_RUN]
-
-
-def jsonl(rows: list[dict]) -> bytes:
-    return "".join(json.dumps(row) + "\n" for row in rows).encode()
-
-
-def parquet(rows: list[dict]) -> bytes:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    out = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows), out)
-    return out.getvalue()
 
 
 @pytest.fixture
