@@ -122,7 +122,7 @@ def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunPa
     needed = cfg.schedule.num_iterations * cfg.rollout.global_batch_size
     if needed > len(prompts):
         log.warning("%d prompts for %d groups: the run goes over the data more than once", len(prompts), needed)
-    stop_ids = end_token_ids(model_path, tokenizer)
+    stop_ids = () if cfg.rollout.ignore_eos else end_token_ids(model_path, tokenizer)  # the dock ends no row at EOS
     context = build_context(cfg, tokenizer, prompts, stop_ids, reward_fn, saved)  # a bad checkpoint fails here
     init_ray(cfg.engines.ray_address)
     refuse_unplaceable(cfg, resuming=saved is not None)

@@ -55,6 +55,10 @@ class RolloutConfig(Section):
     stop: list[str] = Field(
         default_factory=list, max_length=32, description="Stop strings (SGLang's sampling_params.stop, at most "
         "32): generation ends once the response text contains one (its tokens stay in the response).")
+    ignore_eos: bool = Field(
+        False, description="SGLang's sampling_params.ignore_eos: responses end only at max_tokens or a rollout.stop "
+        "string, never at an EOS or stop token id (those tokens stay in the response text the reward reads). For "
+        "length stress tests and benchmarks; evaluation still ends at EOS.")
     deterministic_sampling: bool = Field(
         False, description="Seed every request (SGLang's sampling_params.sampling_seed, from model.seed, the group "
         "and the sample index): samples then do not depend on batching, timing or restarts, so a resumed run "

@@ -20,13 +20,14 @@ class SamplingSettings:
     stop_token_ids: Sequence[int] = ()
     seed: int | None = None  # set: every request carries a sampling_seed (see request_seeds)
     stop: Sequence[str] = ()  # rollout.stop: stop strings (SGLang's sampling_params.stop)
+    ignore_eos: bool = False  # rollout.ignore_eos: no EOS or stop token id ends a response
 
     @classmethod
     def from_rollout(cls, rollout_cfg, stop_token_ids: Sequence[int], seed: int | None = None) -> "SamplingSettings":
         """seed (model.seed) is used only with rollout.deterministic_sampling."""
         seed = seed if rollout_cfg.deterministic_sampling else None
         return cls(rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k, tuple(stop_token_ids), seed,
-                   tuple(rollout_cfg.stop))
+                   tuple(rollout_cfg.stop), rollout_cfg.ignore_eos)
 
 
 @dataclass
@@ -60,6 +61,8 @@ def build_requests(inputs: Sequence[Sequence[int]], max_new_tokens: np.ndarray, 
               "stop_token_ids": list(sampling.stop_token_ids)}
     if sampling.stop:
         params["stop"] = list(sampling.stop)
+    if sampling.ignore_eos:
+        params["ignore_eos"] = True
     count = len(max_new_tokens)
     seeds = [None] * count if seeds is None else seeds.tolist()
     return [GenerateRequest(input_ids=ids if isinstance(ids, list) else list(map(int, ids)),

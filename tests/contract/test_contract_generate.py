@@ -171,6 +171,9 @@ def test_values_sglang_refuses(sglang_classes):
     numpy_seed = SamplingSettings(stop_token_ids=[2], seed=1)
     seeded = build_requests([[5, 6, 7]], np.array([4]), numpy_seed, seeds=np.array([2**31 - 1]))[0].body()
     accepted(sglang_classes.generate(seeded, VOCAB, 64), "a seeded body")
+    no_eos = build_requests([[5, 6, 7]], np.array([4]), SamplingSettings(ignore_eos=True))[0].body()  # rollout.ignore_eos
+    assert no_eos["sampling_params"]["ignore_eos"] is True and not no_eos["sampling_params"]["stop_token_ids"]
+    accepted(sglang_classes.generate(no_eos, VOCAB, 64), "an ignore_eos body")
 
 
 def test_engine_client_generate_body_is_sglangs(sglang):

@@ -53,25 +53,38 @@ def test_async_mode_aborts_and_trains_the_cut_tokens_in_a_later_iteration(tmp_pa
     assert sorted(g for r in got for g in r["trained_stream_ids"]) == list(range(3 * gbs))
 
 
+# Rows that cannot end early (rollout.ignore_eos: no EOS ends one, so every row runs exactly max_tokens steps) on
+# engines of one decode slot each: rows run in waves of two, one per engine. GBS 2 x 2 samples are ready after two
+# waves; max_age 3 with two over-sampled groups starts six groups at once, so four waves (~4 x 1 s of decoding at
+# 1,024 tokens a row) are still to run when the batch is ready, while reward, logprobs and the update of 4 rows take
+# ~0.6 s: the update of iteration 0 always finds requests generating (a stall of several seconds would be needed to
+# miss it). Measured: update_while_generating [1, 1, 0], the learner's update ~0.37 s.
+OVERLAP_ROWS = {"rollout.ignore_eos": "true", "rollout.max_tokens": 1024, "rollout.max_model_len": 1040,
+                "engines.max_running_requests": 1, "rollout.global_batch_size": 2, "rollout.n_samples_per_prompt": 2,
+                "rollout.max_age": 3, "rollout.over_sampling_groups": 2, "grpo.micro_batch_size": 4}
+
+
 @pytest.mark.usefixtures(*FLOW)
 def test_overlap_generates_through_the_update_and_keeps_the_bound(tmp_path, warm_parts):
     """rollout.overlap=true (async): the requests running when the dock is ready are not aborted; they generate on
-    through reward, logprobs and the update, and their tokens reach the dock at the next generate step (ignored: no
-    detached token would arrive). On the tiny model they mostly finish before the update starts; a request living
-    through an update (paused and continued) is shown on the fleet itself: tests/integration/test_overlap_manager.py."""
+    through reward, logprobs and the update (paused and continued: retract keeps every token), and their tokens reach
+    the dock at the next generate step, where rows made by two weight versions are trained (ignored: no detached
+    token would arrive, and no update would find requests running). The fleet-level view of one request living
+    through an update: tests/integration/test_overlap_manager.py."""
     from spillover.flows.train import grpo_train
 
-    gbs, n = 16, 4
-    grpo_train(small_config(tmp_path / "run", iterations=3, **{"rollout.mode": "async", "rollout.overlap": True,
-                                                              "rollout.global_batch_size": gbs,
-                                                              "grpo.micro_batch_size": 32}), parts=warm_parts)
+    gbs = 2
+    grpo_train(small_config(tmp_path / "run", iterations=3, **{"rollout.mode": "async", "rollout.overlap": True},
+                            **OVERLAP_ROWS), parts=warm_parts)
     got = rows(tmp_path / "run")
-    assert all(r["update_while_generating"] in (0, 1) for r in got), [r["update_while_generating"] for r in got]
+    assert got[0]["requests"] == 12 and got[0]["ready_groups"] == gbs, got[0]  # six groups started, two ready
+    assert got[0]["update_while_generating"] == 1, [r["update_while_generating"] for r in got]
     assert sum(r["detached_tokens"] for r in got[1:]) > 0, [r["detached_tokens"] for r in got]
+    assert max(r["version_span_max"] for r in got[1:]) >= 1, [r["version_span_max"] for r in got]
     assert [r["tokens_cut_by_updates"] for r in got] == [0, 0, 0]  # retract: requests live through an update
     shares = [r["overlap_generating_share"] for r in got]  # iteration 0 collects nothing; later, detached tokens came
     assert shares[0] == 0 and all(0 < s <= 1 for s, r in zip(shares[1:], got[1:]) if r["detached_tokens"]), shares
-    assert max(r["token_staleness_max"] for r in got) <= 1  # async max_age 2: the bound holds through overlap
+    assert max(r["token_staleness_max"] for r in got) <= 2  # max_age 3: the bound holds through overlap
     assert sorted(g for r in got for g in r["trained_stream_ids"]) == list(range(3 * gbs))
 
 
