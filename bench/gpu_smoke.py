@@ -16,6 +16,8 @@ process; each is a function in CHECKS (args, device) -> its figures, printed as 
   update_s, buckets, events, greedy_changed}.
 - engine_health (issue 37): the torch engine's /health while paused and while released, with SGLang's generation
   probe on (no answer; 503) and off as the fleet runs it (200 both) -> "health".
+- stop_across_cut (issue 37): a stop string split by a partial-rollout cut, the torch engine on the device with the
+  real dock and driver hooks: the row ends where one uncut request ends -> "stop_across_cut".
 - inflight_update (issue 31, rollout.overlap with engines.pause_mode=in_place): one request keeps running through a
   weight update as RolloutManager.update_weights drives it: /pause_generation {mode: in_place} -> new weights bucket by
   bucket through WeightPoster without a cache flush (the engine refuses a flush while the paused request keeps its KV)
@@ -319,6 +321,65 @@ def inflight_update(args, device: torch.device) -> dict:
     return {"inflight_update": out}
 
 
+def stop_across_cut(args, device: torch.device) -> dict:
+    """A stop string split by a partial-rollout cut, with the torch engine on the device and the real dock and driver
+    hooks (issue 37, item 3): the engine matches stop strings in one request's own output, so a string begun in the
+    first round's tokens and ended in the continuation is not seen by it; the driver (RoundHooks.on_answers) must end
+    the row where one uncut request ends. The tiny model with its char tokenizer (the random 0.5B folder has no
+    tokenizer to spell a string with); greedy, so the device's kernels choose the tokens."""
+    import httpx
+    import numpy as np
+
+    from ..infra.models import load_tokenizer
+    from ..rollout.dock.transfer_dock import TransferDock
+    from ..rollout.drivers.requests import SamplingSettings, build_requests
+    from ..rollout.drivers.rounds import RoundHooks
+    from ..rollout.sglang.protocol import GenerateResponse
+    from ..rollout.torch_engine.server import TorchEngineServer
+
+    model, budget = _tiny_model(), 24
+    tok = load_tokenizer(model)
+    prompt = tok("1+2=", add_special_tokens=False)["input_ids"]
+    server = TorchEngineServer(model, device=device.type, max_running_requests=4, seed=0)
+    url = server.start(timeout_s=300.0)
+
+    def post(ids, max_new: int, stop: list[str] | None = None) -> GenerateResponse:
+        sampling = SamplingSettings(temperature=0.0, stop=tuple(stop or ()), ignore_eos=True)
+        body = build_requests([ids], np.array([max_new]), sampling)[0].body()
+        response = httpx.post(url + "/generate", json=body, timeout=300.0)
+        response.raise_for_status()
+        return GenerateResponse.model_validate(response.json())
+
+    try:
+        free = post(prompt, budget).output_ids
+        text = tok.decode(free)  # one token per character
+        cut = next((k for k in range(2, budget - 2) if text.index(text[k - 1:k + 1]) == k - 1), None)
+        if cut is None:
+            raise CheckFailed(f"stop across cut: no two characters of {text!r} first appear across a cut", {})
+        stop = text[cut - 1:cut + 1]
+        uncut = post(prompt, budget, [stop]).output_ids
+        dock = TransferDock(1, 1, 2, budget, len(prompt) + budget, [int(tok.eos_token_id)])
+        dock.load_groups(np.asarray([0]), [prompt], ["label"])
+        hooks = RoundHooks(dock, 0, stop=[stop], decode=tok.decode)
+        first = post(prompt, cut, [stop])
+        hooks.on_answers(dock.take_rows(), [first], stopping=True)
+        carried = not bool(dock.complete[0])
+        rows = dock.take_rows()
+        inputs, max_new = dock.generation_inputs(rows, None)
+        second = post(list(map(int, inputs[0])), int(max_new[0]), [stop])
+        hooks.on_answers(rows, [second], stopping=False)
+        ended = dock.responses.gather(np.asarray([0]), "tokens").tolist()
+    finally:
+        server.stop()
+    out = {"stop": stop, "cut_at": cut, "uncut_tokens": len(uncut), "carried": carried,
+           "engine_continued": len(second.output_ids), "row_tokens": len(ended), "row_stopped": bool(dock.stopped[0]),
+           "row_equals_uncut": ended == uncut}
+    if not (carried and uncut == free[:cut + 1] and len(second.output_ids) > 1 and ended == uncut
+            and dock.stopped[0]):
+        raise CheckFailed(f"stop across cut: {out}", {"stop_across_cut": out})
+    return {"stop_across_cut": out}
+
+
 def _tiny_model() -> str:
     from ..infra.models import build_tiny_model
 
@@ -351,7 +412,8 @@ def rollout_split(args, device: torch.device) -> dict:
 
 # The checks, in the order they run: each takes (parsed args, device) and returns its figures (merged into the one
 # JSON line); a new GPU check is a function appended here (and named in --checks).
-CHECKS = [colocated_engine, tensor_update_session, engine_health, inflight_update, learner_precision, rollout_split]
+CHECKS = [colocated_engine, tensor_update_session, engine_health, inflight_update, stop_across_cut, learner_precision,
+          rollout_split]
 
 
 def main(argv: list[str] | None = None) -> dict:

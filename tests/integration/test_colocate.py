@@ -146,5 +146,7 @@ def test_gpu_smoke_dry_run_on_cpu(gpu_smoke_dry_run):
     inflight = out["inflight_update"]  # issue 31: a request running through an in_place weight update
     assert [span["version"] for span in inflight["spans"]] == ["0", "1"] and inflight["tokens"] == inflight["asked"]
     assert inflight["kv_kept"] == 1 and inflight["flush_refused"] and inflight["steps_while_paused"] == 0
+    cut = out["stop_across_cut"]  # issue 37: a stop string split by a cut ends the row where an uncut request ends
+    assert cut["carried"] and cut["engine_continued"] > 1 and cut["row_equals_uncut"] and cut["row_stopped"]
     rollout = out["rollout"]  # max_split 1 vs 4 through the real dock and driver, engines in this process
     assert set(rollout) == {"no_partial", "sync_split4"} and all(r["rollout_s"] > 0 for r in rollout.values())
