@@ -7,6 +7,7 @@ on the newest), and rollout.start_order = predicted_longest reads it to start th
 
     keys = prompt_keys(flat_tokens, lengths)      # -> int64[k]
     history.record(keys, mean_lengths); history.predict(keys)   # -> float64[k], NaN: never trained
+    prediction_metrics(predicted[B], true[B])     # -> the metrics.jsonl keys of how well the history predicted
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import hashlib
 import numpy as np
 
 HISTORY_WEIGHT = 0.5  # weight of the newest epoch's mean length in a prompt's average
+PREDICTION_KEYS = ("predicted_group_len", "true_group_len", "predicted_groups", "predictor_r")  # in metrics.jsonl
+MIN_CORRELATED = 3  # groups with a prediction needed for predictor_r (the bench's rule, bench/mode_run.py)
 
 
 def prompt_keys(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -26,6 +29,21 @@ def prompt_keys(flat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         digest = hashlib.blake2b(values[start:end].tobytes(), digest_size=8).digest()
         out[i] = int.from_bytes(digest, "little", signed=True)
     return out
+
+
+def prediction_metrics(predicted: np.ndarray, true: np.ndarray) -> dict:
+    """The trained groups' predicted[B] (the history's value when each started, NaN: none) and true[B] (their mean
+    response length) -> JSON-safe metrics: predicted_group_len (None: no prediction) and true_group_len per group,
+    predicted_groups (how many had one), predictor_r (Pearson correlation over those; None with fewer than
+    MIN_CORRELATED or a constant side)."""
+    predicted, true = np.asarray(predicted, dtype=np.float64), np.asarray(true, dtype=np.float64)
+    known = ~np.isnan(predicted)
+    r = None
+    if known.sum() >= MIN_CORRELATED and np.std(predicted[known]) > 0 and np.std(true[known]) > 0:
+        r = round(float(np.corrcoef(predicted[known], true[known])[0, 1]), 4)
+    return {"predicted_group_len": [round(p, 3) if k else None for p, k in zip(predicted.tolist(), known.tolist())],
+            "true_group_len": [round(t, 3) for t in true.tolist()], "predicted_groups": int(known.sum()),
+            "predictor_r": r}
 
 
 class LengthHistory:

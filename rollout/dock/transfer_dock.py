@@ -42,7 +42,7 @@ from ...infra.storage.format_version import check_format_version, format_tag
 from . import staleness as dock_staleness
 from ..batch import RolloutBatch
 from .buffers import PagedColumns, TokenRows
-from .length_history import LengthHistory, prompt_keys
+from .length_history import LengthHistory, prediction_metrics, prompt_keys
 from .checks import (DockError, check_dock_sizes, check_in_flight, check_load, check_occupied,
                      check_rows, parse_generation, parse_prompts)
 
@@ -71,6 +71,8 @@ class TransferDock:
         self.load_seq = np.zeros(self.capacity_groups, dtype=np.int64)
         self.prompt_keys = np.zeros(self.capacity_groups, dtype=np.int64)  # the prompt's key in length_history
         self.length_history = LengthHistory()  # per-prompt mean lengths of trained groups, across epochs
+        # what the history predicted for each group when it started (NaN: nothing): its record at clear
+        self.start_predictions = np.full(self.capacity_groups, np.nan, dtype=np.float64)
         self.labels: list[Any] = [None] * self.capacity_groups
         self.metadata: list[dict | None] = [None] * self.capacity_groups  # data.additional_keys per group (JSON)
         self.next_load_seq = 0
@@ -142,6 +144,7 @@ class TransferDock:
         slots = np.flatnonzero(self.group_ids < 0)[:len(ids)]
         self.group_ids[slots] = ids
         self.prompt_keys[slots] = prompt_keys(flat, lengths) if keys is None else np.asarray(keys, dtype=np.int64)
+        self.start_predictions[slots] = self.length_history.predict(self.prompt_keys[slots])
         self.load_seq[slots] = self.next_load_seq + np.arange(len(ids))
         self.next_load_seq += len(ids)
         for slot, label, meta in zip(slots.tolist(), labels, metadata if metadata is not None else [None] * len(ids)):
@@ -283,7 +286,8 @@ class TransferDock:
         return dict(self._batch_arrays)
 
     def clear(self, keep_generating: bool = False) -> dict:
-        """Batch groups leave; every other generated row ages by one. -> small stats.
+        """Batch groups leave; every other generated row ages by one. -> small JSON-able stats, with the history's
+        predictions for the batch's groups when they started against their mean lengths (prediction_metrics).
 
         keep_generating (rollout.overlap): rows outside the batch may still be in flight (their requests run on
         through the update); they stay so. Tokens they make outside the dock age their group when they arrive
@@ -295,7 +299,9 @@ class TransferDock:
             raise DockError(f"clear: {flying} {'batch ' if keep_generating else ''}rows are in flight; "
                             "put_generation() or release() them first")
         means = self.responses.length[rows].reshape(len(batch), self.n).mean(axis=1)
+        predicted = self.start_predictions[batch].copy()
         self.length_history.record(self.prompt_keys[batch], means)
+        self.start_predictions[batch] = np.nan
         self.group_ids[batch] = -1
         for slot in batch.tolist():
             self.labels[slot] = self.metadata[slot] = None
@@ -308,11 +314,14 @@ class TransferDock:
         self.prompts.free(batch)
         self.responses.free(rows)
         self.age += np.repeat(self.started_groups(), self.n)  # a group ages as one, from its first token
+        # groups not dispatched yet will start with the history as it is now (what the driver reads then)
+        waiting = (self.group_ids >= 0) & ~self.started_groups() & ~self.in_flight.reshape(-1, self.n).any(axis=1)
+        self.start_predictions[waiting] = self.length_history.predict(self.prompt_keys[waiting])
         self.batch, self._batch_arrays = None, None
         carried = self.occupied_rows() & self.generated
         return {"trained_groups": int(len(batch)), "carried_rows": int(carried.sum()),
                 "partial_rows": int((carried & ~self.complete & (self.responses.length > 0)).sum()),
-                "age_histogram": age_histogram(self)}
+                "age_histogram": age_histogram(self), **prediction_metrics(predicted, means)}
 
     # ---- state ---------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -340,6 +349,7 @@ FLAT_ARRAYS = ("prompt_tokens", "response_tokens", "response_logprobs", "respons
 # A multi_turn dock's snapshot also holds these and the loss mask (response_mask); a single-turn dock's rows keep
 # the constructor's values (no turns, no tool pending, no env reward).
 MULTI_TURN_ROW_ARRAYS = {"turns": np.int32, "awaiting_tool": bool, "env_reward": np.float32}
+NO_PREDICTION = -1.0  # a group without a start prediction, in a snapshot (NaN in the dock)
 SNAPSHOT_META_KEYS = ("config", "has_batch", "drain", "next_load_seq", "labels", "metadata")
 
 
@@ -411,6 +421,7 @@ def snapshot(dock: "TransferDock") -> tuple[dict[str, np.ndarray], dict[str, Any
             dock.awaiting_tool.copy(), "env_reward": dock.env_reward.copy()} if dock.multi_turn else {}),
         "batch_slots": np.zeros(0, dtype=np.int64) if dock.batch is None else dock.batch.copy(),
         "prompt_keys": dock.prompt_keys.copy(), "history_keys": history_keys, "history_lengths": history_lengths,
+        "start_predictions": np.nan_to_num(dock.start_predictions, nan=NO_PREDICTION),  # NaN != NaN in comparisons
     }
     meta = {
         "format": format_tag(DOCK_FORMAT, DOCK_FORMAT_VERSION),
@@ -465,8 +476,8 @@ def restore(cls: type["TransferDock"], arrays: dict[str, np.ndarray], meta: dict
 
 
 def _restore_history(dock: "TransferDock", arrays: dict[str, np.ndarray]) -> None:
-    """The prompt keys and length history (optional: a snapshot from before them restores the keys as digests of the
-    prompts and starts an empty history)."""
+    """The prompt keys, length history and start predictions (optional: a snapshot from before them restores the keys
+    as digests of the prompts and starts an empty history; the predictions are then the history's now)."""
     if "prompt_keys" in arrays:
         keys = np.asarray(arrays["prompt_keys"], dtype=np.int64)
         if keys.shape != (dock.capacity_groups,):
@@ -477,6 +488,15 @@ def _restore_history(dock: "TransferDock", arrays: dict[str, np.ndarray]) -> Non
         dock.prompt_keys[slots] = prompt_keys(dock.prompts.gather(slots, "tokens"), dock.prompts.length[slots])
     if "history_keys" in arrays:
         dock.length_history = LengthHistory.load(arrays["history_keys"], arrays["history_lengths"])
+    occupied = dock.group_ids >= 0
+    if "start_predictions" in arrays:
+        predictions = np.asarray(arrays["start_predictions"], dtype=np.float64)
+        if predictions.shape != (dock.capacity_groups,):
+            raise ValueError(f"dock snapshot: start_predictions has shape {predictions.shape}, "
+                             f"expected ({dock.capacity_groups},)")
+        dock.start_predictions = np.where(occupied & (predictions >= 0), predictions, np.nan)
+    else:
+        dock.start_predictions[occupied] = dock.length_history.predict(dock.prompt_keys[occupied])
 
 
 def _check_restored(dock: "TransferDock") -> None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from spillover.infra.config.rollout import RolloutConfig
-from spillover.rollout.dock.length_history import LengthHistory, prompt_keys
+from spillover.rollout.dock.length_history import LengthHistory, prediction_metrics, prompt_keys
 from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.drivers.scheduling import expected_remaining, plan_dispatch
 
@@ -60,6 +60,45 @@ def test_caller_keys_and_snapshot_restore():
     assert restored.prompt_keys[slots].tolist() == prompt_keys(np.array([8]), np.array([1])).tolist()
     with pytest.raises(ValueError, match="keys"):
         dock.load_groups(np.array([3]), [[8]], ["d"], keys=[1, 2])
+
+
+def test_clear_reports_what_each_group_was_predicted_when_it_started():
+    """clear() returns each trained group's prediction as it stood when the group started (a group still waiting at a
+    clear takes the history as it is after it; one already started keeps its own) and its true mean length; snapshots
+    keep the predictions (an older snapshot takes the history's)."""
+    dock = make_dock(gbs=1, n=2, max_split=2)  # two group slots
+    dock.load_groups(np.array([0, 1]), [[1], [1]], ["a", "a"], keys=[10, 10])  # one prompt twice
+    put(dock, dock.take_rows(limit=2), [4, 2], eos=True)  # only group 0 starts
+    dock.select_batch()
+    stats = dock.clear()
+    assert stats["predicted_group_len"] == [None] and stats["true_group_len"] == [3.0]
+    assert dock.start_predictions[1] == 3.0  # group 1 had not started: it starts knowing group 0's length
+    dock.load_groups(np.array([2]), [[2]], ["b"], keys=[11])
+    put(dock, dock.take_rows(), [5, 5, 1, 1], eos=[True, True, False, False])  # group 2 starts (no history)
+    arrays, meta = dock.snapshot()
+    restored = TransferDock.restore(arrays, meta, "test")
+    assert np.array_equal(restored.start_predictions, dock.start_predictions, equal_nan=True)
+    older = TransferDock.restore({k: v for k, v in arrays.items() if k != "start_predictions"}, meta, "test")
+    assert older.start_predictions[dock.group_ids == 1].tolist() == [3.0]
+    dock.select_batch()
+    stats = dock.clear()
+    assert stats["predicted_group_len"] == [3.0] and stats["true_group_len"] == [5.0]
+    dock.load_groups(np.array([3]), [[1]], ["a"], keys=[10])  # epoch 2 of prompt 10: (3 + 5) / 2
+    put(dock, dock.take_rows(), [1, 1, 2, 2], eos=True)
+    dock.select_batch()
+    assert dock.clear()["predicted_group_len"] == [None]  # group 2 started with no history, and keeps that
+    assert dock.start_predictions[dock.group_ids == 3].tolist() == [4.0]
+
+
+def test_prediction_metrics_are_json_safe():
+    got = prediction_metrics(np.array([np.nan, 2.0, 4.0, 6.0]), np.array([1.0, 3.0, 4.0, 8.0]))
+    assert got["predicted_group_len"] == [None, 2.0, 4.0, 6.0] and got["true_group_len"] == [1.0, 3.0, 4.0, 8.0]
+    assert got["predicted_groups"] == 3 and got["predictor_r"] == pytest.approx(
+        np.corrcoef([2.0, 4.0, 6.0], [3.0, 4.0, 8.0])[0, 1], abs=1e-4)  # over the groups with a prediction
+    assert prediction_metrics(np.array([np.nan, 2.0]), np.array([1.0, 3.0]))["predictor_r"] is None  # too few
+    assert prediction_metrics(np.full(4, 2.0), np.arange(4.0))["predictor_r"] is None  # a constant prediction
+    assert prediction_metrics(np.zeros(0), np.zeros(0)) == {"predicted_group_len": [], "true_group_len": [],
+                                                            "predicted_groups": 0, "predictor_r": None}
 
 
 def test_length_history_load_refuses_mismatched_arrays():
