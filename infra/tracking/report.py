@@ -5,6 +5,7 @@ lengths.png    response length distribution of trained samples by age (long tail
 carryover.png  rows carried over after each iteration, by age, and how many of them are partial
 task_time.png  time per task per iteration
 is_weights.png IS weights exp(old - rollout) of the trained tokens per iteration (histogram and quantiles)
+predictions.png the length history's predicted vs true mean length of each trained group, and predictor_r per iteration
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from .run_tracker import read_metrics
 
-PLOTS = ("reward", "lengths", "carryover", "task_time", "is_weights")
+PLOTS = ("reward", "lengths", "carryover", "task_time", "is_weights", "predictions")
 TASK_ORDER = ["load_prompts", "generate_until_ready", "compute_reward", "compute_ref_logprob",
               "compute_old_logprob", "update", "clear_and_age_sort"]
 
@@ -190,6 +191,49 @@ def plot_is_weights(rows: list[dict], path: Path) -> None:
     _save(fig, path)
 
 
+def _predicted_pairs(rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """-> (iteration, predicted, true) float64[P] over every trained group that had a prediction (metrics.jsonl's
+    predicted_group_len / true_group_len; None: no prediction)."""
+    pairs = [(float(r["iteration"]), p, t) for r in rows
+             for p, t in zip(r.get("predicted_group_len") or [], r.get("true_group_len") or []) if p is not None]
+    return tuple(np.array([pair[k] for pair in pairs], dtype=float) for k in range(3))
+
+
+def plot_predictions(rows: list[dict], path: Path) -> None:
+    """Left: each trained group's predicted (the per-prompt length history's value when it started) vs true mean
+    response length, coloured by iteration; right: predictor_r and the share of groups with a prediction per
+    iteration. A run without predictions (no prompt recurred yet, or metrics from before them) says so."""
+    plt = _pyplot()
+    its, predicted, true = _predicted_pairs(rows)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    if len(its):
+        dots = left.scatter(predicted, true, c=its, cmap="viridis", s=14, alpha=0.8)
+        fig.colorbar(dots, ax=left, label="iteration")
+        top = float(max(predicted.max(), true.max())) * 1.05
+        left.plot([0, top], [0, top], color="gray", ls="--", lw=1, label="true = predicted")
+        left.set(xlim=(0, top), ylim=(0, top), xlabel="predicted mean length (tokens)",
+                 ylabel="true mean length (tokens)", title="Group length: predicted (history) vs true")
+        left.legend(fontsize=8, loc="upper left")
+    else:
+        left.text(0.5, 0.5, "no length predictions recorded\n(no prompt had come back from an earlier epoch)",
+                  ha="center", va="center")
+        left.set_axis_off()
+    recorded = [r for r in rows if "predicted_groups" in r]
+    if recorded:
+        x = np.array([float(r["iteration"]) for r in recorded])
+        corr = np.array([np.nan if r.get("predictor_r") is None else float(r["predictor_r"]) for r in recorded])
+        share = np.array([r["predicted_groups"] / max(1, len(r.get("true_group_len") or [])) for r in recorded])
+        right.plot(x, corr, marker="o", ms=4, label="predictor_r (Pearson, groups with a prediction)")
+        right.plot(x, share, marker="s", ms=3, ls=":", label="share of groups with a prediction")
+        right.axhline(0.0, color="gray", lw=0.8)
+        right.set_ylim(-1.05, 1.05)
+        right.legend(fontsize=8, loc="best")
+    else:
+        right.text(0.5, 0.5, "no predictions in metrics.jsonl", ha="center", va="center")
+    right.set(xlabel="iteration", ylabel="correlation / share", title="Length predictor per iteration")
+    _save(fig, path)
+
+
 def _save(fig, path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
@@ -218,6 +262,7 @@ def write_report(run_dir: str | Path) -> list[Path]:
     plot_carryover(rows, paths[2])
     plot_task_time(rows, paths[3])
     plot_is_weights(rows, paths[4])
+    plot_predictions(rows, paths[5])
     return paths
 
 

@@ -1,5 +1,5 @@
 """`spillover report RUN_DIR`: the PNG plots from metrics.jsonl (with and without the length and IS-weight
-histograms)."""
+histograms and the length predictions)."""
 from __future__ import annotations
 
 import json
@@ -31,8 +31,19 @@ def _rows(n: int, with_hist: bool = True) -> list[dict]:
         if with_hist:
             row["response_length_hist"] = length_histogram(lengths, ages, max_tokens=32, round_tokens=16)
             row.update(_learner_off_policy_metrics(rng, it))
+            row.update(_predictions(rng, it))
         rows.append(row)
     return rows
+
+
+def _predictions(rng, iteration: int, groups: int = 4) -> dict:
+    """What clear_and_age_sort records (rollout/dock/length_history.prediction_metrics) for a run whose prompts come
+    back from iteration 2 on: none predicted before, then a prediction near each group's true length."""
+    from spillover.rollout.dock.length_history import prediction_metrics
+
+    true = rng.integers(2, 32, size=groups).astype(float)
+    predicted = true + rng.normal(0, 3, size=groups) if iteration >= 2 else np.full(groups, np.nan)
+    return prediction_metrics(predicted, true)
 
 
 def _learner_off_policy_metrics(rng, iteration: int) -> dict:
@@ -55,7 +66,7 @@ def test_report_writes_the_pngs(tmp_path, with_hist):
     for p in paths:
         assert p.parent == tmp_path / "report" and p.read_bytes()[:8] == PNG and p.stat().st_size > 5000
     md = report_markdown(tmp_path, paths, {"iterations": 6, "reward_rise": 0.1})
-    assert md.count("data:image/png;base64,") == len(PLOTS) == 5 and "| 6 | 0.1 |" in md
+    assert md.count("data:image/png;base64,") == len(PLOTS) == 6 and "| 6 | 0.1 |" in md
 
 
 def test_report_cli_exit_codes(tmp_path, capsys):
@@ -91,3 +102,31 @@ def test_plots_keep_short_runs_readable(tmp_path, monkeypatch):
     figures["task_time"].canvas.draw()
     legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
     assert legend.x0 >= axes.x1  # outside the plot area
+
+
+def test_predictions_plot_draws_predicted_against_true_and_runs_without_predictions(tmp_path, monkeypatch):
+    """predictions.png: a dot per trained group with a prediction at (predicted, true), coloured by its iteration, and
+    predictor_r per iteration (a gap where there was none); a run with no prediction at all (start_order oldest in its
+    first epoch, or metrics from before the predictions) draws the message instead of failing."""
+    import spillover.infra.tracking.report as report
+
+    figures = {}
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.__setitem__(path.stem, fig))
+    rows = json.loads(json.dumps(_rows(5)))  # as read back from metrics.jsonl (None for a missing prediction)
+    report.plot_predictions(rows, tmp_path / "predictions.png")
+    left, right, _ = figures["predictions"].axes  # the last one: the iteration colour bar
+    dots = left.collections[0]
+    expected = [[p, t] for r in rows[2:] for p, t in zip(r["predicted_group_len"], r["true_group_len"])]
+    assert dots.get_offsets().tolist() == expected and len(expected) == 12
+    assert dots.get_array().tolist() == [2.0] * 4 + [3.0] * 4 + [4.0] * 4  # coloured by iteration
+    corr = [line for line in right.get_lines() if line.get_label().startswith("predictor_r")][0]
+    ys = corr.get_ydata()
+    assert np.isnan(ys[:2]).all() and ys[2:].tolist() == [r["predictor_r"] for r in rows[2:]]
+
+    for r in rows:  # nothing predicted anywhere
+        r.update(predicted_group_len=[None] * 4, predicted_groups=0, predictor_r=None)
+    report.plot_predictions(rows, tmp_path / "predictions.png")
+    left = figures["predictions"].axes[0]
+    assert "no length predictions recorded" in left.texts[0].get_text() and not left.collections
+    report.plot_predictions([{"iteration": 0}], tmp_path / "predictions.png")  # metrics from before the keys
+    assert "no predictions" in figures["predictions"].axes[1].texts[0].get_text()
