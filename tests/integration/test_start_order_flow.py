@@ -40,8 +40,9 @@ def record_starts(monkeypatch) -> list[dict]:
         taken = np.sort(rows_)  # as take_rows handed them out: oldest group first, then load order
         oldest, _, _ = plan_dispatch(dock, taken[dock.oldest_first(taken // dock.n)], "length_aware",
                                      start_order="oldest")
-        seen.append({"planner": self, "rows": rows_.tolist(), "oldest": oldest.tolist(), "age": dock.age[rows_].tolist(),
-                     "predicted": dock.predicted_length(groups).tolist(), "fresh": (~started[groups]).tolist()})
+        seen.append({"planner": self, "rows": rows_.tolist(), "oldest": oldest.tolist(),
+                     "age": dock.age[rows_].tolist(), "predicted": dock.predicted_length(groups).tolist(),
+                     "fresh": (~started[groups]).tolist()})
         return rows_, engines
 
     monkeypatch.setattr(DispatchPlanner, "next_rows", spy)
