@@ -152,7 +152,7 @@ def test_served_deployment_runs_shows_artifacts_and_locks_its_run_dir(ray_sessio
         report = [a for a in _artifacts(api, [first]) if a["key"] == "spillover-e2e-run-report"]
         assert report and "data:image/png;base64," in report[0]["data"]
         assert sorted(p.name for p in (run_dir / "report").iterdir()) == [
-            "carryover.png", "is_weights.png", "lengths.png", "reward.png", "task_time.png"]
+            "carryover.png", "is_weights.png", "lengths.png", "predictions.png", "reward.png", "task_time.png"]
 
         t1 = time.monotonic()
         checked = check_in_browser(page, url, _flow_run(api, first)["name"], first, iteration_ids["iteration-0001"],
