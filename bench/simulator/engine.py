@@ -68,7 +68,7 @@ class _Request:
     """One request; `produce` (tokens it will generate) and `eos` are fixed when it is admitted."""
 
     __slots__ = ("index", "rid", "input_len", "group", "j", "start", "budget", "produce", "eos", "start_step",
-                 "return_logprob", "received_ns", "engine", "spans")
+                 "return_logprob", "received_ns", "engine", "spans", "cutoff_group")
 
     def __init__(self, index, rid, input_len, group, j, start, budget, return_logprob, received_ns, engine=None):
         self.index, self.rid, self.input_len, self.group, self.j = index, rid, input_len, group, j
@@ -76,6 +76,7 @@ class _Request:
         self.start, self.budget, self.return_logprob, self.received_ns = start, budget, return_logprob, received_ns
         self.produce, self.eos, self.start_step = 0, False, 0
         self.spans: list[tuple[int, int]] = []  # (weight version, first output position it made), from admission
+        self.cutoff_group = None
 
 
 class _Engine:
@@ -146,6 +147,7 @@ class SimulatedEngine:
         self._running = False
         self._results: list = []
         self._detached: tuple | None = None  # (queue_of, queued requests, indices unanswered when it detached)
+        self._started_groups: set[int] = set()  # cutoff groups with a request admitted in the current call
         self.tokens_generated = self.prefill_tokens = self.requests_done = 0
         self.recomputed_prefill_tokens = 0  # retract: the KV of paused requests computed again
         self.continued_prefill_tokens = 0   # prefill of requests that continue a partial response
@@ -225,6 +227,7 @@ class SimulatedEngine:
             raise RuntimeError("SimulatedEngine.generate: a detached call still runs; collect_detached() first")
         self._running, self._abort_requested = True, False
         self._results = [None] * len(jobs)
+        self._started_groups = set()
         self._on_result = on_result
         left_running = False
         try:
@@ -259,8 +262,10 @@ class SimulatedEngine:
         request = job.request
         ids = request.input_ids
         group, plen, j = parse_simulated_input(ids)
-        return _Request(index, request.rid or f"sim-{index}", len(ids), group, j, len(ids) - plen,
-                        int(request.sampling_params.max_new_tokens), request.return_logprob, self._now, job.engine)
+        req = _Request(index, request.rid or f"sim-{index}", len(ids), group, j, len(ids) - plen,
+                       int(request.sampling_params.max_new_tokens), request.return_logprob, self._now, job.engine)
+        req.cutoff_group = job.cutoff_group
+        return req
 
     def _run(self, queue: deque, detach: bool) -> bool:
         """-> True when the call detached with requests left running."""
@@ -283,6 +288,7 @@ class SimulatedEngine:
         if detach and (queued or any(e.heap for e in engines)):
             self._detached = (queue_of, queued, [i for i, r in enumerate(self._results) if r is None])
             self._abort_requested = False
+            self._hold_until_detach(queued)
             return True
         self._abort_everything(queued)
         return False
@@ -312,6 +318,24 @@ class SimulatedEngine:
                 self._admit(engine, queue.popleft())
         return True
 
+    def _hold_until_detach(self, queued) -> None:
+        """Queued requests with a cutoff_group (rollout.start_cutoff) none of whose requests started in this call leave
+        the queue unstarted: collect_detached answers them with no tokens, as RolloutManager answers a request it
+        never sent."""
+        def waits(req: _Request) -> bool:
+            return req.cutoff_group is not None and req.cutoff_group not in self._started_groups
+
+        for own in (queued.queues if isinstance(queued, _Queues) else [queued]):
+            held = [req for req in own if waits(req)]
+            if held:
+                kept = [req for req in own if not waits(req)]
+                own.clear()
+                own.extend(kept)
+            for req in held:
+                ids, entries = response_tokens(req.start, 0, 0, False, self.eos)
+                self._results[req.index] = answer(req.rid, req.input_len, ids, entries if req.return_logprob else None,
+                                                  "abort", self.eos, self.weight_version, 0.0, None)
+
     def _admit(self, engine: _Engine, req: _Request) -> None:
         natural = self._natural.get(req.group)
         if natural is None:
@@ -331,6 +355,8 @@ class SimulatedEngine:
         req.produce = min(remaining, req.budget)
         req.start_step = engine.steps
         req.spans = [(self.weight_version, 0)]
+        if req.cutoff_group is not None:
+            self._started_groups.add(req.cutoff_group)
         heapq.heappush(engine.heap, (engine.steps + req.produce, req.index, req))
         engine.pending_prefill += self._prefill * req.input_len
         self.prefill_tokens += req.input_len

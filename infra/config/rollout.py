@@ -44,6 +44,17 @@ class RolloutConfig(Section):
         "the mean completed length, so new groups start in load order); predicted_longest = the same, but a group "
         "whose prompt was trained in an earlier epoch expects the mean length its groups reached (a per-prompt "
         "history the dock keeps and checkpoints), so after each weight swap the groups predicted longest start first.")
+    start_groups_per_step: int | None = Field(
+        None, ge=0, description="length_aware, start pacing: at most this many groups that have not started yet begin "
+        "in one generation step; the others wait in the dock unstarted (their staleness clock does not run) and go "
+        "in a later step, unless nothing else is left to generate (then they go at once, so pacing never stalls a "
+        "step). Empty = no limit (every group the dock lets start goes at once).")
+    start_cutoff: bool = Field(
+        False, description="overlap: groups that have not started by the batch choice do not start during the update "
+        "(their queued requests are dropped unstarted and go again in the next generation step, under the new "
+        "weights), so a group's staleness clock never starts in an update and it gets a full iteration to finish. "
+        "Faster at max_age 2 (the engines then run only work already started through the update); slower at "
+        "max_age >= 3, where the requests that start in the update keep the engines full.")
     tail_factor: float = Field(0.0, ge=0, description="Tail batching (length_aware): rows expected above this x the "
                                "median remaining work wait for the long round; 0 = off.")
     tail_round_every: int = Field(2, ge=1, description="Tail batching: every k-th iteration is a long round.")
@@ -126,6 +137,12 @@ class RolloutConfig(Section):
         if self.start_order != "oldest" and self.scheduling != "length_aware":
             raise ValueError(f"rollout.start_order={self.start_order} orders rows by their expected length: it needs "
                              "rollout.scheduling=length_aware")
+        if self.start_groups_per_step is not None and self.scheduling != "length_aware":
+            raise ValueError("rollout.start_groups_per_step paces length-aware dispatch: it needs "
+                             "rollout.scheduling=length_aware (or leave it empty)")
+        if self.start_cutoff and not self.overlap:
+            raise ValueError("rollout.start_cutoff=true holds queued groups back through the update: it needs "
+                             "rollout.overlap=true (without overlap nothing runs through the update)")
         if self.overlap and self.mode != "async":
             raise ValueError(f"rollout.overlap=true needs rollout.mode=async (got mode={self.mode}): the sync driver's "
                              "rounds end with every request, so nothing runs on; set rollout.mode=async or "

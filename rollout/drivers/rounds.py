@@ -264,7 +264,8 @@ def _run_round(dock: TransferDock, fleet: Fleet, rows: np.ndarray, engines: np.n
                stats: GenerationStats, progress: _Progress, detached: DetachedRows | None) -> bool:
     """One engine call over `rows` -> whether an answer found the dock ready and stopped it."""
     inputs, max_new = dock.generation_inputs(rows, budget.tokens)
-    jobs = planner.route(build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling)), engines)
+    jobs = planner.route(build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling)), engines,
+                         planner.cutoff_groups(dock, rows))
     round_ = _Round(dock, rows, hooks, budget, stats, progress)
     stats.rounds += 1
     stats.requests += len(rows)

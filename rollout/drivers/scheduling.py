@@ -111,15 +111,30 @@ def split_tail(estimate: np.ndarray, ages: np.ndarray, max_age: int, factor: flo
     return (estimate > factor * float(np.median(estimate))) & (np.asarray(ages) + 2 < max_age)
 
 
+def hold_fresh_beyond(groups: np.ndarray, fresh: np.ndarray, limit: int | None) -> np.ndarray:
+    """Start pacing: rows in the dock's order (oldest loaded first), groups[k] their group, fresh[k] True where the group has not started ->
+    bool[k], True for the rows of the fresh groups after the first `limit` (they wait, unstarted: their staleness clock
+    starts only when they do). limit None: none held."""
+    held = np.zeros(len(groups), dtype=bool)
+    if limit is None:
+        return held
+    fresh_groups = groups[fresh]
+    _, first = np.unique(fresh_groups, return_index=True)
+    late = fresh_groups[np.sort(first)][max(0, int(limit)):]  # fresh groups in the rows' order, past the limit
+    return fresh & np.isin(groups, late)
+
+
 def plan_dispatch(dock, rows: np.ndarray, scheduling: str, num_engines: int | None = None, tail_factor: float = 0.0,
-                  long_round: bool = True, tail_engines: int = 0, start_order: str = "oldest"
-                  ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+                  long_round: bool = True, tail_engines: int = 0, start_order: str = "oldest",
+                  fresh_limit: int | None = None) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """The dock's rows about to be dispatched -> (rows in dispatch order, engine per row or None, rows set aside).
 
     fifo: the dock's order, no engine choice, nothing set aside. length_aware: longest expected remaining work
     first (expected_remaining over the dock's generated lengths), rows balanced over num_engines engines (when
     more than one), and outside a long round (long_round False) the tail rows (split_tail) set aside. start_order
     predicted_longest: the estimate also reads the dock's per-prompt length history (see expected_remaining).
+    fresh_limit (start pacing): only the first fresh_limit groups that have not started go (in the order `rows` came,
+    take_rows' oldest first), the other fresh groups' rows are set aside; None: no limit.
     """
     rows = np.asarray(rows, dtype=np.int64)
     if scheduling not in SCHEDULING:
@@ -137,6 +152,9 @@ def plan_dispatch(dock, rows: np.ndarray, scheduling: str, num_engines: int | No
         rows, estimate, aside = rows[~tail], estimate[~tail], rows[tail]
     else:
         aside = none
+    if fresh_limit is not None:  # the groups loaded first start first (take_rows' order): none waits forever
+        held = hold_fresh_beyond(rows // dock.n, ~dock.started_groups()[rows // dock.n], fresh_limit)
+        rows, estimate, aside = rows[~held], estimate[~held], np.concatenate([aside, rows[held]])
     order = longest_first(estimate, dock.age[rows])
     rows, estimate = rows[order], estimate[order]
     if (num_engines or 1) <= 1:

@@ -95,10 +95,17 @@ class BatchGenerator:
         reported = [False] * len(batch)
         abort: asyncio.Future | None = None
         detached = asyncio.Event()
+        started_groups: set[int] = set()
 
         async def run(index: int, job: GenerateJob) -> None:
             nonlocal abort
             async with limit:
+                if job.cutoff_group is not None:  # rollout.start_cutoff: a group not started by then waits a step
+                    if detached.is_set() and job.cutoff_group not in started_groups:
+                        results[index] = GenerateResponse.never_sent(job.request, "its group did not start before "
+                                                                     "the batch choice (rollout.start_cutoff)")
+                        return
+                    started_groups.add(job.cutoff_group)
                 results[index] = await self.generate_one(job, round_)
             if detached.is_set():  # the caller has gone on: collect_detached hands this answer over
                 return

@@ -169,6 +169,9 @@ class GenerateJob:
 
     request: GenerateRequest
     engine: int | None = None
+    # rollout.start_cutoff: the job's prompt group; if no job of this group was sent by the time its detached round
+    # stops, it is answered never-sent instead of starting during the update (None: it always goes)
+    cutoff_group: int | None = None
 
 
 FinishType = Literal["stop", "length", "abort"]
