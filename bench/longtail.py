@@ -29,7 +29,9 @@ every epoch (--num-prompts), each with its own difficulty (--prompt-share of the
 as disaggregated): *_hist modes are their base mode with rollout.start_order = predicted_longest (the dock's
 per-prompt length history starts the groups predicted longest first). --seeds 0,1,2 runs every mode on each seed: one
 row per mode and seed (speedup against that seed's no_partial), then one row per mode with "seeds",
-"speedup_min" and "speedup_mean".
+"speedup_min" and "speedup_mean". Issue 38 settings: overlap_age2_cutoff_in_place (rollout.start_cutoff: a group not
+started by the batch choice waits through the update unstarted), overlap_os_age4_paced_in_place
+(rollout.start_groups_per_step 768: at most 768 new groups start per step).
 
 Keys (one JSON line per mode on stdout; logs on stderr):
   tokens_per_s       trained (completed) response tokens per second of iteration (generation + update)
@@ -49,6 +51,8 @@ Keys (one JSON line per mode on stdout; logs on stderr):
   detached_tokens_per_iteration  tokens generated after the round detached (through the update), written next call
   update_engine_busy_share  share of engine time during the update with a request running
   seed               the workload's seed (lengths; with --seeds one row per seed)
+  trained_tokens_vs_no_partial  trained tokens per iteration over that seed's no_partial's (the goal: within 2%;
+                     summary rows: its minimum and trained_within_2pct)
   predictor_r        *_hist: correlation of the history's predicted and the true mean length of the trained groups
                      whose prompt had a history (measured iterations); null where no predictor runs
 """
@@ -76,6 +80,9 @@ def add_speedups(results: list[dict]) -> None:
     for r in results:
         r["speedup"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
         r["rollout_speedup"] = round(r["rollout_tokens_per_s"] / base["rollout_tokens_per_s"], 3)
+        # the goal's condition: partial rollout must train what plain GRPO trains (no bias to short groups)
+        r["trained_tokens_vs_no_partial"] = round(r["trained_tokens_per_iteration"]
+                                                  / base["trained_tokens_per_iteration"], 4)
         if "tokens_per_s_bound" in r:
             r["speedup_bound"] = round(r["tokens_per_s_bound"] / base["tokens_per_s"], 3)
 
@@ -91,6 +98,9 @@ def seed_summary(results: list[dict]) -> list[dict]:
                "discarded_tokens_per_update_max": max((r.get("discarded_tokens_per_update") or 0) for r in rows),
                "trained_tokens_per_iteration_mean": round(sum(r["trained_tokens_per_iteration"] for r in rows)
                                                           / len(rows))}
+        ratios = [r["trained_tokens_vs_no_partial"] for r in rows if r.get("trained_tokens_vs_no_partial") is not None]
+        row["trained_tokens_vs_no_partial_min"] = min(ratios) if ratios else None
+        row["trained_within_2pct"] = all(abs(x - 1) <= 0.02 for x in ratios) if ratios else None
         for key in ("speedup", "rollout_speedup", "predictor_r"):
             values = [r[key] for r in rows if r.get(key) is not None]
             row[f"{key}_min"] = min(values) if values else None

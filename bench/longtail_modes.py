@@ -42,20 +42,29 @@ OVERLAP_MODES = {
     "overlap_age2_in_place": (_OVERLAP_AGE2, "in_place"),
     "overlap_os_age4_in_place": ((2, "async", 4, "os", "length_aware", 0.0), "in_place"),
 }
-# issue 38: mode + "_hist" -> that mode with rollout.start_order = predicted_longest (the per-prompt length history
+# issue 38: a mode -> (its base mode, the rollout settings it adds): the start cutoff (no group starts in the update
+# unless it started before the batch choice) and start pacing (at most so many new groups start per step)
+SETTING_MODES = {
+    "overlap_age2_cutoff_in_place": ("overlap_age2_in_place", {"start_cutoff": True}),
+    "overlap_os_age4_paced_in_place": ("overlap_os_age4_in_place", {"start_groups_per_step": 768}),
+}
+# mode + "_hist" -> that mode with rollout.start_order = predicted_longest (the per-prompt length history
 # orders the groups' start: --workload recurring, where prompts come back every epoch)
 HISTORY_MODES = {f"{mode}_hist": mode for mode in ("async_la", "overlap_in_place", "overlap_age2_in_place",
-                                                   "overlap_os_age4_in_place")}
-MODES = tuple(MODE_SPECS) + tuple(OVERLAP_MODES) + tuple(HISTORY_MODES)
+                                                   "overlap_os_age4_in_place", "overlap_age2_cutoff_in_place")}
+MODES = tuple(MODE_SPECS) + tuple(OVERLAP_MODES) + tuple(SETTING_MODES) + tuple(HISTORY_MODES)
 TODAY_MODES = tuple(MODE_SPECS)  # the default workload's modes
-DISAGGREGATED_MODES = ("no_partial", "async_la", "async_age2_la", "over_sampling_la") + tuple(OVERLAP_MODES)
+DISAGGREGATED_MODES = ("no_partial", "async_la", "async_age2_la", "over_sampling_la") + tuple(OVERLAP_MODES) + tuple(
+    SETTING_MODES)
 RECURRING_MODES = ("no_partial", "overlap_in_place", "overlap_age2_in_place", "overlap_os_age4_in_place",
-                   "overlap_in_place_hist", "overlap_age2_in_place_hist", "overlap_os_age4_in_place_hist")
+                   "overlap_in_place_hist", "overlap_age2_in_place_hist", "overlap_os_age4_in_place_hist",
+                   "overlap_age2_cutoff_in_place_hist")
 
 
 def pause_mode(mode: str) -> str | None:
     """The pause mode of an overlap mode; None for the others."""
     mode = HISTORY_MODES.get(mode, mode)
+    mode = SETTING_MODES[mode][0] if mode in SETTING_MODES else mode
     return OVERLAP_MODES[mode][1] if mode in OVERLAP_MODES else None
 
 
@@ -76,6 +85,7 @@ class Workload:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         start_order = "predicted_longest" if mode in HISTORY_MODES else "oldest"
         mode = HISTORY_MODES.get(mode, mode)
+        mode, settings = SETTING_MODES.get(mode, (mode, {}))
         overlap = mode in OVERLAP_MODES
         spec = OVERLAP_MODES[mode][0] if overlap else MODE_SPECS[mode]
         split, driver, age, extra, scheduling, tail, *tail_engines = spec
@@ -86,4 +96,4 @@ class Workload:
                              max_model_len=max_tokens + prompt, max_split=split, mode=driver,
                              max_age=age, over_sampling_groups=extra, scheduling=scheduling, tail_factor=tail,
                              tail_engines=tail_engines[0] if tail_engines else 0, overlap=overlap,
-                             start_order=start_order)
+                             start_order=start_order, **settings)
