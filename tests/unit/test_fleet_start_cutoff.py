@@ -1,0 +1,61 @@
+"""rollout.start_cutoff in the real fleet's request loop (rollout/fleet/generation.py BatchGenerator): a request
+whose group has not started when its detached round stops is answered never-sent instead of going to an engine.
+The engine client is a recording stand-in (no SGLang runs here); the semaphore and the detach are the real code."""
+from __future__ import annotations
+
+import asyncio
+
+from spillover.rollout.drivers.requests import SamplingSettings, build_requests
+from spillover.rollout.fleet.generation import BatchGenerator
+from spillover.rollout.sglang.protocol import GenerateJob, GenerateResponse
+
+
+class RecordingClient:
+    """Answers every request at once (no tokens); `sent` records the rids that reached it."""
+
+    def __init__(self):
+        self.sent: list[str] = []
+
+    async def generate(self, request):
+        self.sent.append(request.rid)
+        await asyncio.sleep(0)
+        return GenerateResponse.never_sent(request, "stand-in answer")
+
+
+class OneClientRouter:
+    def __init__(self, client):
+        self._client = client
+
+    def client(self, engine):
+        return self._client
+
+
+async def _never(*_):
+    raise AssertionError("no recovery expected")
+
+
+def _sent_after_detach(cutoff_group: int | None) -> tuple[list[str], GenerateResponse | None]:
+    """Two requests, one in flight at a time: the first one's answer detaches the round, the second waits for the
+    in-flight slot until then. -> (rids the engine got, the second request's answer if it came back at once)."""
+    client = RecordingClient()
+    generator = BatchGenerator(OneClientRouter(client), lambda: [], lambda url: client, _never, max_in_flight=1)
+    requests = build_requests([[5, 6, 7], [5, 6, 8]], [4, 4], SamplingSettings())
+    jobs = [GenerateJob(requests[0]), GenerateJob(requests[1], None, cutoff_group)]
+
+    async def main():
+        answers = await generator.generate_round(jobs, on_result=lambda index, answer: index == 0, detach=True)
+        await asyncio.sleep(0.01)  # let a request that was let through reach the engine
+        held = generator.detached.results[1] if generator.detached is not None else answers[1]
+        return held
+
+    held = asyncio.run(main())
+    return client.sent, held
+
+
+def test_a_group_not_started_at_the_detach_is_not_sent():
+    sent, held = _sent_after_detach(cutoff_group=3)
+    assert len(sent) == 1  # only the first request reached the engine
+    assert held is not None and held.output_ids == [] and held.meta_info.finish_reason.type == "abort"
+    assert "start_cutoff" in held.meta_info.finish_reason.message
+    sent, _ = _sent_after_detach(cutoff_group=None)
+    assert len(sent) == 2  # without the cutoff it starts while the caller has gone on (the update)
