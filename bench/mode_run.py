@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from ..infra.config.rollout import RolloutConfig
+from ..rollout.dock.length_history import prediction_metrics
 from ..rollout.dock.transfer_dock import TransferDock
 from ..rollout.drivers.requests import SamplingSettings
 from ..rollout.drivers.rounds import DetachedRows, generate_rounds
@@ -42,8 +43,8 @@ class ModeRun:
                  usage=None, prepare=None, key_for=None):
         self.mode, self.work, self.engine, self.prompt_for = mode, work, engine, prompt_for
         self.key_for = key_for
-        self.predicted: dict[int, float] = {}  # group id -> its history prediction at load (predicted_longest)
-        self.pairs: list[tuple[int, np.ndarray, np.ndarray]] = []  # (iteration, predicted, true group mean length)
+        # (iteration, the history's prediction for each trained group when it started (NaN: none), its true mean length)
+        self.pairs: list[tuple[int, np.ndarray, np.ndarray]] = []
         self.clock, self.update, self.eos_ids, self.usage, self.prepare = clock, update, eos_ids, usage, prepare
         self.cfg = work.rollout_config(mode)
         self.dock = build_dock(self.cfg, eos_ids)
@@ -56,9 +57,7 @@ class ModeRun:
         count = groups_for_iteration(dock, ENDLESS)
         ids = np.arange(self.next_id, self.next_id + count)
         keys = [self.key_for(int(g)) for g in ids] if self.key_for else None
-        slots = dock.load_groups(ids, [self.prompt_for(int(g)) for g in ids], [0] * count, keys=keys)
-        if self.cfg.start_order == "predicted_longest":
-            self.predicted.update(zip(ids.tolist(), dock.predicted_length(slots).tolist()))
+        dock.load_groups(ids, [self.prompt_for(int(g)) for g in ids], [0] * count, keys=keys)
         self.next_id += count
         if self.prepare:
             self.prepare(it)
@@ -68,15 +67,14 @@ class ModeRun:
         after = self.usage() if self.usage else {}
         batch = dock.batch_arrays()
         versions = batch["weight_versions"]
-        if self.cfg.start_order == "predicted_longest":
-            true = batch["response_lengths"].reshape(-1, dock.n).mean(axis=1)
-            predicted = np.asarray([self.predicted.pop(g) for g in dock.batch_group_ids().tolist()])
-            self.pairs.append((it, predicted, true))
         row = {"rollout_s": rollout_s, "rounds": stats["rounds"], "trained": int(batch["response_lengths"].sum()),
                "stale": int((versions < it).sum()), "max_lag": int(it - versions.min()) if len(versions) else 0,
                "generated": stats["tokens_generated"], "detached": stats["detached_tokens"],
                **{k: after[k] - before[k] for k in after if k != "clock_s"}}
-        dock.clear(keep_generating=self.cfg.overlap)
+        cleared = dock.clear(keep_generating=self.cfg.overlap)
+        if self.cfg.start_order == "predicted_longest":
+            predicted = np.asarray([np.nan if p is None else p for p in cleared["predicted_group_len"]], dtype=float)
+            self.pairs.append((it, predicted, np.asarray(cleared["true_group_len"], dtype=float)))
         row["update_s"] = self.update(it + 1)
         if "recomputed_prefill_tokens" in after:  # over the whole iteration: pauses fall in the update
             end = self.usage()
@@ -106,11 +104,8 @@ class ModeRun:
         pairs = [(p, t) for it, p, t in self.pairs if it >= warmup]
         if not pairs:
             return None
-        predicted, true = np.concatenate([p for p, _ in pairs]), np.concatenate([t for _, t in pairs])
-        known = ~np.isnan(predicted)
-        if known.sum() < 3 or np.std(predicted[known]) == 0 or np.std(true[known]) == 0:
-            return None
-        return round(float(np.corrcoef(predicted[known], true[known])[0, 1]), 3)
+        return prediction_metrics(np.concatenate([p for p, _ in pairs]), np.concatenate([t for _, t in pairs]))[
+            "predictor_r"]
 
 
 def run_mode(mode: str, work: Workload, engine, prompt_for, clock, update, iterations: int, warmup: int,
