@@ -59,8 +59,17 @@ def test_table(verifier):
 
 
 def math_workers() -> list[psutil.Process]:
-    """The math-verify worker processes this test process started."""
-    return [p for p in psutil.Process().children() if "spillover.rollout.builtin.math_reward" in " ".join(p.cmdline())]
+    """The math-verify worker processes this test process started (alive ones: a child that has exited and is not
+    reaped yet, of this test or of another one in the session, is a zombie whose command line cannot be read)."""
+    workers = []
+    for child in psutil.Process().children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and \
+                    "spillover.rollout.builtin.math_reward" in " ".join(child.cmdline()):
+                workers.append(child)
+        except psutil.Error:  # gone or a zombie between the listing and the read
+            continue
+    return workers
 
 
 def test_pathological_input_hits_the_time_limit_and_the_worker_is_replaced():
