@@ -61,10 +61,17 @@ RECURRING_MODES = ("no_partial", "overlap_in_place", "overlap_age2_in_place", "o
                    "overlap_age2_cutoff_in_place_hist")
 
 
+def base_mode(mode: str) -> tuple[str, dict]:
+    """A mode -> (its MODE_SPECS or OVERLAP_MODES name, the rollout settings HISTORY_MODES and SETTING_MODES add)."""
+    settings = {"start_order": "predicted_longest" if mode in HISTORY_MODES else "oldest"}
+    mode = HISTORY_MODES.get(mode, mode)
+    mode, added = SETTING_MODES.get(mode, (mode, {}))
+    return mode, {**settings, **added}
+
+
 def pause_mode(mode: str) -> str | None:
     """The pause mode of an overlap mode; None for the others."""
-    mode = HISTORY_MODES.get(mode, mode)
-    mode = SETTING_MODES[mode][0] if mode in SETTING_MODES else mode
+    mode, _ = base_mode(mode)
     return OVERLAP_MODES[mode][1] if mode in OVERLAP_MODES else None
 
 
@@ -83,9 +90,7 @@ class Workload:
     def rollout_config(self, mode: str) -> RolloutConfig:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-        start_order = "predicted_longest" if mode in HISTORY_MODES else "oldest"
-        mode = HISTORY_MODES.get(mode, mode)
-        mode, settings = SETTING_MODES.get(mode, (mode, {}))
+        mode, settings = base_mode(mode)
         overlap = mode in OVERLAP_MODES
         spec = OVERLAP_MODES[mode][0] if overlap else MODE_SPECS[mode]
         split, driver, age, extra, scheduling, tail, *tail_engines = spec
@@ -95,5 +100,4 @@ class Workload:
         return RolloutConfig(global_batch_size=self.gbs, n_samples_per_prompt=self.n, max_tokens=max_tokens,
                              max_model_len=max_tokens + prompt, max_split=split, mode=driver,
                              max_age=age, over_sampling_groups=extra, scheduling=scheduling, tail_factor=tail,
-                             tail_engines=tail_engines[0] if tail_engines else 0, overlap=overlap,
-                             start_order=start_order, **settings)
+                             tail_engines=tail_engines[0] if tail_engines else 0, overlap=overlap, **settings)

@@ -112,9 +112,9 @@ def split_tail(estimate: np.ndarray, ages: np.ndarray, max_age: int, factor: flo
 
 
 def hold_fresh_beyond(groups: np.ndarray, fresh: np.ndarray, limit: int | None) -> np.ndarray:
-    """Start pacing: rows in the dock's order (oldest loaded first), groups[k] their group, fresh[k] True where the group has not started ->
-    bool[k], True for the rows of the fresh groups after the first `limit` (they wait, unstarted: their staleness clock
-    starts only when they do). limit None: none held."""
+    """Start pacing: rows in the dock's order (oldest loaded first), groups[k] their group, fresh[k] True where the
+    group has not started -> bool[k], True for the rows of the fresh groups after the first `limit` (they wait,
+    unstarted: their staleness clock starts only when they do). limit None: none held."""
     held = np.zeros(len(groups), dtype=bool)
     if limit is None:
         return held
