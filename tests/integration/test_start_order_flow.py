@@ -36,7 +36,7 @@ def record_starts(monkeypatch) -> list[dict]:
     def spy(self, dock, limit=None):
         rows_, engines = next_rows(self, dock, limit)
         groups = rows_ // dock.n
-        started = ((dock.responses.length > 0) | dock.complete).reshape(-1, dock.n).any(axis=1)
+        started = dock.started_groups()
         taken = np.sort(rows_)  # as take_rows handed them out: oldest group first, then load order
         oldest, _, _ = plan_dispatch(dock, taken[dock.oldest_first(taken // dock.n)], "length_aware",
                                      start_order="oldest")
