@@ -6,6 +6,7 @@
     engine.abort_all()                                     # the same, called from an on_result callback
     engine.update_weights(None, version); engine.advance(seconds); engine.clock_s; engine.usage()
     engine.generate(jobs, on_result, detach=True)          # True from on_result: return, the rest keeps running
+    engine.generate(jobs, detach=True)                     # no on_result: return at once, everything runs on
     engine.advance(s); engine.update_weights(None, v, pause_s); engine.collect_detached()   # {index: answer}
 
 Timing model (all in integer nanoseconds, so hand-computed cases are exact):
@@ -21,8 +22,8 @@ Timing model (all in integer nanoseconds, so hand-computed cases are exact):
   the tokens of the steps its engine completed by T (finish "abort"; a request whose last step ended exactly
   at T has finished normally), queued requests answer with none, and the clock stops at T.
 
-- detach=True (rollout.overlap): on_result returning True at T returns at once; running and queued requests stay
-  and decode on through advance() (the learner's update) as in a generate call. update_weights with requests running
+- detach=True (rollout.overlap): on_result returning True at T returns at once (no on_result: at the call, after the
+  first fill); running and queued requests stay and decode on through advance() (the learner's update) as in a generate call. update_weights with requests running
   pauses the engines for pause_s in `pause_mode`: abort (they answer at the pause with their tokens so far, finish
   "abort"), in_place (they go on with their KV after the swap), retract (they go on after their KV is recomputed: a
   prefill of prompt + output). Tokens after the swap carry the new version: an answer that lived through an update
@@ -268,22 +269,28 @@ class SimulatedEngine:
         return req
 
     def _run(self, queue: deque, detach: bool) -> bool:
-        """-> True when the call detached with requests left running."""
+        """-> True when the call detached with requests left running. detach without on_result: it detaches at once,
+        after the first fill (a request of a start-cutoff group never starts: the batch choice is now)."""
         engines, size = self._engines, self.timing.slots_per_engine
+        at_once = detach and self._on_result is None
         if any(r.engine is not None for r in queue):
             queues = [deque() for _ in engines]
             for k, req in enumerate(queue):  # pinned jobs (RolloutManager's per-engine dispatch): FIFO per engine
                 queues[(req.engine if req.engine is not None else k) % len(engines)].append(req)
-            for engine, own in zip(engines, queues):
-                while own and len(engine.heap) < size:
-                    self._admit(engine, own.popleft())
             index = {id(e): i for i, e in enumerate(engines)}
             queue_of, queued = (lambda engine: queues[index[id(engine)]]), _Queues(queues)
         else:
+            queue_of, queued = (lambda engine: queue), queue
+        if at_once:
+            self._hold_until_detach(queued)
+        if isinstance(queued, _Queues):
+            for engine, own in zip(engines, queued.queues):
+                while own and len(engine.heap) < size:
+                    self._admit(engine, own.popleft())
+        else:
             for k in range(min(len(queue), len(engines) * size)):  # first fill: round robin
                 self._admit(engines[k % len(engines)], queue.popleft())
-            queue_of, queued = (lambda engine: queue), queue
-        if not self._loop(queue_of):
+        if not at_once and not self._loop(queue_of):
             return False
         if detach and (queued or any(e.heap for e in engines)):
             self._detached = (queue_of, queued, [i for i, r in enumerate(self._results) if r is None])

@@ -62,7 +62,8 @@ class Fleet(Protocol):
 
         detach=True (rollout.overlap): an on_result that returns True makes the call return at once instead;
         the requests not answered yet keep running (not aborted) and their entries are None until
-        collect_detached() hands them over."""
+        collect_detached() hands them over. detach=True without on_result returns at the call (the driver's
+        dock was ready already): every request runs on, detached."""
         ...
 
     def collect_detached(self) -> dict[int, GenerateResponse]:

@@ -235,10 +235,16 @@ def generate_rounds(dock: TransferDock, fleet: Fleet, rollout_cfg: RolloutConfig
             _collect_detached(dock, fleet, detached, hooks, budget, stats, progress)
         while True:
             hooks.between_rounds()
-            if dock.update_ready():
+            ready = dock.update_ready()
+            # overlap: a dock that is ready before this call sent anything still sends its open rows, detached at
+            # once, so that they generate through the update instead of leaving the engines idle in it
+            at_once = ready and detached is not None and stats.rounds == 0
+            if ready and not at_once:
                 break
             rows, engines = planner.next_rows(dock, limit=budget.rows)
             if len(rows) == 0:
+                if at_once:
+                    break
                 if hooks.wait_for_rows():
                     continue
                 raise RuntimeError(f"generation cannot finish: no row left to generate (and no tool call running), "
@@ -247,8 +253,10 @@ def generate_rounds(dock: TransferDock, fleet: Fleet, rollout_cfg: RolloutConfig
             rows, engines = rows[keep], None if engines is None else engines[keep]
             if len(rows):
                 stopped = _run_round(dock, fleet, rows, engines, planner, sampling, budget, hooks, stats, progress,
-                                     detached)
-                progress.report(force=stopped or not budget.stop_when_ready)
+                                     detached, at_once)
+                progress.report(force=stopped or at_once or not budget.stop_when_ready)
+            if at_once:
+                break
     finally:
         try:
             planner.release_held(dock)
@@ -261,8 +269,10 @@ def generate_rounds(dock: TransferDock, fleet: Fleet, rollout_cfg: RolloutConfig
 
 def _run_round(dock: TransferDock, fleet: Fleet, rows: np.ndarray, engines: np.ndarray | None,
                planner: DispatchPlanner, sampling: SamplingSettings, budget: RoundBudget, hooks: RoundHooks,
-               stats: GenerationStats, progress: _Progress, detached: DetachedRows | None) -> bool:
-    """One engine call over `rows` -> whether an answer found the dock ready and stopped it."""
+               stats: GenerationStats, progress: _Progress, detached: DetachedRows | None,
+               at_once: bool = False) -> bool:
+    """One engine call over `rows` -> whether an answer found the dock ready and stopped it. at_once (overlap, the
+    dock ready already): the call returns at once and every request runs on, detached."""
     inputs, max_new = dock.generation_inputs(rows, budget.tokens)
     jobs = planner.route(build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling)), engines,
                          planner.cutoff_groups(dock, rows))
@@ -274,12 +284,14 @@ def _run_round(dock: TransferDock, fleet: Fleet, rows: np.ndarray, engines: np.n
         try:
             if detached is None:
                 fleet.generate(jobs, on_result=round_.on_result)
+            elif at_once:
+                fleet.generate(jobs, detach=True)
             else:
                 fleet.generate(jobs, on_result=round_.on_result, detach=True)
         finally:
             stats.engine_s += time.perf_counter() - start
         round_.write_the_rest()
-        if detached is not None and round_.stopping:
+        if detached is not None and (round_.stopping or at_once):
             round_.detach(detached)
     finally:
         round_.release_unanswered()

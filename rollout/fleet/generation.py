@@ -84,7 +84,8 @@ class BatchGenerator:
         """Answers in input order; on_result(index, answer) as each finishes. An on_result that returns True
         stops every running round and aborts every engine (abort_all); the call returns once they are idle.
         With detach, it returns at once instead: the requests not answered yet run on (None in the answers) and
-        collect_detached hands their answers over; on_result is not called again after that True.
+        collect_detached hands their answers over; on_result is not called again after that True. detach without
+        on_result returns at the call (nothing waits for an answer), every request running on.
         A bad item raises after the others have finished (so no request is left running on an engine)."""
         if detach and self.detached is not None:  # (a plain round may run beside it: an eval's)
             raise RuntimeError("a detached round still waits: collect_detached() before the next detached generate")
@@ -95,6 +96,8 @@ class BatchGenerator:
         reported = [False] * len(batch)
         abort: asyncio.Future | None = None
         detached = asyncio.Event()
+        if detach and on_result is None:
+            detached.set()
         started_groups: set[int] = set()
 
         async def run(index: int, job: GenerateJob) -> None:

@@ -151,7 +151,7 @@ class RolloutManager:
         job pinned to an engine goes to that engine, not through the router (rollout/fleet/pinned_router.py).
         detach=True (rollout.overlap): that True returns at once instead; the unanswered requests (None) run on,
         through weight updates (paused in engines.pause_mode; no cache flush under in_place), until
-        collect_detached."""
+        collect_detached. detach=True without on_result returns at the call, every request running on."""
         return self._call(self._gen.generate_round, batch, on_result, detach)
 
     def collect_detached(self) -> dict[int, GenerateResponse]:

@@ -1,6 +1,6 @@
 """rollout.start_cutoff in the real fleet's request loop (rollout/fleet/generation.py BatchGenerator): a request
-whose group has not started when its detached round stops is answered never-sent instead of going to an engine.
-The engine client is a recording stand-in (no SGLang runs here); the semaphore and the detach are the real code."""
+whose group has not started when its detached round stops is answered never-sent instead of going to an engine; a
+detached round without on_result (the driver's dock ready already) returns at the call. The engine client is a recording stand-in (no SGLang runs here); the semaphore and the detach are the real code."""
 from __future__ import annotations
 
 import asyncio
@@ -59,3 +59,34 @@ def test_a_group_not_started_at_the_detach_is_not_sent():
     assert "start_cutoff" in held.meta_info.finish_reason.message
     sent, _ = _sent_after_detach(cutoff_group=None)
     assert len(sent) == 2  # without the cutoff it starts while the caller has gone on (the update)
+
+
+def test_a_detached_round_without_on_result_returns_at_the_call():
+    """The call returns with the requests running (none answered); a start-cutoff group's request is never sent: the
+    batch choice is now."""
+    class GatedClient(RecordingClient):  # answers only once the test opens the gate
+        async def generate(self, request):
+            self.sent.append(request.rid)
+            await gate.wait()
+            return GenerateResponse.never_sent(request, "stand-in answer")
+
+    client = GatedClient()
+    generator = BatchGenerator(OneClientRouter(client), lambda: [], lambda url: client, _never, max_in_flight=1)
+    requests = build_requests([[5, 6, 7], [5, 6, 8], [5, 6, 9]], [4, 4, 4], SamplingSettings())
+    jobs = [GenerateJob(requests[0]), GenerateJob(requests[1]), GenerateJob(requests[2], None, 3)]
+
+    async def main():
+        nonlocal gate
+        gate = asyncio.Event()
+        answers = await generator.generate_round(jobs, detach=True)  # returns with nothing answered yet
+        detached_at_return = generator.detached is not None
+        gate.set()
+        collected = await generator.collect_detached()
+        return answers, detached_at_return, collected
+
+    gate = None
+    answers, detached_at_return, collected = asyncio.run(main())
+    assert answers == [None, None, None] and detached_at_return
+    # one request in flight went out; the collect came before the second could (it comes back never sent)
+    assert client.sent == [requests[0].rid] and sorted(collected) == [0, 1, 2]
+    assert "start_cutoff" in collected[2].meta_info.finish_reason.message

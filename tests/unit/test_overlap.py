@@ -87,6 +87,41 @@ def test_detached_answers_land_at_the_next_generate(pause_mode):
     assert dock.batch_group_ids().tolist() == [1]
 
 
+@pytest.mark.parametrize("start_cutoff", [False, True])
+def test_a_dock_ready_before_any_round_still_sends_its_rows_through_the_update(start_cutoff):
+    """Over-sampled: group 1 finishes in the update, so the dock is ready as soon as the next call has collected it.
+    That call still sends the fresh group 2, detached at once (no virtual time passes), and group 2 generates through
+    the update under version 1. With rollout.start_cutoff the batch choice is now, so group 2 waits for the swap."""
+    cfg = RolloutConfig(global_batch_size=1, n_samples_per_prompt=2, max_tokens=40, max_model_len=40 + PROMPT,
+                        max_split=2, mode="async", max_age=3, overlap=True, over_sampling_groups=1,
+                        start_cutoff=start_cutoff)
+    engine = SimulatedEngine(EngineTiming(1, 4, 0.01, 0.0, 0.0), TableLengths({0: [2, 3], 1: [20, 20], 2: [4, 4]}),
+                             eos_token_id=DEFAULT_EOS)
+    dock, detached = TransferDock.from_config(cfg, [DEFAULT_EOS]), DetachedRows()
+
+    def iteration(it: int, load: list[int]):
+        dock.load_groups(load, [simulated_prompt(g, PROMPT) for g in load], [None] * len(load))
+        start = engine.clock_s
+        stats = generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], it, drain=False, detached=detached)
+        took, group, versions = engine.clock_s - start, dock.batch_group_ids().tolist(), dock.batch_arrays()[
+            "weight_versions"].tolist()
+        dock.clear(keep_generating=True)
+        engine.advance(0.3)                                # the update: 30 steps
+        engine.update_weights(None, it + 1, pause_s=0.1)
+        return stats, took, group, versions
+
+    _, _, group, _ = iteration(0, [0, 1])
+    assert group == [0]
+    stats, took, group, _ = iteration(1, [2])
+    assert group == [1] and took == 0.0 and stats.detached_tokens == 40
+    stats, took, group, versions = iteration(2, [])
+    assert group == [2]
+    if start_cutoff:  # never sent at the ready point: a round under version 2 makes it
+        assert stats.detached_tokens == 0 and stats.rounds == 1 and versions == [2] * 8
+    else:  # made in the update under version 1, written at this call, no round needed
+        assert stats.detached_tokens == 8 and stats.rounds == 0 and versions == [1] * 8
+
+
 def test_retract_recomputes_the_kv_and_in_place_does_not():
     def run(mode: str) -> SimulatedEngine:
         engine = SimulatedEngine(EngineTiming(1, 4, 0.01, 0.0, 0.001), TableLengths({0: [2, 30]}),
