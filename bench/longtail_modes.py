@@ -47,11 +47,14 @@ OVERLAP_MODES = {
 SETTING_MODES = {
     "overlap_age2_cutoff_in_place": ("overlap_age2_in_place", {"start_cutoff": True}),
     "overlap_os_age4_paced_in_place": ("overlap_os_age4_in_place", {"start_groups_per_step": 768}),
+    # max_age 3 with 32 over-sampled groups (GBS / 16 at the bench's GBS 512): the staleness <= 2 mode
+    "overlap_os32_in_place": ("overlap_in_place", {"over_sampling_groups": 32}),
 }
 # mode + "_hist" -> that mode with rollout.start_order = predicted_longest (the per-prompt length history
 # orders the groups' start: --workload recurring, where prompts come back every epoch)
 HISTORY_MODES = {f"{mode}_hist": mode for mode in ("async_la", "overlap_in_place", "overlap_age2_in_place",
-                                                   "overlap_os_age4_in_place", "overlap_age2_cutoff_in_place")}
+                                                   "overlap_os_age4_in_place", "overlap_age2_cutoff_in_place",
+                                                   "overlap_os32_in_place")}
 MODES = tuple(MODE_SPECS) + tuple(OVERLAP_MODES) + tuple(SETTING_MODES) + tuple(HISTORY_MODES)
 TODAY_MODES = tuple(MODE_SPECS)  # the default workload's modes
 DISAGGREGATED_MODES = ("no_partial", "async_la", "async_age2_la", "over_sampling_la") + tuple(OVERLAP_MODES) + tuple(
@@ -97,7 +100,8 @@ class Workload:
         age = self.async_max_age if age == "async" else age
         extra = self.over_sampling_groups if extra == "os" else extra
         max_tokens, prompt = self.max_tokens // self.token_scale, self.prompt_tokens // self.token_scale
-        return RolloutConfig(global_batch_size=self.gbs, n_samples_per_prompt=self.n, max_tokens=max_tokens,
-                             max_model_len=max_tokens + prompt, max_split=split, mode=driver,
-                             max_age=age, over_sampling_groups=extra, scheduling=scheduling, tail_factor=tail,
-                             tail_engines=tail_engines[0] if tail_engines else 0, overlap=overlap, **settings)
+        fields = dict(global_batch_size=self.gbs, n_samples_per_prompt=self.n, max_tokens=max_tokens,
+                      max_model_len=max_tokens + prompt, max_split=split, mode=driver, max_age=age,
+                      over_sampling_groups=extra, scheduling=scheduling, tail_factor=tail,
+                      tail_engines=tail_engines[0] if tail_engines else 0, overlap=overlap)
+        return RolloutConfig(**{**fields, **settings})
