@@ -1,9 +1,10 @@
 """rollout.overlap on the real fleet (the session's two torch engines as Ray actors behind the real sglang-router):
-a round detached by its on_result returns at once while its other requests run on; a weight update meanwhile pauses
-them in engines.pause_mode, loads and continues; collect_detached hands every one of them over. retract and in_place:
-the requests live through the update and report SGLang's meta_info.weight_versions spans (tokens of both versions,
-none lost; in_place loads without a cache flush, which the engine would refuse while they keep their KV cache); abort:
-they end at the pause with their tokens so far (kept: the dock continues them next iteration)."""
+a round detached by its on_result (or at the call, without one) returns at once while its other requests run on; a
+weight update meanwhile pauses them in engines.pause_mode, loads and continues; collect_detached hands every one of
+them over. retract and in_place: the requests live through the update and report SGLang's meta_info.weight_versions
+spans (tokens of both versions, none lost; in_place loads without a cache flush, which the engine would refuse while
+they keep their KV cache); abort: they end at the pause with their tokens so far (kept: the dock continues them next
+iteration)."""
 from __future__ import annotations
 
 import os
@@ -136,3 +137,19 @@ def test_an_engine_killed_while_detached_requests_run_is_restarted_by_the_update
     finally:
         m.collect_detached()
         m.update_weights(WeightUpdate("disk", varied_model_dir, 0))
+
+
+def test_a_round_detached_at_the_call_runs_on_until_collected(rollout_manager):
+    """detach=True without on_result (the driver's dock was ready already): generate returns before any answer, the
+    requests run to their end on the engines, and collect_detached hands every one over."""
+    m = rollout_manager
+    try:
+        answers = m.generate(requests(4), detach=True)
+        assert answers == [None] * 4 and m.detached_running
+        wait_for(lambda: not m.detached_running, 120, "the requests detached at the call finishing")
+        collected = m.collect_detached()
+        assert sorted(collected) == [0, 1, 2, 3]
+        assert [len(collected[i].output_ids) for i in range(4)] == [1] + [LONG["max_new_tokens"]] * 3
+        assert {collected[i].meta_info.finish_reason.type for i in range(4)} == {"length"}
+    finally:
+        m.collect_detached()
