@@ -8,6 +8,7 @@
     engine.generate(jobs, on_result, detach=True)          # True from on_result: return, the rest keeps running
     engine.generate(jobs, detach=True)                     # no on_result: return at once, everything runs on
     engine.advance(s); engine.update_weights(None, v, pause_s); engine.collect_detached()   # {index: answer}
+    engine.collect_detached(adopt=True)                    # the ended ones; the next generate adopts the others
 
 Timing model (all in integer nanoseconds, so hand-computed cases are exact):
 - `num_engines` engines with `slots_per_engine` slots each. Continuous batching: a request runs in a slot
@@ -148,6 +149,7 @@ class SimulatedEngine:
         self._running = False
         self._results: list = []
         self._detached: tuple | None = None  # (queue_of, queued requests, indices unanswered when it detached)
+        self._adopted: tuple | None = None   # the same, of requests collect_detached(adopt=True) left for the next call
         self._started_groups: set[int] = set()  # cutoff groups with a request admitted in the current call
         self.tokens_generated = self.prefill_tokens = self.requests_done = 0
         self.recomputed_prefill_tokens = 0  # retract: the KV of paused requests computed again
@@ -227,7 +229,8 @@ class SimulatedEngine:
         if self._detached is not None:
             raise RuntimeError("SimulatedEngine.generate: a detached call still runs; collect_detached() first")
         self._running, self._abort_requested = True, False
-        self._results = [None] * len(jobs)
+        adopted, self._adopted = self._adopted, None
+        self._results = [None] * (len(jobs) + (len(adopted[2]) if adopted else 0))
         self._started_groups = set()
         self._on_result = on_result
         left_running = False
@@ -236,7 +239,7 @@ class SimulatedEngine:
             for req in [r for r in queue if r.budget == 0]:  # nothing to generate: answered at once
                 self._deliver(req, 0, "length")
             queue = deque(r for r in queue if r.budget > 0)
-            left_running = self._run(queue, detach)
+            left_running = self._run(queue, detach, self._adopt(adopted, len(jobs)) if adopted else None)
         finally:
             self._running, self._on_result = False, None
             if not left_running:
@@ -246,11 +249,22 @@ class SimulatedEngine:
                     engine.pending_prefill = 0
         return list(self._results)
 
-    def collect_detached(self) -> dict[int, GenerateResponse]:
+    def collect_detached(self, adopt: bool = False) -> dict[int, GenerateResponse]:
         """The answers of every request the last detached call left unanswered (index -> answer); what still runs
-        is aborted now with its tokens so far. {} when nothing is detached."""
+        is aborted now with its tokens so far. {} when nothing is detached. adopt: only the answers of the requests
+        that have ended; the others run on, and the next generate takes them over as requests len(jobs) + k (k
+        their order by index here)."""
+        if self._detached is None and self._adopted is not None:  # adopted, then collected before any generate
+            self._detached, self._adopted = self._adopted, None
         if self._detached is None:
             return {}
+        if adopt:
+            queue_of, queue, pending = self._detached
+            self._detached = None
+            running = [i for i in pending if self._results[i] is None]
+            if running:
+                self._adopted = (queue_of, queue, running)
+            return {i: self._results[i] for i in pending if self._results[i] is not None}
         _, queue, pending = self._detached
         if any(e.heap for e in self._engines) or queue:
             self._abort_everything(queue)
@@ -268,12 +282,39 @@ class SimulatedEngine:
         req.cutoff_group = job.cutoff_group
         return req
 
-    def _run(self, queue: deque, detach: bool) -> bool:
+    def _adopt(self, adopted: tuple, base: int) -> tuple:
+        """The adopted requests (running or queued) become requests base + k of this call, in their old index order;
+        -> (queue_of, queued) of the round they came from, which this call's requests join."""
+        queue_of, queued, running = adopted
+        remap = {old: base + k for k, old in enumerate(running)}
+        for req in queued:
+            req.index = remap[req.index]
+        for engine in self._engines:
+            for _, _, req in engine.heap:
+                req.index = remap[req.index]
+            engine.heap = [(end, req.index, req) for end, _, req in engine.heap]
+            heapq.heapify(engine.heap)
+            if engine.heap:  # its batch changes now: the steps done stand, a step in progress restarts
+                steps = engine.steps_by(self._now, self._base, self._per_seq)
+                engine.account(self._now)
+                if steps > engine.steps:
+                    engine.steps, engine.pending_prefill = steps, 0
+        return queue_of, queued
+
+    def _run(self, queue: deque, detach: bool, adopted: tuple | None = None) -> bool:
         """-> True when the call detached with requests left running. detach without on_result: it detaches at once,
-        after the first fill (a request of a start-cutoff group never starts: the batch choice is now)."""
+        after the first fill (a request of a start-cutoff group never starts: the batch choice is now). adopted:
+        (queue_of, queued) of the adopted requests' round; this call's requests queue behind its queued ones."""
         engines, size = self._engines, self.timing.slots_per_engine
         at_once = detach and self._on_result is None
-        if any(r.engine is not None for r in queue):
+        if adopted is not None:
+            queue_of, queued = adopted
+            if isinstance(queued, _Queues):
+                for k, req in enumerate(queue):
+                    queued.queues[(req.engine if req.engine is not None else k) % len(engines)].append(req)
+            else:
+                queued.extend(queue)
+        elif any(r.engine is not None for r in queue):
             queues = [deque() for _ in engines]
             for k, req in enumerate(queue):  # pinned jobs (RolloutManager's per-engine dispatch): FIFO per engine
                 queues[(req.engine if req.engine is not None else k) % len(engines)].append(req)
@@ -287,9 +328,11 @@ class SimulatedEngine:
             for engine, own in zip(engines, queued.queues):
                 while own and len(engine.heap) < size:
                     self._admit(engine, own.popleft())
-        else:
-            for k in range(min(len(queue), len(engines) * size)):  # first fill: round robin
-                self._admit(engines[k % len(engines)], queue.popleft())
+        else:  # first fill: round robin over the engines with a free slot
+            while queued and any(len(e.heap) < size for e in engines):
+                for engine in engines:
+                    if queued and len(engine.heap) < size:
+                        self._admit(engine, queued.popleft())
         if not at_once and not self._loop(queue_of):
             return False
         if detach and (queued or any(e.heap for e in engines)):

@@ -55,6 +55,11 @@ class RolloutConfig(Section):
         "weights), so a group's staleness clock never starts in an update and it gets a full iteration to finish. "
         "Faster at max_age 2 (the engines then run only work already started through the update); slower at "
         "max_age >= 3, where the requests that start in the update keep the engines full.")
+    adopt_detached: bool = Field(
+        False, description="overlap: the requests still running when the next generation step starts keep running "
+        "(the step adopts them) instead of being aborted and sent again, which saves their prefill: with the prefix "
+        "cache flushed after an in_place update, each costs a prefill of its prompt and partial response. Requests "
+        "carry SGLang's extra_key of their weight version, so no request reuses a prefix cached under older weights.")
     tail_factor: float = Field(0.0, ge=0, description="Tail batching (length_aware): rows expected above this x the "
                                "median remaining work wait for the long round; 0 = off.")
     tail_round_every: int = Field(2, ge=1, description="Tail batching: every k-th iteration is a long round.")
@@ -143,6 +148,9 @@ class RolloutConfig(Section):
         if self.start_cutoff and not self.overlap:
             raise ValueError("rollout.start_cutoff=true holds queued groups back through the update: it needs "
                              "rollout.overlap=true (without overlap nothing runs through the update)")
+        if self.adopt_detached and not self.overlap:
+            raise ValueError("rollout.adopt_detached=true keeps the requests left running through the update: it "
+                             "needs rollout.overlap=true (without overlap nothing runs past a generation step)")
         if self.overlap and self.mode != "async":
             raise ValueError(f"rollout.overlap=true needs rollout.mode=async (got mode={self.mode}): the sync driver's "
                              "rounds end with every request, so nothing runs on; set rollout.mode=async or "

@@ -63,13 +63,15 @@ class Fleet(Protocol):
         detach=True (rollout.overlap): an on_result that returns True makes the call return at once instead;
         the requests not answered yet keep running (not aborted) and their entries are None until
         collect_detached() hands them over. detach=True without on_result returns at the call (the driver's
-        dock was ready already): every request runs on, detached."""
+        dock was ready already): every request runs on, detached. Requests adopted by
+        collect_detached(adopt=True) join the call as indices len(jobs) + k (k: their order by index there)."""
         ...
 
-    def collect_detached(self) -> dict[int, GenerateResponse]:
+    def collect_detached(self, adopt: bool = False) -> dict[int, GenerateResponse]:
         """The answers of every request the last detached call left unanswered: index in that call's request
         list -> answer. What still runs is aborted first (its partial output, finish_reason abort). {} when
-        nothing is detached. Weight updates while detached requests run pause them in the engines' pause mode
+        nothing is detached. adopt=True (rollout.adopt_detached): only the requests that have ended answer; the
+        others run on, and the next generate call takes them over. Weight updates while detached requests run pause them in the engines' pause mode
         (abort: they end at the pause, partial answers kept here; in_place: they go on with their KV; retract:
         they go on after recomputing their KV), so later tokens carry the new version
         (meta_info.weight_versions spans)."""

@@ -49,7 +49,9 @@ from .checks import (DockError, check_dock_sizes, check_in_flight, check_load, c
 PROMPT_DTYPES = {"tokens": np.int32}
 RESPONSE_DTYPES = {"tokens": np.int32, "logprobs": np.float32, "versions": np.int32}
 MASK_DTYPES = {"mask": np.uint8}  # multi_turn docks only: the loss mask (spillover.rollout.dock.turns)
-ROW_FLAGS = ("complete", "in_flight", "generated", "stopped", "awaiting_tool")
+# adopted: in flight, its request running on across a weight update (rollout.adopt_detached) with tokens the dock has
+# not seen yet; never in a snapshot (a restored dock has nothing in flight)
+ROW_FLAGS = ("complete", "in_flight", "generated", "stopped", "awaiting_tool", "adopted")
 
 
 class TransferDock:
@@ -108,7 +110,7 @@ class TransferDock:
 
     def started_groups(self) -> np.ndarray:
         """bool[G]: occupied and holding a response token or a complete row (the group's age clock runs)."""
-        held = (self.responses.length > 0) | self.complete
+        held = (self.responses.length > 0) | self.complete | self.adopted
         return (self.group_ids >= 0) & held.reshape(self.capacity_groups, self.n).any(axis=1)
 
     def ready_groups(self) -> np.ndarray:
@@ -222,11 +224,24 @@ class TransferDock:
         self.generated[rows] = True
         self.rounds[rows] += 1
         self.in_flight[rows] = False
+        self.adopted[rows] = False
+
+    def adopt_in_flight(self, rows, sent_version: int, current_version: int) -> None:
+        """In-flight rows whose requests, sent under weights `sent_version`, run on past a weight update
+        (rollout.adopt_detached): their tokens arrive later, so until then their groups count as started and are at
+        least current_version - sent_version old, as if each held a token of sent_version (it may hold one)."""
+        rows = check_in_flight(check_rows(rows, self.capacity_rows, "adopt_in_flight"), self.in_flight,
+                               "adopt_in_flight")
+        self.adopted[rows] = True
+        groups = np.unique(rows // self.n)
+        ages = self.age.reshape(self.capacity_groups, self.n)
+        ages[groups] = np.maximum(ages[groups], int(current_version) - int(sent_version))
 
     def release(self, rows) -> None:
         """In-flight rows come back with no new tokens (their request was dropped or aborted empty)."""
         rows = check_in_flight(check_rows(rows, self.capacity_rows, "release"), self.in_flight, "release")
         self.in_flight[rows] = False
+        self.adopted[rows] = False
 
     # ---- stopping and the batch ----------------------------------------------------------------
     def ready_group_count(self) -> int:

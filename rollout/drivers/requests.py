@@ -55,8 +55,9 @@ def make_rids(count: int) -> list[str]:
 
 
 def build_requests(inputs: Sequence[Sequence[int]], max_new_tokens: np.ndarray, sampling: SamplingSettings,
-                   seeds: np.ndarray | None = None) -> list[GenerateRequest]:
-    """Dock inputs -> /generate requests (one per row); seeds[k] (optional) -> sampling_seed."""
+                   seeds: np.ndarray | None = None, extra_key: str | None = None) -> list[GenerateRequest]:
+    """Dock inputs -> /generate requests (one per row); seeds[k] (optional) -> sampling_seed; extra_key (optional):
+    SGLang's prefix-cache namespace of every request."""
     params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
               "stop_token_ids": list(sampling.stop_token_ids)}
     if sampling.stop:
@@ -65,9 +66,10 @@ def build_requests(inputs: Sequence[Sequence[int]], max_new_tokens: np.ndarray, 
         params["ignore_eos"] = True
     count = len(max_new_tokens)
     seeds = [None] * count if seeds is None else seeds.tolist()
+    cache = {} if extra_key is None else {"extra_key": extra_key}
     return [GenerateRequest(input_ids=ids if isinstance(ids, list) else list(map(int, ids)),
                             sampling_params=SamplingParams(max_new_tokens=m, sampling_seed=seed, **params),
-                            return_logprob=True, rid=rid)
+                            return_logprob=True, rid=rid, **cache)
             for ids, m, seed, rid in zip(inputs, np.asarray(max_new_tokens).tolist(), seeds, make_rids(count))]
 
 

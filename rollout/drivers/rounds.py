@@ -67,9 +67,10 @@ class DetachedRows:
     def __init__(self):
         self.rows = np.zeros(0, dtype=np.int64)   # the detached call's rows, in its request order
         self.pending = np.zeros(0, dtype=np.int64)  # indices into rows still running
+        self.version = 0                          # the weight version they were sent under
 
-    def hold(self, rows: np.ndarray, pending: np.ndarray) -> None:
-        self.rows, self.pending = rows, pending
+    def hold(self, rows: np.ndarray, pending: np.ndarray, version: int = 0) -> None:
+        self.rows, self.pending, self.version = rows, pending, version
 
     def take(self) -> tuple[np.ndarray, np.ndarray]:
         """-> (rows, pending) and forget them."""
@@ -198,7 +199,7 @@ class _Round:
     def detach(self, detached: DetachedRows) -> None:
         """The round stopped with requests still running (overlap): their rows stay in flight until collected."""
         pending = np.flatnonzero(~self.written & self.dock.in_flight[self.rows])
-        detached.hold(self.rows, pending)
+        detached.hold(self.rows, pending, self.hooks.weight_version)
         self.written[pending] = True
 
     def release_unanswered(self) -> None:
@@ -229,10 +230,15 @@ def generate_rounds(dock: TransferDock, fleet: Fleet, rollout_cfg: RolloutConfig
     stats = GenerationStats()
     progress = _Progress(dock, on_round, rollout_cfg.global_batch_size, stats)
     planner = DispatchPlanner.from_config(rollout_cfg, fleet, weight_version, drain)
+    # rollout.adopt_detached: requests still running from the last call join this call's first round; a request
+    # reuses only prefixes cached under its own weight version
+    adopt = detached is not None and rollout_cfg.adopt_detached
+    cache_key = f"weights-v{weight_version}" if adopt else None
+    adopted = np.zeros(0, dtype=np.int64)
     try:
         hooks.on_start()
         if detached is not None:
-            _collect_detached(dock, fleet, detached, hooks, budget, stats, progress)
+            adopted = _collect_detached(dock, fleet, detached, hooks, budget, stats, progress, adopt)
         while True:
             hooks.between_rounds()
             ready = dock.update_ready()
@@ -242,18 +248,20 @@ def generate_rounds(dock: TransferDock, fleet: Fleet, rollout_cfg: RolloutConfig
             if ready and not at_once:
                 break
             rows, engines = planner.next_rows(dock, limit=budget.rows)
-            if len(rows) == 0:
+            if len(rows) == 0 and len(adopted) == 0:
                 if at_once:
                     break
                 if hooks.wait_for_rows():
                     continue
                 raise RuntimeError(f"generation cannot finish: no row left to generate (and no tool call running), "
                                    f"but only {dock.ready_group_count()} groups are ready (need {dock.gbs})")
-            keep = hooks.before_round(rows)
-            rows, engines = rows[keep], None if engines is None else engines[keep]
             if len(rows):
+                keep = hooks.before_round(rows)
+                rows, engines = rows[keep], None if engines is None else engines[keep]
+            if len(rows) or len(adopted):
                 stopped = _run_round(dock, fleet, rows, engines, planner, sampling, budget, hooks, stats, progress,
-                                     detached, at_once)
+                                     detached, at_once, adopted, cache_key)
+                adopted = adopted[:0]
                 progress.report(force=stopped or at_once or not budget.stop_when_ready)
             if at_once:
                 break
@@ -270,15 +278,20 @@ def generate_rounds(dock: TransferDock, fleet: Fleet, rollout_cfg: RolloutConfig
 def _run_round(dock: TransferDock, fleet: Fleet, rows: np.ndarray, engines: np.ndarray | None,
                planner: DispatchPlanner, sampling: SamplingSettings, budget: RoundBudget, hooks: RoundHooks,
                stats: GenerationStats, progress: _Progress, detached: DetachedRows | None,
-               at_once: bool = False) -> bool:
+               at_once: bool = False, adopted: np.ndarray | None = None, cache_key: str | None = None) -> bool:
     """One engine call over `rows` -> whether an answer found the dock ready and stopped it. at_once (overlap, the
-    dock ready already): the call returns at once and every request runs on, detached."""
-    inputs, max_new = dock.generation_inputs(rows, budget.tokens)
-    jobs = planner.route(build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling)), engines,
-                         planner.cutoff_groups(dock, rows))
+    dock ready already): the call returns at once and every request runs on, detached. adopted: the rows of the
+    requests the fleet adopted from the last call (its answers len(rows) + k); cache_key: the requests' extra_key."""
+    jobs = []
+    if len(rows):
+        inputs, max_new = dock.generation_inputs(rows, budget.tokens)
+        requests = build_requests(inputs, max_new, sampling, request_seeds(dock, rows, sampling), cache_key)
+        jobs = planner.route(requests, engines, planner.cutoff_groups(dock, rows))
+    if adopted is not None and len(adopted):
+        rows = np.concatenate([rows, adopted])
     round_ = _Round(dock, rows, hooks, budget, stats, progress)
     stats.rounds += 1
-    stats.requests += len(rows)
+    stats.requests += len(jobs)
     start = time.perf_counter()
     try:
         try:
@@ -299,17 +312,26 @@ def _run_round(dock: TransferDock, fleet: Fleet, rows: np.ndarray, engines: np.n
 
 
 def _collect_detached(dock: TransferDock, fleet: Fleet, detached: DetachedRows, hooks: RoundHooks,
-                      budget: RoundBudget, stats: GenerationStats, progress: _Progress) -> None:
+                      budget: RoundBudget, stats: GenerationStats, progress: _Progress,
+                      adopt: bool = False) -> np.ndarray:
     """The previous call's detached answers into the dock (what still runs is aborted with its tokens so far); rows
-    without an answer go back untouched."""
+    without an answer go back untouched. adopt: what still runs is left running (the fleet adopts it into the next
+    generate call); -> the rows of those requests, in flight, in the order the fleet numbers them."""
+    version = detached.version
     rows, pending = detached.take()
     start = time.perf_counter()
     try:
-        answers = fleet.collect_detached()
+        answers = fleet.collect_detached(adopt=True) if adopt else fleet.collect_detached()
     finally:
         stats.engine_s += time.perf_counter() - start
+    running = np.zeros(0, dtype=np.int64)
+    if adopt:
+        running = np.asarray([i for i in pending.tolist() if i not in answers], dtype=np.int64)
+        pending = pending[~np.isin(pending, running)]
+        if len(running):  # their tokens come later: the staleness bound counts them from now
+            dock.adopt_in_flight(rows[running], version, hooks.weight_version)
     if not len(pending):
-        return
+        return rows[running]
     round_ = _Round(dock, rows[pending], hooks, dataclasses.replace(budget, stop_when_ready=False), stats, progress)
     try:
         for k, index in enumerate(pending.tolist()):
@@ -320,3 +342,4 @@ def _collect_detached(dock: TransferDock, fleet: Fleet, detached: DetachedRows, 
         stats.detached_tokens += stats.tokens_generated - before
     finally:
         round_.release_unanswered()
+    return rows[running]

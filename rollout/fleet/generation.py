@@ -32,6 +32,14 @@ class Round:
 
 
 @dataclass(eq=False)
+class Relay:
+    """Where a detached round's later answers go: nowhere (kept for collect_detached) until a call adopts its
+    requests, then to that call (`to(index, answer)`, the index in the detached round)."""
+
+    to: Callable[[int, GenerateResponse], None] | None = None
+
+
+@dataclass(eq=False)
 class DetachedRound:
     """A round whose caller returned while requests still ran (rollout.overlap): `runs` finishes once they have all
     answered; `pending` are the indices the caller got no answer for. `cut_by_pause`: the indices unanswered when an
@@ -43,6 +51,9 @@ class DetachedRound:
     runs: asyncio.Future
     results: list[GenerateResponse | None]
     pending: list[int]
+    relay: Relay = field(default_factory=Relay)
+    limit: asyncio.Semaphore | None = None    # the in-flight limit its unsent requests wait for
+    adopted_rounds: list[Round] = field(default_factory=list)  # older rounds whose requests it adopted
     cut_by_pause: set[int] = field(default_factory=set)
     cut_tokens: int = 0
     detached_at: float = field(default_factory=time.monotonic)
@@ -78,6 +89,7 @@ class BatchGenerator:
         self.max_attempts, self.max_in_flight = max_attempts, max_in_flight
         self.rounds: set[Round] = set()
         self.detached: DetachedRound | None = None
+        self.adopted: tuple[DetachedRound, list[int]] | None = None  # (its round, the indices the next call takes)
 
     async def generate_round(self, batch: list[GenerateJob], on_result: OnResult | None = None,
                              detach: bool = False) -> list[GenerateResponse | None]:
@@ -86,55 +98,77 @@ class BatchGenerator:
         With detach, it returns at once instead: the requests not answered yet run on (None in the answers) and
         collect_detached hands their answers over; on_result is not called again after that True. detach without
         on_result returns at the call (nothing waits for an answer), every request running on.
+        Requests adopted by collect_detached(adopt=True) join this call as indices len(batch) + k.
         A bad item raises after the others have finished (so no request is left running on an engine)."""
         if detach and self.detached is not None:  # (a plain round may run beside it: an eval's)
             raise RuntimeError("a detached round still waits: collect_detached() before the next detached generate")
+        adopted, self.adopted = self.adopted, None
         round_ = Round()
         self.rounds.add(round_)
-        limit = asyncio.Semaphore(self.max_in_flight)
-        results: list[GenerateResponse | None] = [None] * len(batch)
-        reported = [False] * len(batch)
+        older = [adopted[0].round, *adopted[0].adopted_rounds] if adopted else []
+        limit = adopted[0].limit if adopted and adopted[0].limit else asyncio.Semaphore(self.max_in_flight)
+        taken = adopted[1] if adopted else []
+        results: list[GenerateResponse | None] = [None] * (len(batch) + len(taken))
+        reported = [False] * len(results)
         abort: asyncio.Future | None = None
         detached = asyncio.Event()
         if detach and on_result is None:
             detached.set()
+        relay = Relay()
         started_groups: set[int] = set()
 
-        async def run(index: int, job: GenerateJob) -> None:
+        def deliver(index: int, answer: GenerateResponse) -> None:
             nonlocal abort
-            async with limit:
-                if job.cutoff_group is not None:  # rollout.start_cutoff: a group not started by then waits a step
-                    if detached.is_set() and job.cutoff_group not in started_groups:
-                        results[index] = GenerateResponse.never_sent(job.request, "its group did not start before "
-                                                                     "the batch choice (rollout.start_cutoff)")
-                        return
-                    started_groups.add(job.cutoff_group)
-                results[index] = await self.generate_one(job, round_)
-            if detached.is_set():  # the caller has gone on: collect_detached hands this answer over
+            results[index] = answer
+            if detached.is_set():  # the caller has gone on: collect_detached (or an adopting call) hands it over
+                if relay.to is not None:
+                    relay.to(index, answer)
                 return
             reported[index] = True
-            if on_result is not None and on_result(index, results[index]) is True:
+            if on_result is not None and on_result(index, answer) is True:
                 if detach:
                     detached.set()
                 elif abort is None:
                     self.stop_rounds()  # at once: nothing more is sent while the abort starts
                     abort = asyncio.ensure_future(self.abort_all())
 
-        runs = asyncio.ensure_future(asyncio.gather(*(run(i, job) for i, job in enumerate(batch)),
-                                                    return_exceptions=True))
+        async def run(index: int, job: GenerateJob) -> None:
+            async with limit:
+                if job.cutoff_group is not None:  # rollout.start_cutoff: a group not started by then waits a step
+                    if detached.is_set() and job.cutoff_group not in started_groups:
+                        deliver(index, GenerateResponse.never_sent(job.request, "its group did not start before "
+                                                                   "the batch choice (rollout.start_cutoff)"))
+                        return
+                    started_groups.add(job.cutoff_group)
+                answer = await self.generate_one(job, round_)
+            deliver(index, answer)
+
+        own = asyncio.ensure_future(asyncio.gather(*(run(i, job) for i, job in enumerate(batch)),
+                                                   return_exceptions=True))
+        runs = own
+        if adopted:
+            previous = adopted[0]
+            position = {old: len(batch) + k for k, old in enumerate(taken)}
+            for old in taken:  # answers that came between the collection and this call
+                if previous.results[old] is not None:
+                    deliver(position[old], previous.results[old])
+            previous.relay.to = lambda old, answer: deliver(position[old], answer) if old in position else None
+            runs = asyncio.ensure_future(_joined(own, previous.runs))
         if detach:
             stopped = asyncio.ensure_future(detached.wait())
             await asyncio.wait({runs, stopped}, return_when=asyncio.FIRST_COMPLETED)
             stopped.cancel()
             if not runs.done():
-                self.detached = DetachedRound(round_, runs, results, [i for i, r in enumerate(reported) if not r])
+                self.detached = DetachedRound(round_, runs, results, [i for i, r in enumerate(reported) if not r],
+                                              relay, limit, older)
                 return [r if done else None for r, done in zip(results, reported)]
         try:
             outcomes = list(await runs)
             if abort is not None:
                 outcomes += await asyncio.gather(abort, return_exceptions=True)
         finally:
-            self.rounds.discard(round_)
+            for done in (round_, *older):
+                self.rounds.discard(done)
             if abort is not None and not abort.done():  # cancelled: do not leave the abort running
                 abort.cancel()
         errors = [o for o in outcomes if isinstance(o, BaseException)]
@@ -142,20 +176,32 @@ class BatchGenerator:
             raise errors[0]
         return results
 
-    async def collect_detached(self) -> dict[int, GenerateResponse]:
+    async def collect_detached(self, adopt: bool = False) -> dict[int, GenerateResponse]:
         """The detached round's unanswered requests: what still runs is aborted (its tokens so far come back), then
-        index -> answer for each; {} when no round is detached."""
+        index -> answer for each; {} when no round is detached. adopt: only the requests that have answered; the
+        others run on and the next generate_round takes them over (index len(batch) + k, k their order here)."""
+        if self.detached is None and self.adopted is not None:  # adopted, then collected before any generate
+            self.detached, self.adopted = self.adopted[0], None
         detached, self.detached = self.detached, None
         if detached is None:
             return {}
         detached.cut_tokens = detached.tokens_cut_by_pause()  # before our own abort ends the others the same way
         detached.note_collected()  # before the abort: what it ends is not generation the overlap bought
+        if adopt:
+            running = [i for i in detached.pending if detached.results[i] is None]
+            if running:
+                self.adopted = (detached, running)
+            else:
+                for done in (detached.round, *detached.adopted_rounds):
+                    self.rounds.discard(done)
+            return {i: detached.results[i] for i in detached.pending if detached.results[i] is not None}
         try:
             if not detached.runs.done():
                 await self.abort_all()
             outcomes = await detached.runs
         finally:
-            self.rounds.discard(detached.round)
+            for done in (detached.round, *detached.adopted_rounds):
+                self.rounds.discard(done)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         if errors:
             raise errors[0]
@@ -215,3 +261,11 @@ class BatchGenerator:
             return (await self.client_for(url).loads()).idle
         except (EngineUnreachable, EngineError):
             return True
+
+
+async def _joined(*futures: asyncio.Future) -> list:
+    """The outcome lists of several gathers (return_exceptions=True), one after the other, as one list."""
+    out: list = []
+    for future in futures:
+        out += list(await future)
+    return out

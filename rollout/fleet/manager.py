@@ -151,13 +151,16 @@ class RolloutManager:
         job pinned to an engine goes to that engine, not through the router (rollout/fleet/pinned_router.py).
         detach=True (rollout.overlap): that True returns at once instead; the unanswered requests (None) run on,
         through weight updates (paused in engines.pause_mode; no cache flush under in_place), until
-        collect_detached. detach=True without on_result returns at the call, every request running on."""
+        collect_detached. detach=True without on_result returns at the call, every request running on. Requests
+        adopted by collect_detached(adopt=True) join the call as indices len(batch) + k."""
         return self._call(self._gen.generate_round, batch, on_result, detach)
 
-    def collect_detached(self) -> dict[int, GenerateResponse]:
-        """The last detached call's unanswered requests, what still runs aborted first: index -> answer."""
+    def collect_detached(self, adopt: bool = False) -> dict[int, GenerateResponse]:
+        """The last detached call's unanswered requests, what still runs aborted first: index -> answer. adopt
+        (rollout.adopt_detached): only those that have answered; the others run on into the next generate call
+        (indices len(batch) + k there)."""
         detached = self._gen.detached
-        answers = self._call(self._collect_detached)
+        answers = self._call(self._collect_detached, adopt)
         self.overlap_counts["detached_tokens"] += sum(len(a.output_ids) for a in answers.values())
         if detached is not None:
             self.overlap_counts["tokens_cut_by_updates"] += detached.cut_tokens
@@ -165,9 +168,11 @@ class RolloutManager:
             self.overlap_counts["detached_span_s"] += detached.span_s
         return answers
 
-    async def _collect_detached(self) -> dict[int, GenerateResponse]:
-        answers = await self._gen.collect_detached()
-        if self._stale_prefix_cache:  # the engines are idle now (what ran is aborted): flush what in_place kept
+    async def _collect_detached(self, adopt: bool = False) -> dict[int, GenerateResponse]:
+        answers = await self._gen.collect_detached(adopt)
+        # the engines are idle now (what ran is aborted): flush what in_place kept. Adopted requests keep them busy;
+        # their requests carry their weight version's extra_key, so no request reuses the old prefixes meanwhile
+        if self._stale_prefix_cache and self._gen.adopted is None:
             async with self._engine_lock:
                 refused = await self._each_engine("flush_cache", None)
             if refused is None:

@@ -131,6 +131,9 @@ class GenerateRequest(BaseModel):
     rid: str | None = Field(default_factory=new_rid, description="Abort matches request ids by prefix: one of fixed "
                             "length each (null: the engine picks one).")
     stream: bool = False
+    extra_key: str | None = Field(default=None, description="SGLang's prefix-cache namespace: a request reuses only "
+                                  "prefixes cached by requests with the same key (rollout.adopt_detached: the weight "
+                                  "version, so nothing cached under older weights is reused).")
 
     @model_validator(mode="before")
     @classmethod

@@ -174,6 +174,9 @@ def test_values_sglang_refuses(sglang_classes):
     no_eos = build_requests([[5, 6, 7]], np.array([4]), SamplingSettings(ignore_eos=True))[0].body()  # rollout.ignore_eos
     assert no_eos["sampling_params"]["ignore_eos"] is True and not no_eos["sampling_params"]["stop_token_ids"]
     accepted(sglang_classes.generate(no_eos, VOCAB, 64), "an ignore_eos body")
+    keyed = build_requests([[5, 6, 7]], np.array([4]), SamplingSettings(), extra_key="weights-v3")[0].body()
+    assert keyed["extra_key"] == "weights-v3"  # rollout.adopt_detached: the prefix-cache namespace of the weights
+    accepted(sglang_classes.generate(keyed, VOCAB, 64), "a body with extra_key")
 
 
 def test_engine_client_generate_body_is_sglangs(sglang):

@@ -153,3 +153,34 @@ def test_a_round_detached_at_the_call_runs_on_until_collected(rollout_manager):
         assert {collected[i].meta_info.finish_reason.type for i in range(4)} == {"length"}
     finally:
         m.collect_detached()
+
+
+def test_requests_adopted_after_an_update_answer_in_the_next_round(rollout_manager, varied_model_dir, monkeypatch):
+    """rollout.adopt_detached on the real fleet: after an in_place update, collect_detached(adopt=True) leaves the
+    requests still running alone (no abort, no flush while they keep their KV) and the next generate call reports
+    them as its indices len(jobs) + k, whole: every token kept, those after the update made by the new version."""
+    m = rollout_manager
+    posted = record_posts(monkeypatch)
+    shared_cfg = m.cfg
+    m.cfg = shared_cfg.model_copy(update={"pause_mode": "in_place"})
+    try:
+        answers = m.generate(requests(4), on_result=lambda index, answer: index == 0, detach=True)
+        pending = [i for i, a in enumerate(answers) if a is None]
+        wait_for(lambda: output_tokens(m.urls), 60, "the detached requests' first tokens")
+        assert m.update_weights(weight_update("disk", varied_model_dir, 3)) == {0: 3, 1: 3}
+        early = m.collect_detached(adopt=True)
+        running = [i for i in pending if i not in early]
+        assert running, "every detached request had finished before the collection"
+        assert "/flush_cache" not in posted and "/abort_request" not in posted
+        seen: dict[int, object] = {}
+        jobs = [GenerateJob(GenerateRequest(input_ids=[5, 6, 7, 40], sampling_params=SHORT, return_logprob=True))]
+        out = m.generate(jobs, on_result=lambda index, answer: seen.setdefault(index, answer) and None)
+        assert sorted(seen) == list(range(1 + len(running)))
+        tokens, _, _, versions = parse_responses(out[1:], default_version=0)
+        assert all(len(t) == LONG["max_new_tokens"] for t in tokens), [len(t) for t in tokens]
+        assert all(v[0] == 0 and v[-1] == 3 for v in versions)
+        assert m.collect_detached() == {}
+    finally:
+        m.collect_detached()
+        m.update_weights(WeightUpdate("disk", varied_model_dir, 0))
+        m.cfg = shared_cfg

@@ -23,12 +23,14 @@ PROMPT = 4
 ITERATIONS = 8
 
 
+@pytest.mark.parametrize("adopt", [False, True])
 @pytest.mark.parametrize("pause_mode", ["abort", "retract", "in_place"])
 @pytest.mark.parametrize("max_age", [2, 3])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_overlap_keeps_the_dock_invariant(pause_mode, max_age, seed):
+def test_overlap_keeps_the_dock_invariant(pause_mode, max_age, seed, adopt):
     cfg = RolloutConfig(global_batch_size=3, n_samples_per_prompt=3, max_tokens=48, max_model_len=48 + PROMPT,
-                        max_split=2, mode="async", max_age=max_age, scheduling="length_aware", overlap=True)
+                        max_split=2, mode="async", max_age=max_age, scheduling="length_aware", overlap=True,
+                        over_sampling_groups=seed, adopt_detached=adopt)
     lengths = LognormalLengths(n=3, median=8, sigma=1.2, seed=seed, group_share=0.5)
     engine = SimulatedEngine(EngineTiming(2, 3, 0.01, 0.001, 0.0001), lengths, eos_token_id=DEFAULT_EOS,
                              pause_mode=pause_mode)
@@ -120,6 +122,31 @@ def test_a_dock_ready_before_any_round_still_sends_its_rows_through_the_update(s
         assert stats.detached_tokens == 0 and stats.rounds == 1 and versions == [2] * 8
     else:  # made in the update under version 1, written at this call, no round needed
         assert stats.detached_tokens == 8 and stats.rounds == 0 and versions == [1] * 8
+
+
+@pytest.mark.parametrize("adopt", [False, True])
+def test_adopted_requests_run_on_into_the_next_step_without_a_second_prefill(adopt):
+    """Group 1's rows still run when the next step starts: adopted (rollout.adopt_detached), they go on in that step's
+    round with their KV (no prefill of prompt + partial response again); otherwise they are aborted and sent again."""
+    cfg = RolloutConfig(global_batch_size=1, n_samples_per_prompt=2, max_tokens=40, max_model_len=40 + PROMPT,
+                        max_split=2, mode="async", max_age=3, overlap=True, adopt_detached=adopt)
+    engine = SimulatedEngine(EngineTiming(1, 4, 0.01, 0.0, 0.001), TableLengths({0: [2, 3], 1: [20, 20], 2: [30, 30]}),
+                             eos_token_id=DEFAULT_EOS)
+    dock, detached = TransferDock.from_config(cfg, [DEFAULT_EOS]), DetachedRows()
+    dock.load_groups([0, 1], [simulated_prompt(g, PROMPT) for g in (0, 1)], [None, None])
+    generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], 0, drain=False, detached=detached)
+    dock.clear(keep_generating=True)
+    engine.advance(0.05)
+    engine.update_weights(None, 1, pause_s=0.1)
+    dock.load_groups([2], [simulated_prompt(2, PROMPT)], [None])
+    second = generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], 1, drain=False, detached=detached)
+    assert dock.batch_group_ids().tolist() == [1]
+    versions = dock.batch_arrays()["weight_versions"].reshape(2, 20)
+    assert (versions[:, 0] == 0).all() and (versions[:, -1] == 1).all()  # tokens of both versions, none lost
+    if adopt:
+        assert engine.continued_prefill_tokens == 0 and second.requests == 2  # only group 2's rows were sent
+    else:
+        assert engine.continued_prefill_tokens > 0 and second.requests == 4
 
 
 def test_retract_recomputes_the_kv_and_in_place_does_not():

@@ -118,3 +118,8 @@ def test_start_cutoff_keeps_groups_not_started_by_the_choice_out_of_the_update()
 def test_start_cutoff_needs_overlap():
     with pytest.raises(ValidationError, match="start_cutoff"):
         RolloutConfig(start_cutoff=True, mode="async", scheduling="length_aware")
+
+
+def test_adopt_detached_needs_overlap():
+    with pytest.raises(ValidationError, match="adopt_detached"):
+        RolloutConfig(adopt_detached=True, mode="async")
