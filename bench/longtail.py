@@ -32,8 +32,9 @@ row per mode and seed (speedup against that seed's no_partial), then one row per
 "speedup_min" and "speedup_mean". Issue 38 settings: overlap_age2_cutoff_in_place (rollout.start_cutoff: a group not
 started by the batch choice waits through the update unstarted), overlap_os_age4_paced_in_place
 (rollout.start_groups_per_step 768: at most 768 new groups start per step), overlap_os32_in_place (max_age 3 with 32
-over-sampled groups), overlap_os32_adopt_in_place and overlap_os_age4_adopt_in_place (rollout.adopt_detached: the
-requests still running when a step starts run on in it instead of being aborted and sent again).
+over-sampled groups), overlap_os32_adopt_in_place, overlap_os_age4_adopt_in_place and overlap_os80_adopt_in_place
+(rollout.adopt_detached: the requests still running when a step starts run on in it instead of being aborted and sent
+again; overlap_os80_adopt_in_place_hist is the recurring workload's staleness <= 2 mode with the history).
 
 Keys (one JSON line per mode on stdout; logs on stderr):
   tokens_per_s       trained (completed) response tokens per second of iteration (generation + update)

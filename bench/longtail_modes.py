@@ -52,12 +52,15 @@ SETTING_MODES = {
     # the same, the requests still running at the next step adopted instead of aborted and sent again
     "overlap_os32_adopt_in_place": ("overlap_in_place", {"over_sampling_groups": 32, "adopt_detached": True}),
     "overlap_os_age4_adopt_in_place": ("overlap_os_age4_in_place", {"adopt_detached": True}),
+    # max_age 3, 80 over-sampled groups, adopted: with the history (_hist) the recurring workload's staleness <= 2 mode
+    "overlap_os80_adopt_in_place": ("overlap_in_place", {"over_sampling_groups": 80, "adopt_detached": True}),
 }
 # mode + "_hist" -> that mode with rollout.start_order = predicted_longest (the per-prompt length history
 # orders the groups' start: --workload recurring, where prompts come back every epoch)
 HISTORY_MODES = {f"{mode}_hist": mode for mode in ("async_la", "overlap_in_place", "overlap_age2_in_place",
                                                    "overlap_os_age4_in_place", "overlap_age2_cutoff_in_place",
-                                                   "overlap_os32_in_place", "overlap_os32_adopt_in_place")}
+                                                   "overlap_os32_in_place", "overlap_os32_adopt_in_place",
+                                                   "overlap_os80_adopt_in_place")}
 MODES = tuple(MODE_SPECS) + tuple(OVERLAP_MODES) + tuple(SETTING_MODES) + tuple(HISTORY_MODES)
 TODAY_MODES = tuple(MODE_SPECS)  # the default workload's modes
 DISAGGREGATED_MODES = ("no_partial", "async_la", "async_age2_la", "over_sampling_la") + tuple(OVERLAP_MODES) + tuple(
