@@ -24,10 +24,10 @@ Timing model (all in integer nanoseconds, so hand-computed cases are exact):
   at T has finished normally), queued requests answer with none, and the clock stops at T.
 
 - detach=True (rollout.overlap): on_result returning True at T returns at once (no on_result: at the call, after the
-  first fill); running and queued requests stay and decode on through advance() (the learner's update) as in a generate call. update_weights with requests running
-  pauses the engines for pause_s in `pause_mode`: abort (they answer at the pause with their tokens so far, finish
-  "abort"), in_place (they go on with their KV after the swap), retract (they go on after their KV is recomputed: a
-  prefill of prompt + output). Tokens after the swap carry the new version: an answer that lived through an update
+  first fill); running and queued requests stay and decode on through advance() (the learner's update) as in a
+  generate call. update_weights with requests running pauses the engines for pause_s in `pause_mode`: abort (they
+  answer at the pause with their tokens so far, finish "abort"), in_place (they go on with their KV after the swap),
+  retract (they go on after their KV is recomputed: a prefill of prompt + output). Tokens after the swap carry the new version: an answer that lived through an update
   reports SGLang's meta_info.weight_versions spans. A step in progress at the pause is lost (it restarts after it).
   collect_detached() at T aborts what still runs (as above) and returns the detached call's answers.
 
@@ -294,11 +294,8 @@ class SimulatedEngine:
                 req.index = remap[req.index]
             engine.heap = [(end, req.index, req) for end, _, req in engine.heap]
             heapq.heapify(engine.heap)
-            if engine.heap:  # its batch changes now: the steps done stand, a step in progress restarts
-                steps = engine.steps_by(self._now, self._base, self._per_seq)
-                engine.account(self._now)
-                if steps > engine.steps:
-                    engine.steps, engine.pending_prefill = steps, 0
+            if engine.heap:  # its batch changes now: a pause of no length (a step in progress restarts)
+                engine.pause(self._now, 0, self._base, self._per_seq)
         return queue_of, queued
 
     def _run(self, queue: deque, detach: bool, adopted: tuple | None = None) -> bool:
@@ -309,19 +306,14 @@ class SimulatedEngine:
         at_once = detach and self._on_result is None
         if adopted is not None:
             queue_of, queued = adopted
-            if isinstance(queued, _Queues):
-                for k, req in enumerate(queue):
-                    queued.queues[(req.engine if req.engine is not None else k) % len(engines)].append(req)
-            else:
-                queued.extend(queue)
-        elif any(r.engine is not None for r in queue):
-            queues = [deque() for _ in engines]
-            for k, req in enumerate(queue):  # pinned jobs (RolloutManager's per-engine dispatch): FIFO per engine
-                queues[(req.engine if req.engine is not None else k) % len(engines)].append(req)
+        elif any(r.engine is not None for r in queue):  # pinned jobs (RolloutManager's per-engine dispatch)
+            queues = _Queues([deque() for _ in engines])
             index = {id(e): i for i, e in enumerate(engines)}
-            queue_of, queued = (lambda engine: queues[index[id(engine)]]), _Queues(queues)
+            queue_of, queued = (lambda engine: queues.queues[index[id(engine)]]), queues
         else:
-            queue_of, queued = (lambda engine: queue), queue
+            shared = deque()
+            queue_of, queued = (lambda engine: shared), shared
+        queued.extend(queue)
         if at_once:
             self._hold_until_detach(queued)
         if isinstance(queued, _Queues):
@@ -469,6 +461,11 @@ class _Queues:
 
     def __iter__(self):
         return (req for own in self.queues for req in own)
+
+    def extend(self, requests) -> None:
+        """Each request joins its engine's queue (FIFO per engine); one pinned to none goes round robin."""
+        for k, req in enumerate(requests):
+            self.queues[(req.engine if req.engine is not None else k) % len(self.queues)].append(req)
 
     def clear(self) -> None:
         for own in self.queues:

@@ -321,7 +321,7 @@ def _collect_detached(dock: TransferDock, fleet: Fleet, detached: DetachedRows, 
     rows, pending = detached.take()
     start = time.perf_counter()
     try:
-        answers = fleet.collect_detached(adopt=True) if adopt else fleet.collect_detached()
+        answers = fleet.collect_detached(adopt=adopt)
     finally:
         stats.engine_s += time.perf_counter() - start
     running = np.zeros(0, dtype=np.int64)

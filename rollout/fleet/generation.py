@@ -51,8 +51,8 @@ class DetachedRound:
     runs: asyncio.Future
     results: list[GenerateResponse | None]
     pending: list[int]
+    limit: asyncio.Semaphore                  # the in-flight limit its unsent requests wait for
     relay: Relay = field(default_factory=Relay)
-    limit: asyncio.Semaphore | None = None    # the in-flight limit its unsent requests wait for
     adopted_rounds: list[Round] = field(default_factory=list)  # older rounds whose requests it adopted
     cut_by_pause: set[int] = field(default_factory=set)
     cut_tokens: int = 0
@@ -63,6 +63,11 @@ class DetachedRound:
 
     def __post_init__(self) -> None:
         self.runs.add_done_callback(lambda _: setattr(self, "finished_at", self.finished_at or time.monotonic()))
+
+    @property
+    def rounds(self) -> list[Round]:
+        """Its own round and those it adopted requests from: all done once its runs are."""
+        return [self.round, *self.adopted_rounds]
 
     def note_collected(self) -> None:
         now = time.monotonic()
@@ -105,8 +110,8 @@ class BatchGenerator:
         adopted, self.adopted = self.adopted, None
         round_ = Round()
         self.rounds.add(round_)
-        older = [adopted[0].round, *adopted[0].adopted_rounds] if adopted else []
-        limit = adopted[0].limit if adopted and adopted[0].limit else asyncio.Semaphore(self.max_in_flight)
+        older = adopted[0].rounds if adopted else []
+        limit = adopted[0].limit if adopted else asyncio.Semaphore(self.max_in_flight)
         taken = adopted[1] if adopted else []
         results: list[GenerateResponse | None] = [None] * (len(batch) + len(taken))
         reported = [False] * len(results)
@@ -160,15 +165,14 @@ class BatchGenerator:
             stopped.cancel()
             if not runs.done():
                 self.detached = DetachedRound(round_, runs, results, [i for i, r in enumerate(reported) if not r],
-                                              relay, limit, older)
+                                              limit, relay, older)
                 return [r if done else None for r, done in zip(results, reported)]
         try:
             outcomes = list(await runs)
             if abort is not None:
                 outcomes += await asyncio.gather(abort, return_exceptions=True)
         finally:
-            for done in (round_, *older):
-                self.rounds.discard(done)
+            self.rounds.difference_update([round_, *older])
             if abort is not None and not abort.done():  # cancelled: do not leave the abort running
                 abort.cancel()
         errors = [o for o in outcomes if isinstance(o, BaseException)]
@@ -192,16 +196,14 @@ class BatchGenerator:
             if running:
                 self.adopted = (detached, running)
             else:
-                for done in (detached.round, *detached.adopted_rounds):
-                    self.rounds.discard(done)
+                self.rounds.difference_update(detached.rounds)
             return {i: detached.results[i] for i in detached.pending if detached.results[i] is not None}
         try:
             if not detached.runs.done():
                 await self.abort_all()
             outcomes = await detached.runs
         finally:
-            for done in (detached.round, *detached.adopted_rounds):
-                self.rounds.discard(done)
+            self.rounds.difference_update(detached.rounds)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         if errors:
             raise errors[0]

@@ -1,48 +1,20 @@
 """rollout.adopt_detached in the real fleet's request loop (rollout/fleet/generation.py BatchGenerator): the requests
 a detached round still runs when it is collected with adopt=True are not aborted or sent again; the next round takes
 them over as its indices len(batch) + k, also an answer that came between the collection and that round. The engine
-client is a stand-in that answers each request when the test lets it (no SGLang runs here); the loop is the real
-code."""
+client is a gated stand-in (tests/fleet_stand_ins.py: no SGLang runs here) that answers each request when the test
+lets it; the loop is the real code."""
 from __future__ import annotations
 
 import asyncio
 
+from fleet_stand_ins import StandInClient, stand_in_generator
 from spillover.rollout.drivers.requests import SamplingSettings, build_requests
-from spillover.rollout.fleet.generation import BatchGenerator
-from spillover.rollout.sglang.protocol import GenerateJob, GenerateResponse
-
-
-class GatedClient:
-    """Answers a request (no tokens) once its rid's gate opens; `sent` records the rids that reached it."""
-
-    def __init__(self):
-        self.sent: list[str] = []
-        self.gates: dict[str, asyncio.Event] = {}
-
-    def gate(self, rid: str) -> asyncio.Event:
-        return self.gates.setdefault(rid, asyncio.Event())
-
-    async def generate(self, request):
-        self.sent.append(request.rid)
-        await self.gate(request.rid).wait()
-        return GenerateResponse.never_sent(request, "stand-in answer")
-
-
-class OneClientRouter:
-    def __init__(self, client):
-        self._client = client
-
-    def client(self, engine):
-        return self._client
-
-
-async def _never(*_):
-    raise AssertionError("no recovery expected")
+from spillover.rollout.sglang.protocol import GenerateJob
 
 
 def test_adopted_requests_answer_in_the_next_round_and_are_sent_once():
-    client = GatedClient()
-    generator = BatchGenerator(OneClientRouter(client), lambda: [], lambda url: client, _never)
+    client = StandInClient(gated=True)
+    generator = stand_in_generator(client)
     first = build_requests([[5, 6, 7], [5, 6, 8], [5, 6, 9]], [4, 4, 4], SamplingSettings())
     second = build_requests([[5, 6, 10]], [4], SamplingSettings())
     seen: list[tuple[int, str]] = []
@@ -69,8 +41,8 @@ def test_adopted_requests_answer_in_the_next_round_and_are_sent_once():
 
 def test_collecting_without_adopt_after_an_adoption_aborts_them():
     """A run that ends after adopting (no next round): collect_detached() answers the adopted requests."""
-    client = GatedClient()
-    generator = BatchGenerator(OneClientRouter(client), lambda: [], lambda url: client, _never)
+    client = StandInClient(gated=True)
+    generator = stand_in_generator(client)
     first = build_requests([[5, 6, 7], [5, 6, 8]], [4, 4], SamplingSettings())
 
     async def main():

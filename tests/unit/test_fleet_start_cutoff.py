@@ -1,44 +1,21 @@
 """rollout.start_cutoff in the real fleet's request loop (rollout/fleet/generation.py BatchGenerator): a request
 whose group has not started when its detached round stops is answered never-sent instead of going to an engine; a
-detached round without on_result (the driver's dock ready already) returns at the call. The engine client is a recording stand-in (no SGLang runs here); the semaphore and the detach are the real code."""
+detached round without on_result (the driver's dock ready already) returns at the call. The engine client is a
+recording stand-in (tests/fleet_stand_ins.py: no SGLang runs here); the semaphore and the detach are the real code."""
 from __future__ import annotations
 
 import asyncio
 
+from fleet_stand_ins import StandInClient, stand_in_generator
 from spillover.rollout.drivers.requests import SamplingSettings, build_requests
-from spillover.rollout.fleet.generation import BatchGenerator
 from spillover.rollout.sglang.protocol import GenerateJob, GenerateResponse
-
-
-class RecordingClient:
-    """Answers every request at once (no tokens); `sent` records the rids that reached it."""
-
-    def __init__(self):
-        self.sent: list[str] = []
-
-    async def generate(self, request):
-        self.sent.append(request.rid)
-        await asyncio.sleep(0)
-        return GenerateResponse.never_sent(request, "stand-in answer")
-
-
-class OneClientRouter:
-    def __init__(self, client):
-        self._client = client
-
-    def client(self, engine):
-        return self._client
-
-
-async def _never(*_):
-    raise AssertionError("no recovery expected")
 
 
 def _sent_after_detach(cutoff_group: int | None) -> tuple[list[str], GenerateResponse | None]:
     """Two requests, one in flight at a time: the first one's answer detaches the round, the second waits for the
     in-flight slot until then. -> (rids the engine got, the second request's answer if it came back at once)."""
-    client = RecordingClient()
-    generator = BatchGenerator(OneClientRouter(client), lambda: [], lambda url: client, _never, max_in_flight=1)
+    client = StandInClient()
+    generator = stand_in_generator(client, max_in_flight=1)
     requests = build_requests([[5, 6, 7], [5, 6, 8]], [4, 4], SamplingSettings())
     jobs = [GenerateJob(requests[0]), GenerateJob(requests[1], None, cutoff_group)]
 
@@ -64,27 +41,18 @@ def test_a_group_not_started_at_the_detach_is_not_sent():
 def test_a_detached_round_without_on_result_returns_at_the_call():
     """The call returns with the requests running (none answered); a start-cutoff group's request is never sent: the
     batch choice is now."""
-    class GatedClient(RecordingClient):  # answers only once the test opens the gate
-        async def generate(self, request):
-            self.sent.append(request.rid)
-            await gate.wait()
-            return GenerateResponse.never_sent(request, "stand-in answer")
-
-    client = GatedClient()
-    generator = BatchGenerator(OneClientRouter(client), lambda: [], lambda url: client, _never, max_in_flight=1)
+    client = StandInClient(gated=True)
+    generator = stand_in_generator(client, max_in_flight=1)
     requests = build_requests([[5, 6, 7], [5, 6, 8], [5, 6, 9]], [4, 4, 4], SamplingSettings())
     jobs = [GenerateJob(requests[0]), GenerateJob(requests[1]), GenerateJob(requests[2], None, 3)]
 
     async def main():
-        nonlocal gate
-        gate = asyncio.Event()
         answers = await generator.generate_round(jobs, detach=True)  # returns with nothing answered yet
         detached_at_return = generator.detached is not None
-        gate.set()
+        client.open_all()
         collected = await generator.collect_detached()
         return answers, detached_at_return, collected
 
-    gate = None
     answers, detached_at_return, collected = asyncio.run(main())
     assert answers == [None, None, None] and detached_at_return
     # one request in flight went out; the collect came before the second could (it comes back never sent)
