@@ -39,12 +39,13 @@ class GenerationStats:
     engine_s: float = 0.0  # inside the engine call (HTTP generation); the rest is dock bookkeeping
     ready_groups: int = 0
     detached_tokens: int = 0  # of tokens_generated: those the previous call's detached requests made (overlap)
+    adopted_requests: int = 0  # the previous call's requests still running that this call took over (adopt_detached)
     weight_versions: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"rounds": self.rounds, "requests": self.requests, "tokens_generated": self.tokens_generated,
                 "generate_time_s": self.time_s, "engine_s": self.engine_s, "ready_groups": self.ready_groups,
-                "detached_tokens": self.detached_tokens}
+                "detached_tokens": self.detached_tokens, "adopted_requests": self.adopted_requests}
 
 
 def make_rids(count: int) -> list[str]:

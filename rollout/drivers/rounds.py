@@ -330,6 +330,7 @@ def _collect_detached(dock: TransferDock, fleet: Fleet, detached: DetachedRows, 
         pending = pending[~np.isin(pending, running)]
         if len(running):  # their tokens come later: the staleness bound counts them from now
             dock.adopt_in_flight(rows[running], version, hooks.weight_version)
+            stats.adopted_requests += len(running)
     if not len(pending):
         return rows[running]
     round_ = _Round(dock, rows[pending], hooks, dataclasses.replace(budget, stop_when_ready=False), stats, progress)

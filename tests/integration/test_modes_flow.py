@@ -65,21 +65,30 @@ OVERLAP_ROWS = {"rollout.ignore_eos": "true", "rollout.max_tokens": 1024, "rollo
 
 
 @pytest.mark.usefixtures(*FLOW)
-def test_overlap_generates_through_the_update_and_keeps_the_bound(tmp_path, warm_parts):
+@pytest.mark.parametrize("adopt", [False, True])
+def test_overlap_generates_through_the_update_and_keeps_the_bound(tmp_path, warm_parts, adopt):
     """rollout.overlap=true (async): the requests running when the dock is ready are not aborted; they generate on
     through reward, logprobs and the update (paused and continued: retract keeps every token), and their tokens reach
     the dock at the next generate step, where rows made by two weight versions are trained (ignored: no detached
-    token would arrive, and no update would find requests running). The fleet-level view of one request living
-    through an update: tests/integration/test_overlap_manager.py."""
+    token would arrive, and no update would find requests running). adopt (rollout.adopt_detached): the requests
+    still running at the next step are taken over by it instead of being cut and sent again (a 1024-token request
+    outlives the ~0.4 s update on these engines). The fleet-level view of one request living through an update:
+    tests/integration/test_overlap_manager.py."""
     from spillover.flows.train import grpo_train
 
     gbs = 2
-    grpo_train(small_config(tmp_path / "run", iterations=3, **{"rollout.mode": "async", "rollout.overlap": True},
+    grpo_train(small_config(tmp_path / "run", iterations=3, **{"rollout.mode": "async", "rollout.overlap": True,
+                                                              "rollout.adopt_detached": adopt},
                             **OVERLAP_ROWS), parts=warm_parts)
     got = rows(tmp_path / "run")
     assert got[0]["requests"] == 12 and got[0]["ready_groups"] == gbs, got[0]  # six groups started, two ready
     assert got[0]["update_while_generating"] == 1, [r["update_while_generating"] for r in got]
-    assert sum(r["detached_tokens"] for r in got[1:]) > 0, [r["detached_tokens"] for r in got]
+    adopted = [r["adopted_requests"] for r in got]
+    if adopt:  # taken over, never sent twice: the requests of later steps are only the rows not running then
+        assert adopted[0] == 0 and sum(adopted[1:]) > 0, adopted
+    else:
+        assert adopted == [0, 0, 0] and sum(r["detached_tokens"] for r in got[1:]) > 0, [r["detached_tokens"]
+                                                                                         for r in got]
     assert max(r["version_span_max"] for r in got[1:]) >= 1, [r["version_span_max"] for r in got]
     assert [r["tokens_cut_by_updates"] for r in got] == [0, 0, 0]  # retract: requests live through an update
     shares = [r["overlap_generating_share"] for r in got]  # iteration 0 collects nothing; later, detached tokens came

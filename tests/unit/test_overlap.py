@@ -143,10 +143,10 @@ def test_adopted_requests_run_on_into_the_next_step_without_a_second_prefill(ado
     assert dock.batch_group_ids().tolist() == [1]
     versions = dock.batch_arrays()["weight_versions"].reshape(2, 20)
     assert (versions[:, 0] == 0).all() and (versions[:, -1] == 1).all()  # tokens of both versions, none lost
-    if adopt:
-        assert engine.continued_prefill_tokens == 0 and second.requests == 2  # only group 2's rows were sent
+    if adopt:  # only group 2's rows were sent; group 1's two requests were taken over
+        assert engine.continued_prefill_tokens == 0 and second.requests == 2 and second.adopted_requests == 2
     else:
-        assert engine.continued_prefill_tokens > 0 and second.requests == 4
+        assert engine.continued_prefill_tokens > 0 and second.requests == 4 and second.adopted_requests == 0
 
 
 def test_retract_recomputes_the_kv_and_in_place_does_not():
