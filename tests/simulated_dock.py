@@ -38,6 +38,26 @@ def check_trained_group(dock: TransferDock, g: int, natural: np.ndarray, max_tok
     return sum(got)
 
 
+def held_samples(dock: TransferDock, lengths) -> dict[int, list[int]]:
+    """The sample indices the dock's rows hold already, per group id (SimulatedEngine.claim_samples, for new engines
+    after a resume): a row's first response token is its sample key; a row that is only its EOS is a sample of
+    natural length 1."""
+    held: dict[int, list[int]] = {}
+    for slot in np.flatnonzero(dock.group_ids >= 0).tolist():
+        group = int(dock.group_ids[slot])
+        natural = lengths.group_lengths(group)
+        taken = held.setdefault(group, [])
+        for row in range(slot * dock.n, slot * dock.n + dock.n):
+            tokens = dock.responses.gather(np.array([row]), "tokens").tolist()
+            if not tokens:
+                continue
+            if tokens[0] >= SAMPLE_KEY_BASE:
+                taken.append(tokens[0] - SAMPLE_KEY_BASE)
+            else:  # [EOS]: the first natural-length-1 sample not counted yet
+                taken.append(next(j for j in range(len(natural)) if natural[j] == 1 and j not in taken))
+    return held
+
+
 def token_staleness_max(weight_versions, update_version: int) -> int:
     """max(update_version - v) over a batch's per-token weight versions v (any shape; -1 marks padding and
     SFT tokens, which no policy generated: not stale); 0 for no tokens. update_version: the version of the

@@ -378,11 +378,22 @@ class SimulatedEngine:
                 self._results[req.index] = answer(req.rid, req.input_len, ids, entries if req.return_logprob else None,
                                                   "abort", self.eos, self.weight_version, 0.0, None)
 
-    def _admit(self, engine: _Engine, req: _Request) -> None:
-        natural = self._natural.get(req.group)
+    def claim_samples(self, held: dict[int, list[int]]) -> None:
+        """A run resumed from a checkpoint on new engines: held[group] are the sample indices its rows in the dock
+        hold already (a row's first response token is its sample key), so fresh rows of the group get the others."""
+        for group, taken in held.items():
+            natural = self._natural_of(group)
+            self._free_j[group] = [j for j in range(len(natural)) if j not in set(taken)]
+
+    def _natural_of(self, group: int) -> list[int]:
+        natural = self._natural.get(group)
         if natural is None:
-            natural = self._natural[req.group] = [int(x) for x in self.lengths.group_lengths(req.group)]
-            self._free_j[req.group] = list(range(len(natural)))
+            natural = self._natural[group] = [int(x) for x in self.lengths.group_lengths(group)]
+            self._free_j[group] = list(range(len(natural)))
+        return natural
+
+    def _admit(self, engine: _Engine, req: _Request) -> None:
+        natural = self._natural_of(req.group)
         if req.j is None:
             free = self._free_j[req.group]
             if not free:

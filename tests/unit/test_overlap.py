@@ -5,6 +5,7 @@ tests/unit/test_scheduling_invariant.py checks it (every group trained once with
 token lost, token_staleness_max <= max_age - 1)."""
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -17,7 +18,7 @@ from spillover.rollout.dock.transfer_dock import TransferDock
 from spillover.rollout.drivers.default_rollout import generate_training_batch
 from spillover.rollout.drivers.rounds import DetachedRows
 from spillover.rollout.sglang.protocol import GenerateJob, GenerateRequest
-from simulated_dock import check_trained_group, load_iteration, token_staleness_max
+from simulated_dock import check_trained_group, held_samples, load_iteration, token_staleness_max
 
 PROMPT = 4
 ITERATIONS = 8
@@ -147,6 +148,51 @@ def test_adopted_requests_run_on_into_the_next_step_without_a_second_prefill(ado
         assert engine.continued_prefill_tokens == 0 and second.requests == 2 and second.adopted_requests == 2
     else:
         assert engine.continued_prefill_tokens > 0 and second.requests == 4 and second.adopted_requests == 0
+
+
+def test_a_checkpoint_taken_while_adopted_requests_run_resumes_every_group_once_within_the_bound():
+    """A kill -9 after the checkpoint of a step whose adopted requests still ran (rollout.adopt_detached): the snapshot
+    holds their rows as not in flight, with the tokens the dock had then and the age their group got at adoption (at
+    least the staleness of the tokens still on their way); the resumed run (the dock from the snapshot, new engines,
+    nothing detached) generates those rows on from their stored tokens and trains every group once, whole, within the
+    bound."""
+    cfg = RolloutConfig(global_batch_size=3, n_samples_per_prompt=3, max_tokens=48, max_model_len=48 + PROMPT,
+                        max_split=2, mode="async", max_age=3, scheduling="length_aware", overlap=True,
+                        over_sampling_groups=1, adopt_detached=True)
+    lengths = LognormalLengths(n=3, median=8, sigma=1.2, seed=0, group_share=0.5)
+
+    def engines_at(version: int) -> SimulatedEngine:
+        engine = SimulatedEngine(EngineTiming(2, 3, 0.01, 0.001, 0.0001), lengths, eos_token_id=DEFAULT_EOS,
+                                 pause_mode="in_place")
+        engine.update_weights(None, version)
+        return engine
+
+    engine, dock, detached = engines_at(0), TransferDock.from_config(cfg, [DEFAULT_EOS]), DetachedRows()
+    loaded, trained, next_id, crashed_after = [], Counter(), 0, None
+    for it in range(ITERATIONS):
+        ids = load_iteration(dock, ITERATIONS, next_id, PROMPT)
+        next_id += len(ids)
+        loaded += ids
+        generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], it, drain=it == ITERATIONS - 1, detached=detached)
+        assert token_staleness_max(dock.batch_arrays()["weight_versions"], it) <= cfg.max_age - 1
+        for g in dock.batch_group_ids().tolist():
+            trained[g] += 1
+            check_trained_group(dock, g, lengths.group_lengths(g), cfg.max_tokens)
+        dock.clear(keep_generating=True)
+        engine.advance(0.08)
+        engine.update_weights(None, it + 1, pause_s=0.02)
+        if crashed_after is None and dock.adopted.any():  # the step's checkpoint, then the kill
+            arrays, meta = dock.snapshot()
+            adopted_groups = np.unique(np.flatnonzero(dock.adopted) // dock.n)
+            restored = TransferDock.restore(arrays, json.loads(json.dumps(meta)), "checkpoint")
+            assert not restored.in_flight.any() and not restored.adopted.any()
+            assert (restored.group_age()[adopted_groups] == dock.group_age()[adopted_groups]).all()
+            assert (restored.group_age()[adopted_groups] >= 2).all()  # a version at adoption, one at this clear
+            dock, engine, detached, crashed_after = restored, engines_at(it + 1), DetachedRows(), it
+            engine.claim_samples(held_samples(dock, lengths))  # the simulator's draws: a row keeps its sample
+    assert crashed_after is not None and crashed_after < ITERATIONS - 2  # the resumed run went on for steps
+    assert not dock.in_flight.any() and dock.stats()["loaded_groups"] == 0
+    assert sorted(trained) == sorted(loaded) and set(trained.values()) == {1}
 
 
 def test_retract_recomputes_the_kv_and_in_place_does_not():
