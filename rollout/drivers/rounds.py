@@ -322,6 +322,9 @@ def _collect_detached(dock: TransferDock, fleet: Fleet, detached: DetachedRows, 
     start = time.perf_counter()
     try:
         answers = fleet.collect_detached(adopt=adopt)
+    except BaseException:  # a request failed (the fleet raises its error): the rows go back untouched
+        dock.release(rows[pending[dock.in_flight[rows[pending]]]])
+        raise
     finally:
         stats.engine_s += time.perf_counter() - start
     running = np.zeros(0, dtype=np.int64)

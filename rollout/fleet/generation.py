@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .engine_client import EngineClient, EngineError, EngineUnreachable
 from .pinned_router import PinnedRouter
-from ..sglang.protocol import GenerateJob, GenerateResponse
+from ..sglang.protocol import GenerateJob, GenerateResponse, new_rid
 from ..contracts.fleet import OnResult
 
 log = logging.getLogger(__name__)
@@ -33,10 +33,11 @@ class Round:
 
 @dataclass(eq=False)
 class Relay:
-    """Where a detached round's later answers go: nowhere (kept for collect_detached) until a call adopts its
-    requests, then to that call (`to(index, answer)`, the index in the detached round)."""
+    """Where a detached round's later answers and failures go: nowhere (kept for collect_detached) until a call adopts
+    its requests, then to that call (`to(index, answer)`, `fail(index, error)`, the index in the detached round)."""
 
     to: Callable[[int, GenerateResponse], None] | None = None
+    fail: Callable[[int, BaseException], None] | None = None
 
 
 @dataclass(eq=False)
@@ -45,7 +46,8 @@ class DetachedRound:
     answered; `pending` are the indices the caller got no answer for. `cut_by_pause`: the indices unanswered when an
     abort-mode pause (a weight update) ended every request on the engines; `cut_tokens`: the output tokens those
     requests came back with, counted when the round is collected. `generating_s` of `span_s` (set when collected):
-    how long requests still ran between the detach and the collection."""
+    how long requests still ran between the detach and the collection. `failures`: index -> the error of each request
+    that failed (it never answers, so it must not pass for one still running)."""
 
     round: Round
     runs: asyncio.Future
@@ -53,6 +55,7 @@ class DetachedRound:
     pending: list[int]
     limit: asyncio.Semaphore                  # the in-flight limit its unsent requests wait for
     relay: Relay = field(default_factory=Relay)
+    failures: dict[int, BaseException] = field(default_factory=dict)
     adopted_rounds: list[Round] = field(default_factory=list)  # older rounds whose requests it adopted
     cut_by_pause: set[int] = field(default_factory=set)
     cut_tokens: int = 0
@@ -120,7 +123,13 @@ class BatchGenerator:
         if detach and on_result is None:
             detached.set()
         relay = Relay()
+        failures: dict[int, BaseException] = {}
         started_groups: set[int] = set()
+
+        def fail(index: int, error: BaseException) -> None:
+            failures[index] = error
+            if relay.fail is not None:
+                relay.fail(index, error)
 
         def deliver(index: int, answer: GenerateResponse) -> None:
             nonlocal abort
@@ -145,7 +154,11 @@ class BatchGenerator:
                                                                    "the batch choice (rollout.start_cutoff)"))
                         return
                     started_groups.add(job.cutoff_group)
-                answer = await self.generate_one(job, round_)
+                try:
+                    answer = await self.generate_one(job, round_)
+                except BaseException as error:
+                    fail(index, error)
+                    raise
             deliver(index, answer)
 
         own = asyncio.ensure_future(asyncio.gather(*(run(i, job) for i, job in enumerate(batch)),
@@ -154,18 +167,23 @@ class BatchGenerator:
         if adopted:
             previous = adopted[0]
             position = {old: len(batch) + k for k, old in enumerate(taken)}
-            for old in taken:  # answers that came between the collection and this call
+            for old in taken:  # answers (and failures) that came between the collection and this call
                 if previous.results[old] is not None:
                     deliver(position[old], previous.results[old])
+                elif old in previous.failures:
+                    fail(position[old], previous.failures[old])
             previous.relay.to = lambda old, answer: deliver(position[old], answer) if old in position else None
+            previous.relay.fail = lambda old, error: fail(position[old], error) if old in position else None
             runs = asyncio.ensure_future(_joined(own, previous.runs))
         if detach:
             stopped = asyncio.ensure_future(detached.wait())
             await asyncio.wait({runs, stopped}, return_when=asyncio.FIRST_COMPLETED)
             stopped.cancel()
-            if not runs.done():
+            # also when every request has ended by now: the ones that ended after the stop were not reported, and
+            # only collect_detached hands them over
+            if not runs.done() or not all(reported):
                 self.detached = DetachedRound(round_, runs, results, [i for i, r in enumerate(reported) if not r],
-                                              limit, relay, older)
+                                              limit, relay, failures, older)
                 return [r if done else None for r, done in zip(results, reported)]
         try:
             outcomes = list(await runs)
@@ -183,15 +201,17 @@ class BatchGenerator:
     async def collect_detached(self, adopt: bool = False) -> dict[int, GenerateResponse]:
         """The detached round's unanswered requests: what still runs is aborted (its tokens so far come back), then
         index -> answer for each; {} when no round is detached. adopt: only the requests that have answered; the
-        others run on and the next generate_round takes them over (index len(batch) + k, k their order here)."""
+        others run on and the next generate_round takes them over (index len(batch) + k, k their order here), unless
+        one of them failed: then nothing is adopted, the rest is aborted and the error raised, as without adopt."""
         if self.detached is None and self.adopted is not None:  # adopted, then collected before any generate
-            self.detached, self.adopted = self.adopted[0], None
+            previous, running = self.adopted
+            previous.pending, self.detached, self.adopted = running, previous, None  # the others were handed over
         detached, self.detached = self.detached, None
         if detached is None:
             return {}
         detached.cut_tokens = detached.tokens_cut_by_pause()  # before our own abort ends the others the same way
         detached.note_collected()  # before the abort: what it ends is not generation the overlap bought
-        if adopt:
+        if adopt and not any(i in detached.failures for i in detached.pending):
             running = [i for i in detached.pending if detached.results[i] is None]
             if running:
                 self.adopted = (detached, running)
@@ -211,10 +231,13 @@ class BatchGenerator:
 
     async def generate_one(self, job: GenerateJob, round_: Round) -> GenerateResponse:
         """The job's answer: sent to its pinned engine (looked up at each attempt: a restarted engine has a new URL)
-        or through the router; a transport failure or a 5xx is retried after recover()."""
+        or through the router; a transport failure or a 5xx is retried after recover(), under a new request id: SGLang
+        refuses an id it still holds ("Duplicate request ID", a 400), and the first try may still run there."""
         request = job.request
         failure: Exception | None = None
         for attempt in range(self.max_attempts):
+            if attempt:
+                request = request.model_copy(update={"rid": new_rid()})
             if round_.stopped:
                 return GenerateResponse.never_sent(request, "aborted before it was sent (abort_all)")
             round_.in_flight += 1

@@ -90,6 +90,34 @@ def test_detached_answers_land_at_the_next_generate(pause_mode):
     assert dock.batch_group_ids().tolist() == [1]
 
 
+class CollectFails(SimulatedEngine):
+    """The simulated engine whose collection raises, as the fleet does when a detached request failed."""
+
+    failing = False
+
+    def collect_detached(self, adopt: bool = False):
+        if self.failing:
+            raise RuntimeError("a detached request failed")
+        return super().collect_detached(adopt)
+
+
+@pytest.mark.parametrize("adopt", [False, True])
+def test_a_failed_collection_gives_the_detached_rows_back(adopt):
+    cfg = RolloutConfig(global_batch_size=1, n_samples_per_prompt=2, max_tokens=40, max_model_len=40 + PROMPT,
+                        max_split=2, mode="async", max_age=3, overlap=True, adopt_detached=adopt)
+    engine = CollectFails(EngineTiming(1, 4, 0.01, 0.0, 0.0), TableLengths({0: [2, 3], 1: [20, 20]}),
+                          eos_token_id=DEFAULT_EOS)
+    dock, detached = TransferDock.from_config(cfg, [DEFAULT_EOS]), DetachedRows()
+    dock.load_groups([0, 1], [simulated_prompt(g, PROMPT) for g in (0, 1)], [None, None])
+    generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], 0, drain=False, detached=detached)
+    assert dock.in_flight[2:4].all()  # group 1 runs on, detached
+    dock.clear(keep_generating=True)
+    engine.failing = True
+    with pytest.raises(RuntimeError, match="a detached request failed"):
+        generate_training_batch(dock, engine, cfg, [DEFAULT_EOS], 1, drain=False, detached=detached)
+    assert not dock.in_flight.any()  # nothing is left marked in flight: a retried step generates them again
+
+
 @pytest.mark.parametrize("start_cutoff", [False, True])
 def test_a_dock_ready_before_any_round_still_sends_its_rows_through_the_update(start_cutoff):
     """Over-sampled: group 1 finishes in the update, so the dock is ready as soon as the next call has collected it.
