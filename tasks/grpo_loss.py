@@ -79,7 +79,7 @@ def masked_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor
         raise ValueError(f"grpo.tis_cap must be > 0; got {cap}")
     ratio = torch.exp(old_logprobs.detach() - rollout_logprobs.detach())
     keep = mask.to(ratio.dtype) * (ratio <= cap).to(ratio.dtype)
-    return ratio * keep, keep
+    return torch.where(keep > 0, ratio, torch.zeros_like(ratio)), keep  # ratio x 0 would be NaN where exp overflowed
 
 
 def geometric_mean_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,

@@ -45,7 +45,9 @@ class GRPOConfig(Section):
     seq_reject_high: float = Field(1.25, ge=1, description="seq_reject: highest accepted geometric-mean w.")
     skip_old_logprob: bool = Field(
         True, description="Take old logprobs from rollout logprobs when all tokens came from current weights "
-        "(off for masked_is and decoupled: they compare the learner's own old logprobs with the rollout's).")
+        "(off for masked_is and decoupled: they compare the learner's own old logprobs with the rollout's). With tis "
+        "and seq_reject such a batch then gets weight 1 and no rejection: set false to correct the engine/learner "
+        "numerics gap there too, at the cost of the old-logprob pass.")
     reward_function_path: str = Field("spillover.rollout.builtin.toy_task.reward", description="Import path of the rule reward.")
     rule_reward_weight: float = Field(1.0, description="Weight of the rule reward in the total.")
     reward_models: list[RewardModelConfig] = Field(

@@ -215,9 +215,12 @@ class LearnerActor:
             stepped.append(did_step)
         if self.world_size > 1:  # each rank trained on its share: metric sums over ranks
             names = [k for k in sums if k != "tis_max"]
-            total = all_reduce([sums[k] for k in names] + [stats.mismatch_sum, stats.mismatch_n])
+            # the mismatch from step 0's forward covers this rank's rows; from `old`, every rank measured every row
+            own_rows = old_source == "rollout"
+            total = all_reduce([sums[k] for k in names] + ([stats.mismatch_sum, stats.mismatch_n] if own_rows else []))
             sums.update(zip(names, total[:len(names)].tolist()))
-            stats.mismatch_sum, stats.mismatch_n = float(total[-2]), int(total[-1])
+            if own_rows:
+                stats.mismatch_sum, stats.mismatch_n = float(total[-2]), int(total[-1])
             sums["tis_max"] = float(all_reduce([sums["tis_max"]], op="max")[0])
         trained_on = self._version
         self._version += 1

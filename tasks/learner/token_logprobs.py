@@ -51,9 +51,11 @@ def chunked_token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets:
             lp, ent = _chunk_logprobs(h, weight, bias, t, temperature, with_entropy)
         logps.append(lp)
         entropies.append(ent.detach())
-    if not logps:
+    if not logps:  # no response position (rows with no response token): nothing to score
         empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
+        if grad:  # still a graph to every weight, so backward (and each FSDP rank's collectives in it) runs
+            empty = empty + (hidden.sum() + weight.sum()).float() * 0
+        return empty, empty.detach()
     return torch.cat(logps), torch.cat(entropies)
 
 

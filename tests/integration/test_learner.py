@@ -298,3 +298,22 @@ def test_steps_per_rollout_equal_successive_steps_on_the_halves(tiny_model_dir):
     assert moved > 1e-4
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [None, 4], ids=["count", "token_budget_packed"])
+def test_a_micro_batch_with_no_response_token_still_steps(tiny_model_dir, budget):
+    """A sample can come back with no response token (a rollout marked it FAILED or ABORTED before its first one);
+    a micro-batch of only such rows has nothing to score but must still run backward (every rank's FSDP collectives
+    do): the step is finite and trains the other rows."""
+    from spillover.bench.batches import from_sequences
+    from spillover.infra.config.learner import LearnerConfig
+
+    learner = LearnerActor(str(tiny_model_dir), GRPOConfig(micro_batch_size=1), OptimizerConfig(lr=1e-2),
+                           temperature=1.0, seed=0, trainable=True,
+                           learner_cfg=LearnerConfig(max_tokens_per_micro_batch=budget))
+    batch = from_sequences([[5, 6, 7], [5, 6, 8, 9, 10]], [0, 2], [[], [-3.0, -3.0]], [[], [0, 0]],
+                           advantages=[1.0, -1.0])
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    metrics = learner.update(batch, learner.compute_logprobs(batch))  # ratio 1: the row with tokens has a gradient
+    assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0 and metrics["num_trained_tokens"] == 2
+    assert any(not torch.equal(before[k], v) for k, v in learner.model.state_dict().items())

@@ -191,7 +191,7 @@ def test_world_size_2_equals_1_logprobs_update_and_resume_across_sizes(groups, t
     np.testing.assert_allclose(ref2, old1, atol=1e-6)
     m2, m1 = ray.get(policy.update.remote(batch, old2, ref2)), single.update(batch, old1, old1)
     for key in ("loss", "pg_loss", "kl", "grad_norm", "entropy", "clip_fraction", "tis_weight_mean", "ppo_kl",
-                "tis_weight_max", "logprob_mismatch_kl"):
+                "tis_weight_max", "logprob_mismatch_kl", "logprob_mismatch_tokens"):
         assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
     assert m2["weight_version"] == m1["weight_version"] == 1 == ray.get(policy.weight_version.remote())
     assert m1["grad_norm"] > 0 and m2["num_trained_tokens"] == m1["num_trained_tokens"]

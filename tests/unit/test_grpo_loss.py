@@ -82,6 +82,15 @@ def test_masked_is_drops_tokens_over_the_cap_from_loss_and_denominator():
     assert loss.item() == pytest.approx((1.0 + 3.0 * math.exp(-1.0)) / 2, rel=1e-6)
 
 
+def test_masked_is_drops_a_token_whose_ratio_overflows_without_a_nan():
+    """exp(old - rollout) overflows float32 past ~88.7 (an engine logprob near -inf): that token is dropped, and the
+    loss stays finite."""
+    old, rollout, mask = T([[0.0, 0.0]]), T([[-0.1, -100.0]]), T([[1.0, 1.0]])
+    weights, keep = masked_is_weights(old, rollout, mask, cap=2.0)
+    assert keep.tolist() == [[1.0, 0.0]] and weights[0, 1].item() == 0.0
+    assert math.isfinite(aggregate(T([[1.0, 2.0]]) * weights, keep, "token_mean").item())
+
+
 def test_geometric_mean_ratio_and_sequence_rejection():
     old = T([[0.0, 0.0, 0.0], [-1.0, -1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     rollout = T([[-0.1, -0.1, -0.1], [0.0, 0.0, 5.0], [-0.3, -0.3, 0.0], [9.0, 9.0, 9.0]])
