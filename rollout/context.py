@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .contracts.fleet import Fleet
 from .drivers.rounds import DetachedRows
 from .prompt_data import PromptCursor, PromptSet, read_prompt_file
+from ..infra.config.parsing import ConfigError
 from ..infra.data_files import data_file
 from .dock.transfer_dock import TransferDock
 from .dock.turns import enable as enable_tool_turns
@@ -86,6 +87,12 @@ def build_context(cfg: RunConfig, tokenizer, prompts: PromptSet, stop_token_ids:
     rollout = cfg.rollout
     if saved is not None:
         dock, cursor = restore_dock_and_cursor(saved)
+        if cursor.num_prompts != len(prompts):
+            raise ConfigError(f"data.prompts_path: the checkpoint's data set had {cursor.num_prompts} prompts, "
+                              f"{len(prompts)} are loaded now; resume with the run's own data, or start a new run_dir")
+        if dock.multi_turn and not rollout.env_path:  # its rows waiting on a tool call would wait for ever
+            raise ConfigError("rollout.env_path: the checkpoint holds multi-turn rollouts with tool calls; resume "
+                              "with the run's rollout.env_path")
         dock.require_max_age_all_finished = rollout.require_max_age_all_finished
         if rollout.env_path:
             enable_tool_turns(dock)

@@ -26,9 +26,11 @@ from .results import Checkpointed
 log = logging.getLogger("spillover")
 
 # Fields a resumed run must share with the run that wrote the checkpoint.
+# The dock restores its own staleness bound, group capacity and end-of-response ids, so those may not change either.
 RESUME_INVARIANTS = ("model.path", "model.tiny", "model.seed", "data.prompts_path", "data.num_prompts",
                      "rollout.global_batch_size", "rollout.n_samples_per_prompt", "rollout.max_tokens",
-                     "rollout.max_model_len", "rollout.max_split")
+                     "rollout.max_model_len", "rollout.max_split", "rollout.max_age", "rollout.over_sampling_groups",
+                     "rollout.ignore_eos")
 
 
 def open_checkpoint_store(cfg: RunConfig) -> Store:

@@ -164,7 +164,8 @@ def test_bad_rewards_and_mismatched_resumes_stop_clearly_and_lose_nothing(prefec
     1. over-long prompts with data.over_long_prompts=truncate are cut and counted; the reward turns NaN in
        iteration 1 -> exit 2 naming the function and the sample; iteration 0's checkpoint stays;
     2. resume with a reward returning a string -> exit 2, nothing trained;
-    3. resume with another global batch size, or another model -> exit 2 naming the field;
+    3. resume with another global batch size, model or staleness bound, or with a prompt file that changed size ->
+       exit 2 naming the field;
     4. resume with a good reward -> the run completes, every group trained exactly once;
     5. the newest checkpoint corrupted, then trained longer -> resume reports it, uses the previous one and completes
        the longer run."""
@@ -189,10 +190,16 @@ def test_bad_rewards_and_mismatched_resumes_stop_clearly_and_lose_nothing(prefec
 
     for override, field in ((["rollout.global_batch_size=2", "grpo.micro_batch_size=8"],
                              "rollout.global_batch_size: checkpoint 4, config 2"),
-                            (["model.tiny.hidden_size=32"], "model.tiny: checkpoint")):
+                            (["model.tiny.hidden_size=32"], "model.tiny: checkpoint"),
+                            (["rollout.max_age=5"], "rollout.max_age: checkpoint")):  # the dock keeps its bound
         code, err = cli("resume", str(run_dir), *override)
         line = error_line(err)
         assert code == 2 and "the checkpoint comes from a different run" in line and field in line, line
+    path.write_text("\n".join(GOOD[2:] + long_prompts) + "\n")  # the same file with two prompts fewer
+    code, err = cli("resume", str(run_dir))
+    line = error_line(err)
+    assert code == 2 and "data.prompts_path: the checkpoint's data set had 22 prompts, 20 are loaded" in line, line
+    path.write_text("\n".join(GOOD + long_prompts) + "\n")
     assert checkpoints(run_dir) == [(0, True)]
 
     code, err = cli("resume", str(run_dir), "grpo.reward_function_path=spillover.rollout.builtin.toy_task.reward")
