@@ -140,14 +140,12 @@ def restore_weights(policy: LearnerGroup, fleet: Fleet | None, state: Checkpoint
 def rewind_metrics(run_dir: Path, next_iteration: int, saved_row: dict | None) -> None:
     """metrics.jsonl as of the checkpoint: rows of iterations that will be redone go; the checkpoint's own
     row comes back if the crash happened before it was appended."""
-    from ..infra.tracking.run_tracker import read_metrics, append_metrics
+    from ..infra.tracking.run_tracker import read_metrics, write_metrics
 
     rows = [r for r in read_metrics(run_dir) if r.get("iteration", 0) < next_iteration]
     if saved_row is not None and not any(r.get("iteration") == saved_row.get("iteration") for r in rows):
         rows.append(saved_row)
-    (Path(run_dir) / "metrics.jsonl").unlink(missing_ok=True)
-    for row in sorted(rows, key=lambda r: r["iteration"]):
-        append_metrics(run_dir, row)
+    write_metrics(run_dir, sorted(rows, key=lambda r: r.get("iteration", 0)))
 
 
 def open_and_check(cfg: RunConfig, resume: bool) -> tuple[Store, CheckpointState | None]:

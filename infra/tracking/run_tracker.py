@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,10 +25,32 @@ def append_metrics(run_dir: Path, metrics: dict) -> None:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of metrics.jsonl. A last line with no newline that does not parse is an append a crash cut short
+    (kill -9 mid-write): it is left out; an unparsable line anywhere else raises, naming the line."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines) and not text.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{number}: not a JSON metrics row ({err.msg}); remove or fix that line") from None
+    return rows
+
+
+def write_metrics(run_dir: Path, rows: list[dict]) -> None:
+    """metrics.jsonl replaced by `rows` in one step (a crash leaves the old file or the new one)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(json.dumps(row, default=_jsonable) + "\n" for row in rows), encoding="utf-8")
+    os.replace(partial, path)
 
 
 def _jsonable(value):
