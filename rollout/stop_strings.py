@@ -35,7 +35,7 @@ def completing_token(before: Sequence[int], new: Sequence[int], stops: Sequence[
     # was the engine's to see)
     if before:
         for k in range(1, min(len(new), window) + 1):
-            if holds(before[k - 1:] + new[:k]) and not holds(new[:k]):
+            if holds(before + new[:k]) and not holds(new[:k]):
                 return k
     # one completed by the last token, which an abort can return unchecked
     tail = (before + new)[-window:]

@@ -120,11 +120,12 @@ class RoundHooks:
 
     def end_at_unseen_stops(self, rows: np.ndarray, tokens: list[list[int]], logprobs: list[list[float]],
                             stopped: np.ndarray, version: np.ndarray | list[np.ndarray]) -> None:
-        """In place: each answer not ended by a stop is cut after the token that completes a stop string the engine
-        did not see, and marked stopped."""
+        """In place: each answer is cut after the token that completes a stop string the engine did not see, and
+        marked stopped. Also an answer the engine stopped: one that ran on past a string split by the cut usually
+        ends later at an EOS of its own."""
         window = stop_window(self.stop)
         for i, row in enumerate(rows.tolist()):
-            if stopped[i] or not tokens[i]:
+            if not tokens[i]:
                 continue
             before = self.dock.responses.gather(np.asarray([row]), "tokens")[-window:].tolist()
             k = completing_token(before, tokens[i], self.stop, self.stop_decode)

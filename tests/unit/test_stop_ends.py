@@ -45,6 +45,18 @@ def test_a_stop_string_split_by_a_cut_ends_the_row_at_the_token_that_completes_i
     assert tok.decode(dock.responses.gather(np.asarray([0]), "tokens").tolist()) == "1+2=+"
 
 
+def test_a_split_stop_string_ends_the_row_also_when_the_engine_stopped_later_on_its_own(tok):
+    """The engine cannot see the split '=+', runs on and ends at an EOS: the row still ends at the '+'."""
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    dock = one_row_dock([int(tok.eos_token_id)])
+    hooks = RoundHooks(dock, 0, stop=["=+"], decode=tok.decode)
+    hooks.on_answers(dock.take_rows(), [answer(enc("1+2="))], stopping=True)
+    kept = hooks.on_answers(dock.take_rows(), [answer(enc("+3 and on") + [int(tok.eos_token_id)], finish="stop")],
+                            stopping=False)
+    assert kept == 1 and dock.complete[0] and dock.stopped[0]
+    assert tok.decode(dock.responses.gather(np.asarray([0]), "tokens").tolist()) == "1+2=+"
+
+
 def test_an_aborted_answer_whose_last_token_completes_a_stop_string_ends_the_row(tok):
     enc = lambda s: tok.encode(s, add_special_tokens=False)
     dock = one_row_dock([int(tok.eos_token_id)])

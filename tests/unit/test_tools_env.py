@@ -138,6 +138,9 @@ def test_completing_token_finds_what_the_engine_could_not_see(tok):
     assert completing_token([], enc("=+"), ["=+"], tok.decode) == 2
     assert completing_token(enc("ab"), enc("cd"), ["=+"], tok.decode) is None
     assert completing_token(enc("x"), [], ["=+"], tok.decode) is None
+    # fewer tokens before the cut than the window: the string's start is among them all the same
+    assert completing_token(enc("xab"), enc("cdeZZZ"), ["abcde"], tok.decode) == 3
+    assert completing_token(enc("xxxxab"), enc("cdeZZZ"), ["abcde"], tok.decode) == 3
 
 
 def test_env_path_and_tool_settings_are_checked():
