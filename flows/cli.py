@@ -15,6 +15,7 @@ from .run_lock import RunLockedError
 from ..infra.config.parsing import ConfigError
 from ..infra.data_files import DataFileError
 from ..infra.hub_models import HubModelError
+from ..infra.storage.errors import CheckpointError, StorageError
 from ..infra.config.run_config import load_config
 from ..infra.prefect.env import apply_process_defaults, quiet_console
 
@@ -298,6 +299,9 @@ def main(argv: list[str] | None = None, parts: RunParts | None = None) -> int:
     except RunLockedError as err:
         print(f"spillover: {err}", file=sys.stderr)
         return EXIT_FAILED
+    except (StorageError, CheckpointError) as err:  # unreachable storage, bad credentials, no usable checkpoint
+        print(f"spillover: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except (FileNotFoundError, ValueError) as err:
         frames = user_frames(err)  # a user's function failed at run time (a reward, a rollout): where, once
         if frames:

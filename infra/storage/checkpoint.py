@@ -27,6 +27,7 @@ from .checkpoint_objects import ARRAYS, TENSORS, ObjectFormatError
 from .format_version import check_format_version, format_tag
 from ..hooks import hook_point
 from .checkpoint_list import MANIFEST, CheckpointInfo, checkpoint_name, list_checkpoints
+from .errors import CheckpointError
 from .store import ObjectInfo, ObjectMissing, Store
 
 log = logging.getLogger("spillover.checkpoint")
@@ -37,10 +38,6 @@ META = "meta.json"
 MAX_OBJECT_BYTES = 256 << 20  # shard size: bounds retry cost and memory per in-flight object
 SMALL_BYTES = 16 << 20  # a checkpoint below this counts as small for choosing threads
 _GROUP = re.compile(r"^[A-Za-z0-9_.-]+$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt; the message names the object."""
 
 
 @dataclass
@@ -60,18 +57,23 @@ def _delete_checkpoint(store: Store, name: str) -> None:
     store.delete(name)
 
 
-def prune(store: Store, keep: int) -> list[str]:
-    """Keep the newest `keep` complete checkpoints; delete older ones and incomplete leftovers older than the
-    newest complete one. Returns the deleted names."""
+def prune(store: Store, keep: int, newest: int | None = None) -> list[str]:
+    """Keep the newest `keep` complete checkpoints up to iteration `newest` (the one just written; None: the newest
+    complete one); delete older ones, incomplete leftovers older than it, and every checkpoint after it: those were
+    left by a run that went back to an earlier checkpoint (they were unusable then), and neither may take a kept
+    place from a good one nor be resumed from later. Returns the deleted names."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (storage.keep_checkpoints); got {keep}")
     infos = list_checkpoints(store)
-    complete = [i for i in infos if i.complete]
-    if not complete:
-        return []
-    kept = {i.name for i in complete[-keep:]}
-    newest = complete[-1].iteration
-    doomed = [i.name for i in infos if i.name not in kept and (i.complete or i.iteration < newest)]
+    after_written = newest is not None
+    if newest is None:
+        done = [i.iteration for i in infos if i.complete]
+        if not done:
+            return []
+        newest = done[-1]
+    kept = {i.name for i in [i for i in infos if i.complete and i.iteration <= newest][-keep:]}
+    doomed = [i.name for i in infos if i.name not in kept
+              and (i.complete or i.iteration < newest or (after_written and i.iteration > newest))]
     for name in doomed:
         _delete_checkpoint(store, name)
         log.info("pruned checkpoint %s", store.key_url(name))
@@ -194,7 +196,7 @@ def save_checkpoint(store: Store, state: CheckpointState, keep: int | None = Non
     log.info("checkpoint %s written: %d objects, %.1f MB in %.2f s", store.key_url(name), len(infos), total / 1e6,
              time.perf_counter() - start)
     if keep is not None:
-        prune(store, keep)
+        prune(store, keep, newest=state.iteration)
     return store.key_url(name)
 
 
@@ -209,7 +211,8 @@ def _read_manifest(store: Store, name: str) -> dict:
     try:
         objects, groups = manifest["objects"], manifest["groups"]
         for key, spec in objects.items():
-            if key.startswith("/") or ".." in key.split("/") or not isinstance(spec.get("size"), int):
+            if (key.startswith("/") or ".." in key.split("/") or not isinstance(spec.get("size"), int)
+                    or not _is_sha256(spec.get("sha256"))):
                 raise CheckpointError(f"manifest {url} lists a bad object {key!r}")
         for kind in ("tensors", "arrays"):
             for keys in groups.get(kind, {}).values():
@@ -218,6 +221,10 @@ def _read_manifest(store: Store, name: str) -> dict:
         return manifest
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(f"manifest {url} is unreadable (truncated or corrupt): {err}") from None
+
+
+def _is_sha256(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def _read_object(store: Store, name: str, key: str, spec: dict, kind: str | None):
@@ -262,9 +269,11 @@ def load_checkpoint(store: Store, iteration: int, *, workers: int | None = None)
 
 
 def load_latest_checkpoint(store: Store, *, workers: int | None = None) -> CheckpointState | None:
-    """The newest checkpoint that verifies, or None. Corrupt or incomplete ones are reported and skipped;
-    storage that cannot be reached, or a manifest of another format version (FormatVersionError), raises: neither
-    may silently roll the run back."""
+    """The newest checkpoint that verifies, or None when there is no complete one. Corrupt or incomplete ones are
+    reported and skipped; storage that cannot be reached, a manifest of another format version (FormatVersionError),
+    or complete checkpoints none of which verifies (CheckpointError), raises: none may silently roll the run back,
+    let alone to its start."""
+    unusable = []
     for info in reversed(list_checkpoints(store)):
         if not info.complete:
             log.info("checkpoint %s has no manifest (an interrupted write); skipping", store.key_url(info.name))
@@ -274,7 +283,11 @@ def load_latest_checkpoint(store: Store, *, workers: int | None = None) -> Check
         except CheckpointError as err:
             log.warning("checkpoint %s is unusable, falling back to the previous one: %s",
                         store.key_url(info.name), err)
+            unusable.append(f"{info.name}: {err}")
             continue
         log.info("loaded checkpoint %s", store.key_url(info.name))
         return state
+    if unusable:
+        raise CheckpointError(f"no checkpoint under {store.key_url('')} verifies ({'; '.join(unusable)}); restore a "
+                              "good copy there, or move them aside and start the run anew")
     return None

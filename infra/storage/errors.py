@@ -38,6 +38,10 @@ class StorageError(RuntimeError):
     """A storage operation failed; the message names the URL (never credentials) and the fix."""
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the object."""
+
+
 class StorageUnreachable(StorageError):
     """The storage endpoint did not answer (or kept failing transiently) until the deadline."""
 

@@ -120,6 +120,28 @@ def test_corrupt_truncated_or_missing_objects_fall_back(storage_target, model_an
         load_checkpoint(store, 4)
 
 
+def test_after_a_fall_back_the_next_save_keeps_the_good_checkpoints_and_none_usable_raises(storage_target):
+    """ckpt 5's manifest is valid JSON but damaged: the resume falls back to 2 (no KeyError). The run then writes 3
+    with keep 1: 5 (after it, unusable) goes, and 3 is kept, not 5. With no checkpoint left that verifies, loading
+    raises instead of starting the run over."""
+    store = open_store(storage_target.url, storage_target.cfg)
+    small = CheckpointState(0, {"policy": {"w": torch.ones(3)}}, {}, {})
+    for it in (1, 2, 5):
+        small.iteration = it
+        save_checkpoint(store, small)
+    manifest = json.loads(store.get_bytes("ckpt-00000005/manifest.json"))
+    for spec in manifest["objects"].values():
+        spec["sha25v"] = spec.pop("sha256")
+    store.put_bytes("ckpt-00000005/manifest.json", json.dumps(manifest).encode())
+    assert load_latest_checkpoint(store).iteration == 2
+    small.iteration = 3
+    save_checkpoint(store, small, keep=1)
+    assert [(i.iteration, i.complete) for i in list_checkpoints(store)] == [(3, True)]
+    _flip_bytes(store, "ckpt-00000003/tensors/policy-00000.safetensors")
+    with pytest.raises(CheckpointError, match="no checkpoint under .* verifies .*ckpt-00000003: object"):
+        load_latest_checkpoint(store)
+
+
 def test_checkpoint_without_manifest_does_not_exist(storage_target, model_and_opt):
     model, opt = model_and_opt
     store = open_store(storage_target.url, storage_target.cfg)
