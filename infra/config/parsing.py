@@ -13,7 +13,17 @@ class ConfigError(ValueError):
 
 
 def _parse_value(text: str) -> Any:
-    return yaml.safe_load(text) if text != "" else None
+    """YAML for numbers, booleans, lists and mappings. Text that YAML cannot read (a password with '@' or '%') or
+    would cut at a ' #' comment (a prompt) stays the text as given; a YAML error could also echo a secret."""
+    if text == "":
+        return None
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if "#" in text and (value is None or isinstance(value, str)) and text.lstrip()[:1] not in ("'", '"'):
+        return text
+    return value
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

@@ -14,7 +14,7 @@ SFT_ROLLOUT_FUNCTION = "spillover.rollout.builtin.sft.generate_sft_rollout"
 
 class RolloutConfig(Section):
     global_batch_size: int = Field(16, ge=1, description="GBS: prompt groups trained per iteration.")
-    n_samples_per_prompt: int = Field(8, description="Responses per prompt (group size n). GRPO needs >= 2.")
+    n_samples_per_prompt: int = Field(8, ge=1, description="Responses per prompt (group size n). GRPO needs >= 2.")
     max_tokens: int = Field(32, ge=1, description="Most response tokens per sample, over all its rounds.")
     max_model_len: int = Field(64, ge=2, description="Most prompt + response tokens per sample.")
     max_split: int = Field(

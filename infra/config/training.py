@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import Section
 from .scoring import RewardModelConfig
@@ -23,7 +23,7 @@ class GRPOConfig(Section):
         1, ge=1, description="Optimizer steps per iteration: the batch is cut into this many mini-batches in "
         "group order, one AdamW step each; old logprobs are taken once, before the first (PPO-style).")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range (low).")
-    clip_eps_high: float | None = Field(None, description="PPO clip range (high); empty = clip_eps.")
+    clip_eps_high: float | None = Field(None, gt=0, description="PPO clip range (high); empty = clip_eps.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference model.")
     kl_estimator: Literal["k3", "low_var_kl", "k1"] = Field("low_var_kl", description="KL estimator.")
     kl_ctrl: Literal["fixed", "adaptive"] = Field(
@@ -99,7 +99,7 @@ class DecaySpan:
 class OptimizerConfig(Section):
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     lr_decay: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="Learning-rate schedule over decay_steps updates (then held at its end value).")
@@ -111,6 +111,13 @@ class OptimizerConfig(Section):
         "schedule.num_iterations=N` without decay_steps): stretch = the rest of the decay, from the lr of the last "
         "update taken, spread over the new horizon; keep = the horizon recorded in the checkpoint stays (after it "
         "the lr holds its end value). Either way the lr goes on from where it was.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"each of the AdamW betas must lie in [0, 1); got {list(betas)}")
+        return betas
 
     def fresh_decay(self, default_steps: int) -> DecaySpan:
         """The decay of a new run: over decay_steps, else default_steps (num_iterations x num_steps_per_rollout)."""

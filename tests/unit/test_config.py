@@ -31,6 +31,10 @@ def test_overrides_parse_yaml_values():
      "rollout.overlap=true cannot run with placement.colocate"),
     (["engines.pause_mode=paused"], "engines.pause_mode"),
     (["learner.max_tokens_per_micro_batch=32", "rollout.max_model_len=64"], "rollout.max_model_len (64)"),
+    (["rollout.n_samples_per_prompt=0", "rollout.rollout_function_path=spillover.rollout.builtin.sft.generate_sft_rollout"],
+     "rollout.n_samples_per_prompt"),
+    (["grpo.clip_eps_high=-1"], "grpo.clip_eps_high"),
+    (["optimizer.betas=[1.5, 0.9]"], "optimizer.betas"),
 ])
 def test_impossible_values_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:
@@ -46,6 +50,15 @@ def test_a_token_budget_replaces_the_micro_batch_count():
     assert not load_config("configs/tiny.yaml").learner.packs_sequences  # default: count micro-batches, padded
     off = load_config("configs/tiny.yaml", ["learner.max_tokens_per_micro_batch=4096", "learner.pack_sequences=false"])
     assert not off.learner.packs_sequences
+
+
+def test_override_text_that_yaml_would_mangle_stays_as_given():
+    """A password with '@' is not YAML (its error would echo it); ' #' would start a YAML comment."""
+    cfg = build_config({}, ["storage.secret_access_key=@Sup3r%Secret", "data.system_prompt=Be brief #1 rule",
+                            "rollout.max_split=4 # a comment"])
+    assert cfg.storage.secret_access_key.get_secret_value() == "@Sup3r%Secret"
+    assert cfg.data.system_prompt == "Be brief #1 rule" and cfg.rollout.max_split == 4
+    assert build_config({}, ["data.system_prompt='quoted # kept'"]).data.system_prompt == "quoted # kept"
 
 
 def test_bad_override_syntax_and_missing_file():
