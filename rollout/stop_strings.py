@@ -20,7 +20,8 @@ def stop_window(stops: Sequence[str]) -> int:
 
 
 def completing_token(before: Sequence[int], new: Sequence[int], stops: Sequence[str], decode: Decode) -> int | None:
-    """before: the row's tokens ahead of this answer (no stop string among them; only the last stop_window count);
+    """before: the row's tokens ahead of this answer (only the last stop_window count, and only after any stop string
+    already complete among them);
     new: the answer's tokens -> how many new tokens run up to and including the first one that completes a stop
     string the engine did not end on (split by the cut, or completed by an aborted answer's last token), else None."""
     if not new or not stops:
@@ -30,6 +31,9 @@ def completing_token(before: Sequence[int], new: Sequence[int], stops: Sequence[
 
     def holds(ids: list[int]) -> bool:
         return any(s in decode(ids) for s in stops)
+
+    while before and holds(before):  # a string that ended there already (a tool call whose result was empty)
+        before = before[1:]
 
     # a string begun before the cut ends within the first `window` new tokens (one that the new tokens hold alone
     # was the engine's to see)

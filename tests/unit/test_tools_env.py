@@ -141,6 +141,9 @@ def test_completing_token_finds_what_the_engine_could_not_see(tok):
     # fewer tokens before the cut than the window: the string's start is among them all the same
     assert completing_token(enc("xab"), enc("cdeZZZ"), ["abcde"], tok.decode) == 3
     assert completing_token(enc("xxxxab"), enc("cdeZZZ"), ["abcde"], tok.decode) == 3
+    # a string already complete before the cut (a tool call whose observation was empty) is not found again
+    assert completing_token(enc("1+2=+"), enc("abc"), ["=+"], tok.decode) is None
+    assert completing_token(enc("1+2=+"), enc("4=+"), ["=+"], tok.decode) == 3
 
 
 def test_env_path_and_tool_settings_are_checked():
