@@ -18,6 +18,8 @@ __all__ = ["REWARD_KEYWORDS", "check_data", "check_imports", "check_model", "che
 REWARD_KEYWORDS = ("sample", "samples", "metadata")  # tasks/reward.py's (which imports Prefect); a unit test compares
 BUILTIN_TASK_REWARD = "spillover.rollout.builtin.toy_task.reward"
 
+SGLANG_RESERVED_TOKENS = 2  # SGLang caps output at context_len - 1 - input - 1 tokens
+
 
 def check_model(cfg, model_dir: str | Path | None = None) -> tuple[Any, list[str]]:
     """(tokenizer or None, problems) of model.path (or model_dir): an HF folder with config.json, *.safetensors and a
@@ -171,16 +173,27 @@ def check_reward_models(cfg) -> list[str]:
 
 
 def check_model_length(cfg, folder: Path) -> list[str]:
-    """rollout.max_model_len within what the model's positions reach (config.json max_position_embeddings)."""
+    """rollout.max_model_len within what the model's positions reach (config.json max_position_embeddings). SGLang
+    engines (engines.sglang_args.context_length, else those positions) end every request 2 tokens short of their
+    context length (scheduler.init_req_max_new_tokens), so a row needs that much room more there: otherwise a row
+    whose budget runs to the last positions could never finish."""
     try:
         positions = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
     except (OSError, ValueError):
-        return []
-    if isinstance(positions, int) and cfg.rollout.max_model_len > positions:
-        return [f"rollout.max_model_len ({cfg.rollout.max_model_len}) is more than the model's "
-                f"max_position_embeddings ({positions}, {folder / 'config.json'}): lower rollout.max_model_len (and "
-                "rollout.max_tokens with it)"]
-    return []
+        positions = None
+    problems = []
+    wanted = cfg.rollout.max_model_len
+    if isinstance(positions, int) and wanted > positions:
+        problems.append(f"rollout.max_model_len ({wanted}) is more than the model's max_position_embeddings "
+                        f"({positions}, {folder / 'config.json'}): lower rollout.max_model_len (and rollout.max_tokens "
+                        "with it)")
+    context = cfg.engines.sglang_args.get("context_length", positions)
+    if cfg.engines.backend == "sglang" and isinstance(context, int) and wanted > context - SGLANG_RESERVED_TOKENS:
+        problems.append(f"rollout.max_model_len ({wanted}) leaves SGLang no room: its engines end a request "
+                        f"{SGLANG_RESERVED_TOKENS} tokens short of their context length ({context}); lower "
+                        f"rollout.max_model_len to {context - SGLANG_RESERVED_TOKENS} or raise "
+                        "engines.sglang_args.context_length")
+    return problems
 
 
 def check_storage_access(cfg, deadline_s: float = 10.0) -> list[str]:
