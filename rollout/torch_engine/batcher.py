@@ -175,7 +175,8 @@ class ContinuousBatcher:
                 log.exception("engine step failed")
                 for req in list(self.running.values()):
                     self._release(req)
-                    req.future.set_exception(err)
+                    if not req.future.done():  # a health probe's may have been cancelled by its time limit
+                        req.future.set_exception(err)
         for req in list(self.running.values()) + self.waiting:
             self._finish(req, {"type": "abort", "message": "engine stopped", "status_code": 503, "err_type": None})
 
@@ -319,10 +320,12 @@ class ContinuousBatcher:
             if req.return_logprob:
                 req.logprobs.append(logprobs[i])
             n = len(req.output_ids)
-            if tok in req.stop_ids:  # checked first: an EOS on the last allowed position is a stop (SGLang 0.5.23)
-                self._finish(req, {"type": "stop", "matched": tok})
-            elif req.stop_strings and (matched := matched_stop_string(req)) is not None:
+            # SGLang 0.5.23's order (Req.update_finish_state): a stop string, then a stop token, then the length, so
+            # a token that ends both reports the string, and an EOS on the last allowed position is a stop
+            if req.stop_strings and (matched := matched_stop_string(req)) is not None:
                 self._finish(req, {"type": "stop", "matched": matched})
+            elif tok in req.stop_ids:
+                self._finish(req, {"type": "stop", "matched": tok})
             elif n >= req.max_output:
                 self._finish(req, {"type": "length", "length": n})
 

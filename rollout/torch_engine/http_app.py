@@ -113,19 +113,22 @@ def build_app(server: ServedEngine) -> FastAPI:
         if not batcher.alive or batcher.released:
             return Response(status_code=503)
         tic = time.monotonic()
-        running, waiting = batcher.counts()
-        if not (running or waiting or batcher.paused):
-            probe = server.make_request(GenerateRequest(
-                input_ids=[0], rid=f"HEALTH_CHECK_{new_rid()}", sampling_params={"max_new_tokens": 1, "temperature": 0}))
-            try:
-                await asyncio.wait_for(asyncio.wrap_future(batcher.submit(probe)), HEALTH_TIMEOUT_S)
-                return Response(status_code=200)
-            except Exception:
-                batcher.abort(probe.rid)
-                return Response(status_code=503)
-        while time.monotonic() < tic + HEALTH_TIMEOUT_S:
+        deadline = tic + HEALTH_TIMEOUT_S
+        while time.monotonic() < deadline:
             if batcher.heartbeat > tic:
                 return Response(status_code=200)
+            running, waiting = batcher.counts()
+            # idle (also once what looked like work, e.g. an abort in the inbox, turned out to be none): no step
+            # would come, so a 1-token probe must make one
+            if not (running or waiting or batcher.paused):
+                probe = server.make_request(GenerateRequest(input_ids=[0], rid=f"HEALTH_CHECK_{new_rid()}",
+                                                            sampling_params={"max_new_tokens": 1, "temperature": 0}))
+                try:
+                    await asyncio.wait_for(asyncio.wrap_future(batcher.submit(probe)), deadline - time.monotonic())
+                    return Response(status_code=200)
+                except Exception:
+                    batcher.abort(probe.rid)
+                    return Response(status_code=503)
             await asyncio.sleep(0.01)
         return Response(status_code=503)
 
@@ -226,8 +229,9 @@ def build_app(server: ServedEngine) -> FastAPI:
         body, err = await parse(request, ReleaseMemoryOccupationRequest)
         if err is not None:
             return err
-        err = await when_idle(lambda: batcher.release_memory(body.tags), "release_memory_occupation")
-        server.memory_events.append((time.monotonic(), memory_event("release", body.tags)))
+        tags = body.tags or None  # as SGLang: no tags and an empty list both mean every tag
+        err = await when_idle(lambda: batcher.release_memory(tags), "release_memory_occupation")
+        server.memory_events.append((time.monotonic(), memory_event("release", tags)))
         return err or Response(status_code=200)
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
@@ -235,8 +239,9 @@ def build_app(server: ServedEngine) -> FastAPI:
         body, err = await parse(request, ResumeMemoryOccupationRequest)
         if err is not None:
             return err
-        await asyncio.wrap_future(batcher.call(lambda: batcher.resume_memory(body.tags)))
-        server.memory_events.append((time.monotonic(), memory_event("resume", body.tags)))
+        tags = body.tags or None
+        await asyncio.wrap_future(batcher.call(lambda: batcher.resume_memory(tags)))
+        server.memory_events.append((time.monotonic(), memory_event("resume", tags)))
         return Response(status_code=200)
 
     @app.post("/update_weights_from_disk")
@@ -268,7 +273,7 @@ def build_app(server: ServedEngine) -> FastAPI:
         body = await read_json(request)
         if "new_version" not in body:
             return error_response("new_version: Field required")
-        if body.get("abort_all_requests"):
+        if body.get("abort_all_requests", True):  # SGLang's UpdateWeightVersionReqInput default
             batcher.abort(abort_all=True)
         await asyncio.wrap_future(batcher.call(lambda: batcher.set_weight_version(body["new_version"])))
         return {"success": True, "message": f"Weight version updated to {body['new_version']}",

@@ -370,6 +370,30 @@ def test_a_released_engine_fails_health_as_sglang(varied_engine, monkeypatch):
     assert httpx.get(url + "/health_generate", timeout=30).status_code == 200
 
 
+def test_an_empty_tag_list_releases_and_resumes_everything_as_sglang(varied_engine, varied_model_dir):
+    """SGLang 0.5.23 reads tags [] as every tag (weight_updater: `if tags is None or len(tags) == 0`)."""
+    url = varied_engine.url
+    assert httpx.post(url + "/release_memory_occupation", json={"tags": []}).status_code == 200
+    try:
+        assert varied_engine.batcher.released and not varied_engine.batcher.decoder.weights
+    finally:
+        assert httpx.post(url + "/resume_memory_occupation", json={"tags": []}).status_code == 200
+        reload = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(varied_model_dir)}, timeout=60)
+        assert reload.status_code == 200, reload.text  # resumed weights are zeros until loaded, as SGLang's
+    assert not varied_engine.batcher.released
+
+
+def test_an_abort_left_in_an_idle_engine_does_not_fail_the_probe(varied_engine, monkeypatch):
+    """An abort (generation's end-of-round one) still in the idle engine's inbox looks like waiting work; once the loop
+    has taken it there is none, so the probe makes its own 1-token step instead of waiting for one that never comes
+    (which failed the probe and restarted a healthy engine)."""
+    from spillover.rollout.torch_engine import http_app
+
+    monkeypatch.setattr(http_app, "HEALTH_TIMEOUT_S", 3.0)
+    varied_engine.batcher._inbox.put(("abort", "", True))  # not woken: the loop sees it at its next idle tick
+    assert httpx.get(varied_engine.url + "/health_generate", timeout=30).status_code == 200
+
+
 def test_a_paused_engine_answers_no_generation_probe_as_sglang(varied_engine, monkeypatch):
     """SGLang's probe is a request like any other: a paused engine parks it, and /health (by default) and
     /health_generate get no answer (SGLang's gives up after 20 s with 503). With the generation probe off, /health

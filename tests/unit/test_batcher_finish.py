@@ -44,3 +44,17 @@ def test_a_stop_token_on_the_last_allowed_position_is_a_stop(batcher):
     assert early.output_ids == free[:k + 1] and early.meta_info.finish_reason.type == "stop"
     limit = finish(batcher, k)  # the budget without a stop token: length
     assert limit.meta_info.finish_reason == FinishReason(type="length", length=k)
+
+
+def test_a_token_that_ends_a_stop_string_and_is_a_stop_token_reports_the_string(batcher):
+    """SGLang checks stop strings before stop tokens: a chat model whose '<|im_end|>' is both reports the string."""
+    free = finish(batcher, 12).output_ids
+    k = next(i for i, tok in enumerate(free) if tok not in free[:i] and i > 0)
+    decode = lambda ids: "".join(f"<{t}>" for t in ids)  # one token -> one unambiguous piece of text
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, sampling_seed=7)
+    request = EngineRequest(rid="s" * 32, input_ids=list(PROMPT), params=params, return_logprob=True, max_output=12,
+                            stop_ids=frozenset([free[k]]), stop_strings=(f"<{free[k]}>",), stop_tail_tokens=2,
+                            decode=decode)
+    answer = batcher.submit(request).result(timeout=60)
+    assert answer.output_ids == free[:k + 1]
+    assert answer.meta_info.finish_reason == FinishReason(type="stop", matched=f"<{free[k]}>")
