@@ -81,7 +81,8 @@ class ToolTurns(RoundHooks):
 
     def __init__(self, dock: TransferDock, weight_version: int, rollout_cfg: RolloutConfig, envs: EnvPool, tokenizer,
                  loop: asyncio.AbstractEventLoop, iteration: int = 0):
-        super().__init__(dock, weight_version)
+        super().__init__(dock, weight_version, rollout_cfg.stop, lambda ids: tokenizer.decode(list(ids),
+                                                                                           skip_special_tokens=False))
         self.envs, self.tokenizer, self.cfg, self.loop, self.iteration = envs, tokenizer, rollout_cfg, loop, iteration
         self.stop_strings = tuple(rollout_cfg.tool_call_stop)
         self.stats = ToolStats()
@@ -144,18 +145,21 @@ class ToolTurns(RoundHooks):
         return sum(self.on_answer(int(row), answer, stopping) for row, answer in zip(rows.tolist(), answers))
 
     def on_answer(self, row: int, answer: GenerateResponse, stopping: bool) -> int:
-        """The answer into the dock, cut after a tool call's stop string; a tool call starts (unless the round stops)
-        and outcomes that have arrived are applied. -> new tokens kept."""
+        """The answer into the dock, cut after a tool call's stop string (or ended after a rollout.stop string); a tool
+        call starts (unless the round stops) and outcomes that have arrived are applied. -> new tokens kept."""
         tokens, logprobs, stopped, version = parse_responses([answer], self.weight_version)
         new, lps = tokens[0], logprobs[0]
         reason = answer.meta_info.finish_reason
         tool = reason.type == "stop" and reason.matched in self.stop_strings
-        if not tool and new:
+        if not tool and new:  # a tool call's or the answer's (rollout.stop) stop string the engine did not see
             before, mask = dock_turns.trajectory(self.dock, row)
-            window = dock_turns.turn_tail(before, mask, stop_window(self.stop_strings))
-            cut = completing_token(window, new, self.stop_strings, self.decode)
+            window = dock_turns.turn_tail(before, mask, stop_window(self.stop_strings + self.stop))
+            call = completing_token(window, new, self.stop_strings, self.decode)
+            end = completing_token(window, new, self.stop, self.decode) if self.stop else None
+            cut, tool = (end, False) if end is not None and (call is None or end <= call) else (call, call is not None)
             if cut is not None:
-                new, lps, tool = new[:cut], lps[:cut], True
+                new, lps = new[:cut], lps[:cut]
+                stopped[:] = not tool
                 if isinstance(version, list):  # one version per token (it lived through an update): cut them too
                     version = [version[0][:cut]]
         if tool:
