@@ -151,7 +151,7 @@ def cmd_serve(args) -> int:
 def cmd_submit(args) -> int:
     from .serve import submit_run
 
-    run = submit_run(args.deployment, args.config, args.overrides, wait_s=args.wait)
+    run = submit_run(args.deployment, args.config, args.overrides, wait_s=args.wait, resume=args.resume)
     outcome = run_outcome(run)
     print(json.dumps(outcome))
     if args.wait and outcome["state"] != "COMPLETED":
@@ -239,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "deployment's default config, with key=value overrides on top.")
     submit.add_argument("--deployment", default="grpo-train/train", help="FLOW/DEPLOYMENT (default: grpo-train/train)")
     submit.add_argument("--config", default=None, help="YAML run config (default: the deployment's own)")
+    submit.add_argument("--resume", action="store_true",
+                        help="the training run goes on from its run_dir's newest checkpoint (as `spillover resume`)")
     submit.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     submit.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                         help="wait up to SECONDS for the run to finish; exit 1 unless it completed")

@@ -53,10 +53,13 @@ def nightly_smoke(config_path: str = "configs/tiny.yaml", iterations: int = 3, r
 
     from .train import grpo_train
 
+    from ..infra.storage.checkpoint_list import newest_complete_checkpoint
+
     run_dir = smoke_run_dir(runs_dir, flow_run.scheduled_start_time, flow_run.name)
     cfg = load_config(_config_path(config_path),
                       [f"schedule.num_iterations={iterations}", f"run_dir={run_dir}", *(overrides or [])])
-    return grpo_train(cfg, parts=parts)
+    # a retried flow run keeps its name and scheduled start, so its run_dir: it goes on from its checkpoint
+    return grpo_train(cfg, resume=newest_complete_checkpoint(cfg) is not None, parts=parts)
 
 
 def read_deployment_specs(path: Path = PREFECT_YAML) -> list[dict]:
@@ -159,9 +162,10 @@ def _end_a_stalled_stop(runner, grace_s: float) -> None:
 
 
 def submit_run(deployment: str = TRAIN_DEPLOYMENT, config_file: str | None = None,
-               overrides: list[str] | None = None, wait_s: float = 0.0):
+               overrides: list[str] | None = None, wait_s: float = 0.0, resume: bool = False):
     """Start a flow run of a served deployment; its config = config_file (else the deployment's default
-    config) with key=value overrides applied and validated here. Returns the FlowRun (final when waited)."""
+    config) with key=value overrides applied and validated here; resume: the training flow goes on from its
+    run_dir's newest checkpoint. Returns the FlowRun (final when waited)."""
     from prefect import get_client
     from prefect.deployments import run_deployment
 
@@ -174,4 +178,6 @@ def submit_run(deployment: str = TRAIN_DEPLOYMENT, config_file: str | None = Non
                 defaults = client.read_deployment_by_name(deployment).parameters or {}
             cfg = build_config(dict(defaults.get("config") or {}), overrides)
         parameters = {"config": config_parameter(cfg)}
+    if resume:
+        parameters = {**(parameters or {}), "resume": True}
     return run_deployment(deployment, parameters=parameters, timeout=wait_s, as_subflow=False)

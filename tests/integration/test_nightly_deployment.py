@@ -36,10 +36,41 @@ def test_every_scheduled_run_of_the_nightly_deployment_trains_in_its_own_run_dir
 
     with get_client(sync_client=True) as client:
         assert [client.read_flow_run(r.id).state.type.value for r in finished] == ["COMPLETED", "COMPLETED"]
+        # a retry of the first (its name and scheduled start kept, so its run_dir) goes on from its checkpoint: here
+        # with one iteration more, where a fresh start would be refused ("already holds checkpoints")
+        from prefect.states import AwaitingRetry
+
+        client.set_flow_run_state(finished[0].id, AwaitingRetry(), force=True)
+        retried = client.read_flow_run(finished[0].id)
+    state = run_flow(nightly_smoke, flow_run=retried, parameters={**retried.parameters, "iterations": 2,
+                                                                   "parts": warm_parts}, return_type="state")
+    assert state.is_completed(), state.message
     run_dirs = sorted(p for p in runs_dir.iterdir() if p.is_dir())
     assert len(run_dirs) == 2 and {p.name.split("-", 1)[1] for p in run_dirs} == {r.name for r in finished}
     for run_dir in run_dirs:  # <scheduled start, UTC>-<flow run name>, each a whole run of its own
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [r["iteration"] for r in rows] == [0]
-        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["ckpt-00000000"]
+        again = run_dir.name.endswith(finished[0].name)  # the retried one trained on
+        assert [r["iteration"] for r in rows] == ([0, 1] if again else [0])
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == (
+            ["ckpt-00000000", "ckpt-00000001"] if again else ["ckpt-00000000"])
         assert json.loads((run_dir / "config.json").read_text())["run_dir"] == str(run_dir)
+
+
+def test_submit_with_resume_asks_the_training_deployment_to_go_on(prefect_harness):
+    """`spillover submit --resume`: the flow run gets resume=True (the deployment's config kept), so a run_dir that
+    holds checkpoints goes on instead of being refused. Only the flow run is created here; nothing executes it."""
+    from prefect import get_client
+
+    from spillover.flows.serve import TRAIN_DEPLOYMENT, build_deployments, submit_run
+    from spillover.infra.config.run_config import load_config
+
+    build_deployments(load_config("configs/tiny.yaml"), only=["train"])[0].apply()
+    run = submit_run(TRAIN_DEPLOYMENT, resume=True)
+    try:
+        assert run.parameters["resume"] is True and run.parameters["config"]["run_dir"] == "runs/tiny"
+        assert "resume" not in submit_run(TRAIN_DEPLOYMENT).parameters
+    finally:
+        with get_client(sync_client=True) as client:
+            for flow_run in client.read_flow_runs():
+                if flow_run.deployment_id == run.deployment_id and flow_run.state.is_scheduled():
+                    client.delete_flow_run(flow_run.id)
