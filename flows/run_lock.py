@@ -17,7 +17,6 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 from filelock import FileLock, Timeout
 
@@ -47,15 +46,15 @@ class RunLock:
 def lock_locations(cfg) -> list[Path]:
     """run_dir, plus storage.url when it is a local directory outside run_dir. Remote (s3://) checkpoint
     locations are covered by the run_dir lock only: use one run_dir per checkpoint location."""
+    from ..infra.storage.store import local_root
+
     run_dir = Path(cfg.run_dir).resolve()
     out = [run_dir]
-    url = cfg.storage.url
-    if url:
-        parsed = urlparse(url)
-        if parsed.scheme in ("", "file"):
-            local = Path(parsed.path if parsed.scheme else url).resolve()
-            if local != run_dir and run_dir not in local.parents:
-                out.append(local)
+    root = local_root(cfg.storage.url) if cfg.storage.url else None  # where the store itself writes
+    if root is not None:
+        local = Path(root).resolve()
+        if local != run_dir and run_dir not in local.parents:
+            out.append(local)
     return out
 
 

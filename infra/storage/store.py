@@ -178,6 +178,15 @@ def s3_server(cfg: StorageConfig) -> str:
     return f"the S3 server at {_plain_url(endpoint)}" if endpoint else "AWS S3 (no endpoint set)"
 
 
+def local_root(url: str) -> str | None:
+    """The directory a plain path or file:// URL names, as open_store reads it (~ expanded, relative to the working
+    directory); None for object storage."""
+    scheme = urlsplit(url).scheme if "://" in url else ""
+    if scheme not in ("", "file"):
+        return None
+    return os.path.abspath(os.path.expanduser(url[len("file://"):] if scheme else url))
+
+
 def open_store(url: str, cfg: StorageConfig | None = None, *, retry: RetryPolicy | None = None,
                connect_timeout_s: float = 5.0, read_timeout_s: float = 60.0) -> Store:
     """A Store for a plain path, file:// URL or s3://bucket/prefix. Nothing is contacted yet."""
@@ -186,7 +195,7 @@ def open_store(url: str, cfg: StorageConfig | None = None, *, retry: RetryPolicy
     shown = _plain_url(url)
     scheme = urlsplit(url).scheme if "://" in url else ""
     if scheme in ("", "file"):
-        root = os.path.abspath(os.path.expanduser(url[len("file://"):] if scheme else url))
+        root = local_root(url)
         fix = f"make {root} a writable directory or point storage.url elsewhere"
         return Store(LocalFileSystem(), root, f"file://{root}", Redactor([]), retry, Fixes(fix, fix, fix))
     if scheme not in ("s3", "s3a"):

@@ -82,3 +82,13 @@ def test_local_checkpoint_location_outside_run_dir_is_locked_too(tmp_path):
     assert not (tmp_path / "run" / LOCK_NAME).exists()  # the run_dir lock taken first was given back
     assert acquire_run_lock(_cfg(tmp_path / "run")).locks[0].lock_file == str(tmp_path / "run" / FLOCK_NAME)
     other.release()
+
+
+def test_the_lock_covers_the_folder_the_store_writes(tmp_path, monkeypatch):
+    """~ expanded and file://relative read from the working directory, as open_store reads them."""
+    from spillover.infra.storage.store import open_store
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for url in ("~/ckpts", "file://relative/ckpts", "relative/ckpts"):
+        assert lock_locations(_cfg(tmp_path / "run", url))[1] == Path(open_store(url).root).resolve(), url
