@@ -17,6 +17,7 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .errors import StorageError
 from .store import ObjectInfo, ObjectMissing, Store
 from .hashed_io import MMAP_MIN_BYTES as MAP_MIN_BYTES
 
@@ -91,13 +92,20 @@ def put_object(store: Store, key: str, kind: str, values: dict) -> ObjectInfo:
     if not store.is_local or sum(nbytes(v) for v in values.values()) < MAP_MIN_BYTES:
         return store.put_bytes(key, object_bytes(kind, values))  # (small: one write, hashed on the way)
     lib = safetensors.torch if kind == TENSORS else safetensors.numpy
+    refused: list[ObjectFormatError] = []
 
     def write(path: str) -> None:
         try:
             lib.save_file(values, path)
         except (SafetensorError, ValueError, TypeError, RuntimeError) as err:
-            raise ObjectFormatError(f"{kind} cannot be stored in safetensors: {err}") from None
-    return store.put_written(key, write)
+            refused.append(ObjectFormatError(f"{kind} cannot be stored in safetensors: {err}"))
+            raise refused[-1] from None
+    try:
+        return store.put_written(key, write)
+    except StorageError:
+        if refused:  # the values, not the storage: the store's retry wraps every error of the write as its own
+            raise refused[-1] from None
+        raise
 
 
 def _identity(path: str) -> tuple[int, int, int, int]:

@@ -96,3 +96,16 @@ def test_an_object_that_is_not_safetensors_is_one_clear_error(tmp_path):
     store.put_bytes("ckpt-00000001/manifest.json", json.dumps(manifest).encode())
     with pytest.raises(CheckpointError, match="policy-00000.safetensors does not decode"):
         load_checkpoint(store, 1)
+
+
+@pytest.mark.parametrize("count", [1_000, 200_000], ids=["small", "large_written_in_place"])
+def test_values_safetensors_cannot_hold_are_refused_as_such_at_any_size(tmp_path, count):
+    """A large local object is written through the store's retried write: its format error stays a format error
+    (CheckpointError naming the dtype), not a storage failure whose fix is a writable directory."""
+    from spillover.infra.storage.checkpoint import CheckpointError, CheckpointState, save_checkpoint
+    from spillover.infra.storage.store import open_store
+
+    state = CheckpointState(1, {}, {"dock": {"x": np.zeros(count, dtype=np.longdouble)}}, {})
+    with pytest.raises(CheckpointError, match="cannot be stored in safetensors") as err:
+        save_checkpoint(open_store(str(tmp_path)), state)
+    assert "writable directory" not in str(err.value)
