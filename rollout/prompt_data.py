@@ -164,13 +164,14 @@ def read_prompts(path: str | Path | DataFile, tokenizer, max_prompt_tokens: int,
         wheres.append(where)
     if not texts:
         raise PromptFileError(f"prompt file {path!r} holds no prompts")
-    if chats:
+    for i, messages in chats:  # one at a time, so an error names its line
         try:
-            rendered = render_messages(tokenizer, [messages for _, messages in chats])
+            texts[i] = render_messages(tokenizer, [messages])[0]
         except ChatPromptError as err:
-            raise PromptFileError(f"{wheres[chats[0][0]]}: {err}") from None
-        for (i, _), text in zip(chats, rendered):
-            texts[i] = text
+            raise PromptFileError(f"{wheres[i]}: {err}") from None
+        except Exception as err:  # the template's own refusal (e.g. "roles must alternate"), which names no line
+            raise PromptFileError(f"{wheres[i]}: the model's chat template refused this conversation "
+                                  f"({type(err).__name__}: {err}); change the messages to what it accepts") from None
     tokens = tokenizer(texts, add_special_tokens=False)["input_ids"]
     truncated = 0
     for i, ids in enumerate(tokens):

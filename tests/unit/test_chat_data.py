@@ -167,3 +167,17 @@ def test_debug_rollout_data_keeps_metadata(tmp_path):
     replayed = RolloutBatch.from_samples(load_debug_rollout_data(template, 0))
     assert replayed.metadata == ({"id": "q0"},) and replayed.labels == (5,)
     assert np.array_equal(replayed.response_tokens, dock.rollout_batch().response_tokens)
+
+
+def test_a_conversation_the_template_refuses_names_its_line(tmp_path):
+    """A template's own error (jinja raise_exception, as Gemma's "System role not supported") names the file line."""
+    tok = build_char_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}"
+                         "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: ")
+    ok = [{"role": "user", "content": "1+1=?"}]
+    refused = [{"role": "system", "content": "add."}, {"role": "user", "content": "1+2=?"}]
+    path = write_jsonl(tmp_path, [{"prompt": ok, "label": 2}, {"prompt": refused, "label": 3}])
+    with pytest.raises(PromptFileError, match=r"p.jsonl:2: the model's chat template refused this conversation "
+                                              r"\(TemplateError: System role not supported\)"):
+        read_prompts(path, tok, 64)
