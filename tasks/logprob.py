@@ -31,7 +31,7 @@ def compute_ref_logprob(policy: LearnerGroup, ref_group: LearnerGroup | None, sc
         ref = ref_group.compute_logprobs.remote(scored.batch_ref)
     else:
         ref = policy.compute_ref_logprobs.remote(scored.batch_ref)
-    ray.wait([ref])
+    ray.get(ref)  # a failed pass raises here, in its own task (and its retry), not later in update
     return Logprobs(metrics={"ref_logprob_s": time.perf_counter() - start}, ref=ref, source="computed")
 
 
@@ -41,5 +41,5 @@ def compute_old_logprob(policy: LearnerGroup, scored: Scored, weight_version: in
         return Logprobs(source="rollout")
     start = time.perf_counter()
     old = policy.compute_logprobs.remote(scored.batch_ref)
-    ray.wait([old])  # compute time, reported apart from Prefect/Ray overhead
+    ray.get(old)  # as above; the time is the pass's (plus fetching float32 per token)
     return Logprobs(metrics={"old_logprob_s": time.perf_counter() - start}, ref=old, source="computed")
