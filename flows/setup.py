@@ -134,7 +134,11 @@ def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunPa
         if is_hub_id(entry.path):
             resolve_on_other_nodes(entry.path, entry.revision, Path(loaded.path), f"grpo.reward_models[{i}].path")
     reward_models = start_reward_models(reward_model_entries, cfg.model.dtype)  # first: a bad folder fails early
-    learners, fleet = start_learners_and_engines(cfg, model_path, parts, resuming=saved is not None)
+    try:
+        learners, fleet = start_learners_and_engines(cfg, model_path, parts, resuming=saved is not None)
+    except BaseException:  # no Run holds them yet, so shutdown_run could not give them back
+        reward_models.shutdown()
+        raise
     builtin = cfg.grpo.reward_function_path == BUILTIN_TASK_REWARD
     context = context.with_fleet(fleet)
     reward = RewardSetup(tokenizer, stop_ids, reward_fn, cfg.grpo.reward_function_path, cfg.grpo.rule_reward_weight,

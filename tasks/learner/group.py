@@ -121,7 +121,11 @@ def create_learner_group(model_path, cfg, trainable: bool, lcfg: LearnerConfig |
     cuda = lcfg.device == "cuda"
     bundle = {"CPU": max(lcfg.num_cpus_per_rank, BUNDLE_MIN_CPU), **({"GPU": lcfg.gpus_per_rank} if cuda else {})}
     pg = placement_group([dict(bundle) for _ in range(lcfg.world_size)], strategy=lcfg.placement_strategy)
-    ray.get(pg.ready(), timeout=600)
+    try:
+        ray.get(pg.ready(), timeout=600)
+    except BaseException:  # not placed in time: its pending request would hold the resources it gets later
+        remove_placement_group(pg)
+        raise
 
     def in_bundle(index: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
