@@ -250,9 +250,16 @@ class EnginePool:
         handle.url = None
 
     def shutdown(self) -> None:
+        """Every engine killed and the placement group freed, also when one kill fails (its error raised after)."""
+        failed: list[BaseException] = []
         for index in range(len(self.engines)):
-            self.kill_engine(index)
+            try:
+                self.kill_engine(index)
+            except Exception as err:
+                failed.append(err)
         remove_placement_group(self.pg)
+        if failed:
+            raise failed[0]
 
 
 def default_torch_threads(num_engines: int) -> int:

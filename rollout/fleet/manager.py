@@ -220,6 +220,9 @@ class RolloutManager:
         return self._call(self._update_weights, update)
 
     async def _update_weights(self, update: WeightUpdate) -> dict[int, int | None]:
+        async with self._engine_lock:  # an engine whose restart failed has no URL: the update would find none
+            for handle in [h for h in self.engines if not h.url]:
+                await self._restart(handle.index)
         if update.kind == "colocated" and self.detached_running:
             raise ValueError("a colocated weight update needs idle engines (they release their memory for training), "
                              "but detached requests still run: collect_detached() first (rollout.overlap needs "
@@ -352,11 +355,15 @@ class RolloutManager:
             if client is not None:
                 await client.aclose()
         handle = await self.pool.restart_engine(index)
-        await self.weights.reload(handle)
-        if self._offloaded:
-            await self._client(handle.url).post(sgl.ENDPOINTS["release_memory"],
-                                                json=ReleaseMemoryOccupationRequest().model_dump())
-        await asyncio.to_thread(self.router.add_worker, handle.url)
+        try:
+            await self.weights.reload(handle)
+            if self._offloaded:
+                await self._client(handle.url).post(sgl.ENDPOINTS["release_memory"],
+                                                    json=ReleaseMemoryOccupationRequest().model_dump())
+            await asyncio.to_thread(self.router.add_worker, handle.url)
+        except BaseException:  # up but not behind the router: stopped, its URL cleared, so the next check restarts it
+            await asyncio.to_thread(self.pool.kill_engine, index, False)
+            raise
         self.restarts += 1
 
     # ---- shutdown -----------------------------------------------------------------------------------
@@ -379,13 +386,15 @@ class RolloutManager:
         if self.router is not None and self.router.proc is None and self.pool is not None:
             for url in self.urls:  # an external router outlives us: take our workers off it
                 await asyncio.to_thread(self.router.remove_worker, url)
-        if self.pool is not None:
-            await asyncio.to_thread(self.pool.shutdown)
-        if self.router is not None:
-            await asyncio.to_thread(self.router.stop)
-        clients = [*self._clients.values(), *([self._gen.router] if self._gen else [])]
-        await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
-        self._clients.clear()
+        try:
+            if self.pool is not None:
+                await asyncio.to_thread(self.pool.shutdown)
+        finally:  # the router and the clients go also when an engine's kill failed
+            if self.router is not None:
+                await asyncio.to_thread(self.router.stop)
+            clients = [*self._clients.values(), *([self._gen.router] if self._gen else [])]
+            await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
+            self._clients.clear()
 
     def __enter__(self) -> "RolloutManager":
         return self

@@ -242,6 +242,28 @@ def test_kill_9_engine_mid_batch_every_request_completes_and_engine_returns(roll
     assert direct.status_code == 200
 
 
+def test_a_restart_that_fails_after_the_start_is_done_again_by_the_next_update(rollout_manager, varied_model_dir,
+                                                                                monkeypatch):
+    """The new engine came up but its weights could not be loaded: it is stopped (no URL, not behind the router,
+    never serving the folder's weights), and the next weight update starts it again before loading."""
+    m = rollout_manager
+    victim = m.engines[0]
+    os.kill(victim.pids[0], signal.SIGKILL)
+    reload = m.weights.reload
+
+    async def fails(handle):
+        raise RuntimeError("the weights could not be loaded")
+
+    monkeypatch.setattr(m.weights, "reload", fails)
+    with pytest.raises(RuntimeError, match="could not be loaded"):
+        health_check(m)
+    assert m.engines[0].url is None and sorted(m.router.workers()) == [m.engines[1].url]
+    monkeypatch.setattr(m.weights, "reload", reload)
+    assert m.update_weights(WeightUpdate("disk", varied_model_dir, 0)) == {0: 0, 1: 0}
+    assert m.engines[0].url and sorted(m.router.workers()) == sorted(m.urls) and len(m.urls) == 2
+    assert all(len(r.output_ids) == 5 for r in m.generate(batch({"max_new_tokens": 5, "ignore_eos": True})))
+
+
 def test_hung_engine_is_found_by_the_monitor_restarted_and_its_requests_finish(rollout_manager, monkeypatch):
     m = rollout_manager
     victim, restarts = m.engines[1], m.restarts
