@@ -79,3 +79,22 @@ def resume_memory(manager) -> None:
     """Resume what RolloutManager.offload released, as a colocated weight update does before it loads: released
     weights come back empty, so load some next."""
     manager._call(manager._memory, False, None)
+
+
+def fail_sends_after(actor_self, sends: int | None) -> None:
+    """In a learner rank's process: its broadcasts' sends fail after `sends` more (None: sends work again)."""
+    from spillover.tasks.learner import weight_sender
+
+    original = weight_sender.__dict__.setdefault("working_send_bucket", weight_sender.send_bucket)
+    if sends is None:
+        weight_sender.send_bucket = original
+        return
+    left = {"sends": sends}
+
+    def failing(group, tensors):
+        left["sends"] -= 1
+        if left["sends"] < 0:
+            raise RuntimeError("rank 0's send failed")
+        return original(group, tensors)
+
+    weight_sender.send_bucket = failing

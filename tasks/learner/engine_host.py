@@ -17,7 +17,7 @@ A rank that hosts one holds an `EngineHost` (LearnerActor.engine_host; the actor
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,15 +72,27 @@ class EngineHost:
         # this process: that costs a few copies of one bucket (encoded, decoded), never of the model, and runs the
         # session and route that SGLang needs, so the CPU suite exercises them.
         poster = self.engine.poster() if self.engine is not None and self.engine.url is not None else None
-        loaded = 0
-        with torch.no_grad(), (poster.session() if poster is not None else nullcontext()):
+        loaded, failure = 0, None
+        # a failed begin or post is raised once every bucket is gathered: the gathers are collectives every rank
+        # must join, or the others wait for this one and pair with the next sync's
+        with torch.no_grad(), ExitStack() as session:
+            if poster is not None:
+                try:
+                    session.enter_context(poster.session())
+                except Exception as err:
+                    failure = err
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
                 tensors = {name: full_tensor(named[name]).to(sender.device) for name, _, _ in bucket}  # a collective
-                if poster is not None:
-                    poster.post_bucket(tensors, weight_version if last else None, flush_cache=last)
-                    loaded += sum(t.numel() * t.element_size() for t in tensors.values())
+                if poster is not None and failure is None:
+                    try:
+                        poster.post_bucket(tensors, weight_version if last else None, flush_cache=last)
+                        loaded += sum(t.numel() * t.element_size() for t in tensors.values())
+                    except Exception as err:
+                        failure = err
                 del tensors
+            if failure is not None:
+                raise failure  # inside the session: it is ended as after any failure
         if str(sender.device).startswith("cuda"):  # the buckets' cached blocks back to the device: the engine's
             torch.cuda.empty_cache()               # KV cache is resumed next (rollout/fleet/manager.py)
         version = poster.reported_version() if poster is not None else None

@@ -98,21 +98,33 @@ class WeightSender:
         """Every rank: gather each bucket's full tensors; rank 0 broadcasts them on the group, in order.
         -> {"bytes": sent, "buckets": count, "send_s", "peak_extra_bytes": the most tensor bytes held at once beyond
         the model (one bucket's gathered tensors; 0 unsharded, where the parameters go from their own storage)}."""
-        group = self._group(group_name) if self.rank == 0 else None
         named = self.named_weights()
         unknown = sorted({n for bucket in buckets for n in bucket} - set(named))
         if unknown:
             raise ValueError(f"broadcast_weights: unknown tensor names {unknown[:5]}")
+        # rank 0's failure (its group, a send) is raised once every bucket is gathered: the other ranks' gathers are
+        # collectives it must still join, or they wait for it and pair with the next sync's
+        group, failure = None, None
+        if self.rank == 0:
+            try:
+                group = self._group(group_name)
+            except Exception as err:
+                failure = err
         sent, peak, tic = 0, 0, time.perf_counter()
         with torch.no_grad():
             for bucket in buckets:
                 tensors = [full_tensor(named[name]).to(self.device) for name in bucket]
                 peak = max(peak, sum(t.numel() * t.element_size() for t, name in zip(tensors, bucket)
                                      if t is not named[name]))
-                if self.rank == 0:
-                    send_bucket(group, tensors)
-                    sent += sum(t.numel() * t.element_size() for t in tensors)
+                if self.rank == 0 and failure is None:
+                    try:
+                        send_bucket(group, tensors)
+                        sent += sum(t.numel() * t.element_size() for t in tensors)
+                    except Exception as err:
+                        failure = err
                 del tensors
+        if failure is not None:
+            raise failure
         return {"bytes": sent, "buckets": len(buckets), "peak_extra_bytes": peak,
                 "send_s": time.perf_counter() - tic, "pid": os.getpid()}
 

@@ -95,8 +95,10 @@ def test_predicted_longest_starts_long_prompts_first_and_the_history_survives_a_
     got = rows(run_dir)
     assert [r["iteration"] for r in got] == list(range(TOTAL))
 
+    # one planner per generate call that dispatched; an iteration whose carried groups completed its batch before it
+    # sent anything makes none (how far the engines got before each cut is timing), iteration 0 always does
     per_iteration = [[s for s in seen if s["planner"] == p] for p in dict.fromkeys(s["planner"] for s in seen)]
-    assert len(per_iteration) == TOTAL
+    assert 2 <= len(per_iteration) <= TOTAL
     assert all(np.isnan(p) for s in per_iteration[0] for p in s["predicted"])  # the first epoch knows nothing
     ordered = [assert_fresh_groups_start_longest_predicted_first(s) for its in per_iteration for s in its]
     assert max(ordered) >= 2 * N, ordered  # at least two fresh groups with a prediction went out together

@@ -178,6 +178,34 @@ def test_a_sync_failing_midway_leaves_the_old_version_and_is_sent_again(rollout_
         m.update_weights(WeightUpdate("disk", varied_model_dir, 0))
 
 
+def test_a_send_failing_on_rank_0_alone_leaves_the_ranks_in_step(rollout_manager, policy, varied_model_dir):
+    """Rank 0's send fails after the first bucket while rank 1 gathers on: rank 0 still joins every gather (the
+    collectives) and raises after, so the sync fails at once and the next one finds both ranks in step (before, rank 1
+    waited in a gather rank 0 never joined, and the next sync's gathers paired with the leftovers)."""
+    from fleet_probes import fail_sends_after
+
+    m = rollout_manager
+    sync = m.weights.distributed
+    shared_bucket_bytes = sync.bucket_bytes
+    rank0 = policy.actors[0]
+    try:
+        sync.bucket_bytes = 4096  # several buckets
+        ray.get(rank0.__ray_call__.remote(fail_sends_after, 1))
+        version = int(ray.get(policy.weight_version.remote()))
+        tic = time.monotonic()
+        with pytest.raises(Exception, match="rank 0's send failed"):
+            m.update_weights(WeightUpdate("distributed", policy, version))
+        assert time.monotonic() - tic < 60
+        ray.get(rank0.__ray_call__.remote(fail_sends_after, None))
+        assert m.update_weights(WeightUpdate("distributed", policy, version)) == {h.index: version for h in m.engines}
+        assert_engines_hold(m, ray.get(policy.state_dict_ref.remote()), version)
+    finally:
+        ray.get(rank0.__ray_call__.remote(fail_sends_after, None))
+        sync.bucket_bytes = shared_bucket_bytes
+        m._call(sync.leave)
+        m.update_weights(WeightUpdate("disk", varied_model_dir, 0))
+
+
 def test_tensor_sync_fetches_and_frees_the_learners_tensors_bucket_by_bucket(rollout_manager, policy,
                                                                              varied_model_dir):
     """engines.weight_sync=tensor from the learner group (issue 37, item 7): the learner puts each tensor in its own
