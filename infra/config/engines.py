@@ -42,8 +42,9 @@ class EnginesConfig(Section):
     weight_sync_timeout_s: float = Field(
         600.0, gt=0, description="distributed: rendezvous and per-bucket timeout of the weight-update group.")
     weight_sync_dir: str | None = Field(
-        None, description="disk: where the learner exports each version (every engine must read it); empty = "
-        "next to the model folder.")
+        None, description="disk: where the learner exports each version (every engine must read it), as "
+        "version-N, written whole before the engines read it; the version before is deleted once the engines serve "
+        "the new one. Empty = next to the model folder.")
     sglang_args: dict[str, Any] = Field(
         default_factory=dict, description="sglang backend: extra server flags as SGLang ServerArgs field names "
         "(e.g. {mem_fraction_static: 0.7, context_length: 8192, chunked_prefill_size: 4096, "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
@@ -73,6 +74,7 @@ class RolloutManager:
         # an in_place update skipped its cache flush: prefixes cached under the old weights are flushed once idle
         self._stale_prefix_cache = False
         self._clients: dict[str, EngineClient] = {}
+        self._exported_folder: str | None = None  # engines.weight_sync=disk: the folder of the version served
         self._engine_lock = asyncio.Lock()  # weight updates, memory release and resume, health checks and restarts
         self._health_task: asyncio.Future | None = None  # the health check shared by every failed request
         self._monitor: Future | None = None  # the background health monitor, while it runs
@@ -209,8 +211,16 @@ class RolloutManager:
     # ---- weights and memory ---------------------------------------------------------------------------
     def load_policy_weights(self, policy: PolicyLearner, version: int) -> dict[int, int | None]:
         """Every engine loads the policy's current weights as `version`, through the update this fleet's
-        engines.weight_sync asks for (colocated engines: the ranks hosting them load them)."""
-        return self.update_weights(policy_update(policy, version, self.cfg, self.model_path, self.colocated))
+        engines.weight_sync asks for (colocated engines: the ranks hosting them load them). With disk sync the
+        folder of the version before is deleted once every engine serves the new one (a restart loads the newest):
+        a folder a version would otherwise fill the disk over a run."""
+        update = policy_update(policy, version, self.cfg, self.model_path, self.colocated)
+        versions = self.update_weights(update)
+        if update.kind == "disk":
+            previous, self._exported_folder = self._exported_folder, str(update.source)
+            if previous is not None and previous != self._exported_folder:
+                shutil.rmtree(previous, ignore_errors=True)
+        return versions
 
     def update_weights(self, update: WeightUpdate) -> dict[int, int | None]:
         """Load `update` on every engine (rollout/fleet/weights/fleet_weights.py: one strategy per kind); an engine

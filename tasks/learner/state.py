@@ -11,6 +11,9 @@ AdamW's load_state_dict cast to the parameters' dtype.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import uuid
 from dataclasses import asdict
 
 import numpy as np
@@ -150,8 +153,11 @@ def save_hf_folder(lm, state: dict[str, torch.Tensor], model_path: str, folder: 
 
     from ...infra.models import load_tokenizer
 
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
+    final = Path(folder)
+    # written beside it, then renamed into place: an engine never reads a folder half written (or one a run before
+    # left at this version and this run is overwriting)
+    out = final.with_name(f"{final.name}.partial-{uuid.uuid4().hex[:8]}")
+    out.mkdir(parents=True)
     lm.save_pretrained(out, state_dict=state, safe_serialization=True)
     floats = {v.dtype for v in state.values() if v.is_floating_point()}
     if len(floats) == 1:  # save_pretrained records the model's (float32 master) dtype, not the tensors' it wrote
@@ -163,4 +169,6 @@ def save_hf_folder(lm, state: dict[str, torch.Tensor], model_path: str, folder: 
     except (OSError, ValueError):  # a model folder without a tokenizer: engines keep theirs
         pass
     (out / "spillover_weights.json").write_text(json.dumps({"weight_version": version}))
-    return str(out)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(out, final)
+    return str(final)

@@ -51,8 +51,10 @@ def test_kept_parts_train_exactly_like_new_ones_and_take_the_new_runs_settings(p
     assert sorted(got_t) == sorted(want_t)
     assert [n for n in want_t if not torch.equal(got_t[n], want_t[n])] == []  # weights, AdamW state, RNG
     assert summary["iterations"] == 2 and [r["weight_version"] for r in rows(tmp_path / "disk")] == [1, 2]
-    # disk sync, next to that run's model folder: the reset engines know the new run's model path
-    assert (tmp_path / "disk" / "synced_weights" / "version-2" / "config.json").is_file()
+    # disk sync, next to that run's model folder: the reset engines know the new run's model path; only the version
+    # served is kept (a folder a version would fill the disk), and no half-written folder is left
+    synced = tmp_path / "disk" / "synced_weights"
+    assert sorted(p.name for p in synced.iterdir()) == ["version-2"] and (synced / "version-2" / "config.json").is_file()
 
 
 def test_a_reset_restarts_each_engines_random_stream(ray_session, warm_parts, tmp_path):
