@@ -144,7 +144,8 @@ def build_run(cfg: RunConfig, saved: CheckpointState | None = None, parts: RunPa
     reward = RewardSetup(tokenizer, stop_ids, reward_fn, cfg.grpo.reward_function_path, cfg.grpo.rule_reward_weight,
                          exact_match=toy_task.exact_match if builtin else None,
                          prompt_texts=lambda ids: [prompts.texts[i] for i in context.cursor.dataset_indices(ids).tolist()],
-                         concurrency=cfg.grpo.reward_concurrency, reward_models=reward_models,
+                         concurrency=cfg.grpo.reward_concurrency, timeout_s=cfg.grpo.reward_timeout_s,
+                         reward_models=reward_models,
                          keep_sample_rewards=builtin)  # a custom rollout function's own rewards, unless one is set
     return Run(cfg, run_dir, Path(model_path), controller, context, reward, learners[0], learners[1], fleet, parts, baseline=toy_task.prompt_independent_baseline(prompts.labels)[1] if builtin else None)
 

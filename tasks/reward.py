@@ -31,6 +31,7 @@ class RewardSetup:
     exact_match: Callable | None = None       # the built-in task's exact-match check (a reported metric)
     prompt_texts: Callable | None = None      # group stream ids[G] -> prompt texts[G]
     concurrency: int = 32                     # grpo.reward_concurrency: async reward calls at once
+    timeout_s: float | None = None            # grpo.reward_timeout_s: the most one reward call may take
     reward_models: Any = None                 # spillover.rollout.scoring.reward_models.RewardModels (grpo.reward_models), or None
     keep_sample_rewards: bool = False         # samples a rollout function scored keep their reward (no reward
                                               # function configured: grpo.reward_function_path left at its default)
@@ -58,7 +59,7 @@ def score_batch(batch: RolloutBatch, texts: list[str], setup: RewardSetup) -> np
         return f"sample {group * n + i % n} (group {group}, prompt {prompts[i // n][:40]!r})"
 
     return score_responses(texts, label_of_rows(batch), setup.reward_fn, setup.reward_fn_path, describe, samples,
-                           metadata_of_rows(batch), setup.concurrency)
+                           metadata_of_rows(batch), setup.concurrency, setup.timeout_s)
 
 
 def _group_prompts(batch: RolloutBatch, setup: RewardSetup) -> list[str]:

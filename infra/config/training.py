@@ -53,6 +53,10 @@ class GRPOConfig(Section):
     reward_models: list[RewardModelConfig] = Field(
         default_factory=list, description="Reward models run as Ray actors; total reward = rule_reward_weight x "
         "rule reward + the sum of weight x score (e.g. [{path: /models/rm, weight: 0.5}]).")
+    reward_timeout_s: float | None = Field(
+        None, gt=0, description="The most one reward function call may take (an `async def` one's await, or a plain "
+        "one's call); one that takes longer fails the iteration naming the sample, and `spillover resume` goes on "
+        "from the last checkpoint. Empty = no limit.")
     reward_concurrency: int = Field(
         32, ge=1, description="An `async def` reward function is awaited concurrently, at most this many calls "
         "at once (a remote verifier or sandbox).")

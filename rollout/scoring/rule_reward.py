@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import queue
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from numbers import Real
 
@@ -39,12 +41,14 @@ def batch_decode(ids: list[list[int]], tokenizer) -> list[str]:
     return backend.decode_batch(ids, skip_special_tokens=True)
 
 
-def score_samples(samples: list[Sample], reward_fn, fn_path: str, concurrency: int = 32) -> np.ndarray:
+def score_samples(samples: list[Sample], reward_fn, fn_path: str, concurrency: int = 32,
+                  timeout_s: float | None = None) -> np.ndarray:
     """Rule reward per sample -> float[len(samples)]; NaN, a non-number or an exception names the sample.
     A sample's metadata["data"] (its group's data.additional_keys) is the function's `metadata`."""
     return score_responses([s.response for s in samples], [s.label for s in samples], reward_fn, fn_path,
                            describe=lambda i: _name(samples[i]), samples=samples,
-                           metadata=[s.metadata.get("data") for s in samples], concurrency=concurrency)
+                           metadata=[s.metadata.get("data") for s in samples], concurrency=concurrency,
+                           timeout_s=timeout_s)
 
 
 def _params(reward_fn) -> set[str]:
@@ -68,12 +72,14 @@ def wants_metadata(reward_fn) -> bool:
 
 
 def score_responses(responses: list[str], labels: list, reward_fn, fn_path: str, describe, samples=None,
-                    metadata=None, concurrency: int = 32) -> np.ndarray:
+                    metadata=None, concurrency: int = 32, timeout_s: float | None = None) -> np.ndarray:
     """Rule reward per response -> float64[k]. fn(response, label[, sample=...][, metadata=...]) per response,
     or, for a function marked `batched = True`, fn(responses, labels[, samples=...][, metadata=...]) once.
     describe(i) names response i in errors; samples (Sample per response, or None) and metadata (the group's
     data.additional_keys dict per response, or None) are passed only to functions that name them. An `async`
-    function is awaited, at most `concurrency` calls at once (a remote verifier or sandbox)."""
+    function is awaited, at most `concurrency` calls at once (a remote verifier or sandbox). timeout_s
+    (grpo.reward_timeout_s): a call that has not returned by then fails the scoring with a RewardError naming it (a
+    plain function's call is left running in a daemon thread: Python cannot stop it)."""
     give = samples is not None and wants_samples(reward_fn)
     give_meta = wants_metadata(reward_fn)
     metadata = metadata if metadata is not None else [None] * len(responses)
@@ -85,7 +91,9 @@ def score_responses(responses: list[str], labels: list, reward_fn, fn_path: str,
                   ({"metadata": metadata[i]} if give_meta else {}))
                  for i, (r, label) in enumerate(zip(responses, labels))]
     if inspect.iscoroutinefunction(reward_fn):
-        values = run_async_calls(reward_fn, fn_path, calls, concurrency)
+        values = run_async_calls(reward_fn, fn_path, calls, concurrency, timeout_s)
+    elif timeout_s is not None:
+        values = _call_each_within(reward_fn, fn_path, calls, timeout_s)
     else:
         values = [_call(reward_fn, fn_path, what, *args, **kwargs) for what, args, kwargs in calls]
     if getattr(reward_fn, "batched", False):
@@ -101,13 +109,16 @@ def score_responses(responses: list[str], labels: list, reward_fn, fn_path: str,
     return out
 
 
-def run_async_calls(fn, fn_path: str, calls: list, concurrency: int) -> list:
-    """Await fn(*args, **kwargs) for every (what, args, kwargs), at most `concurrency` at once; -> results in
-    order. Runs its own event loop (in a helper thread when this thread already runs one)."""
+def run_async_calls(fn, fn_path: str, calls: list, concurrency: int, timeout_s: float | None = None) -> list:
+    """Await fn(*args, **kwargs) for every (what, args, kwargs), at most `concurrency` at once, each within timeout_s
+    (None: no limit); -> results in order. Runs its own event loop (in a helper thread when this thread already
+    runs one)."""
     async def one(gate, what, args, kwargs):
         async with gate:
             try:
-                return await fn(*args, **kwargs)
+                return await asyncio.wait_for(fn(*args, **kwargs), timeout_s)
+            except asyncio.TimeoutError:
+                raise _timed_out(fn_path, what, timeout_s) from None
             except Exception as err:  # a user function: report which sample and which function
                 raise RewardError(f"reward function {fn_path!r} raised on {what}: {type(err).__name__}: "
                                   f"{err}; {REWARD_FIX}") from err
@@ -126,6 +137,42 @@ def run_async_calls(fn, fn_path: str, calls: list, concurrency: int) -> list:
 
 def _name(s: Sample) -> str:
     return f"sample {s.index} (group {s.group_index}, prompt {s.prompt[:40]!r})"
+
+
+def _timed_out(fn_path: str, what: str, timeout_s: float) -> RewardError:
+    return RewardError(f"reward function {fn_path!r} did not return within grpo.reward_timeout_s={timeout_s:g} s on "
+                       f"{what}; {REWARD_FIX} (or raise grpo.reward_timeout_s)")
+
+
+def _call_each_within(fn, fn_path: str, calls: list, timeout_s: float) -> list:
+    """The plain function's calls one after another in a daemon thread, each awaited here for at most timeout_s."""
+    answers: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def work() -> None:
+        for _, args, kwargs in calls:
+            if stop.is_set():
+                return
+            try:
+                answers.put((True, fn(*args, **kwargs)))
+            except Exception as err:
+                answers.put((False, err))
+
+    threading.Thread(target=work, daemon=True, name="reward-calls").start()
+    out = []
+    try:
+        for what, _, _ in calls:
+            try:
+                ok, value = answers.get(timeout=timeout_s)
+            except queue.Empty:
+                raise _timed_out(fn_path, what, timeout_s) from None
+            if not ok:
+                raise RewardError(f"reward function {fn_path!r} raised on {what}: {type(value).__name__}: {value}; "
+                                  f"{REWARD_FIX}") from value
+            out.append(value)
+    finally:
+        stop.set()
+    return out
 
 
 def _call(fn, fn_path, what, *args, **kwargs):
