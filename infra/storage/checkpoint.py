@@ -71,7 +71,8 @@ def prune(store: Store, keep: int, newest: int | None = None) -> list[str]:
         if not done:
             return []
         newest = done[-1]
-    kept = {i.name for i in [i for i in infos if i.complete and i.iteration <= newest][-keep:]}
+    done_by_newest = [i for i in infos if i.complete and i.iteration <= newest]
+    kept = {i.name for i in done_by_newest[-keep:]}
     doomed = [i.name for i in infos if i.name not in kept
               and (i.complete or i.iteration < newest or (after_written and i.iteration > newest))]
     for name in doomed:
@@ -224,7 +225,7 @@ def _read_manifest(store: Store, name: str) -> dict:
 
 
 def _is_sha256(value) -> bool:
-    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
 
 
 def _read_object(store: Store, name: str, key: str, spec: dict, kind: str | None):

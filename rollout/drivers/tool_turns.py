@@ -81,8 +81,7 @@ class ToolTurns(RoundHooks):
 
     def __init__(self, dock: TransferDock, weight_version: int, rollout_cfg: RolloutConfig, envs: EnvPool, tokenizer,
                  loop: asyncio.AbstractEventLoop, iteration: int = 0):
-        super().__init__(dock, weight_version, rollout_cfg.stop, lambda ids: tokenizer.decode(list(ids),
-                                                                                           skip_special_tokens=False))
+        super().__init__(dock, weight_version, rollout_cfg.stop, self.decode)
         self.envs, self.tokenizer, self.cfg, self.loop, self.iteration = envs, tokenizer, rollout_cfg, loop, iteration
         self.stop_strings = tuple(rollout_cfg.tool_call_stop)
         self.stats = ToolStats()

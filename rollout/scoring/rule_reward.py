@@ -120,8 +120,7 @@ def run_async_calls(fn, fn_path: str, calls: list, concurrency: int, timeout_s: 
             except asyncio.TimeoutError:
                 raise _timed_out(fn_path, what, timeout_s) from None
             except Exception as err:  # a user function: report which sample and which function
-                raise RewardError(f"reward function {fn_path!r} raised on {what}: {type(err).__name__}: "
-                                  f"{err}; {REWARD_FIX}") from err
+                raise _raised(fn_path, what, err) from err
 
     async def gather():
         gate = asyncio.Semaphore(max(1, int(concurrency)))
@@ -150,12 +149,12 @@ def _call_each_within(fn, fn_path: str, calls: list, timeout_s: float) -> list:
     stop = threading.Event()
 
     def work() -> None:
-        for _, args, kwargs in calls:
+        for what, args, kwargs in calls:
             if stop.is_set():
                 return
             try:
-                answers.put((True, fn(*args, **kwargs)))
-            except Exception as err:
+                answers.put((True, _call(fn, fn_path, what, *args, **kwargs)))
+            except RewardError as err:
                 answers.put((False, err))
 
     threading.Thread(target=work, daemon=True, name="reward-calls").start()
@@ -167,17 +166,19 @@ def _call_each_within(fn, fn_path: str, calls: list, timeout_s: float) -> list:
             except queue.Empty:
                 raise _timed_out(fn_path, what, timeout_s) from None
             if not ok:
-                raise RewardError(f"reward function {fn_path!r} raised on {what}: {type(value).__name__}: {value}; "
-                                  f"{REWARD_FIX}") from value
+                raise value
             out.append(value)
     finally:
         stop.set()
     return out
 
 
+def _raised(fn_path: str, what: str, err: Exception) -> RewardError:
+    return RewardError(f"reward function {fn_path!r} raised on {what}: {type(err).__name__}: {err}; {REWARD_FIX}")
+
+
 def _call(fn, fn_path, what, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except Exception as err:  # a user function: report which sample and which function
-        raise RewardError(f"reward function {fn_path!r} raised on {what}: {type(err).__name__}: {err}; "
-                          f"{REWARD_FIX}") from err
+        raise _raised(fn_path, what, err) from err

@@ -84,3 +84,24 @@ def test_every_end_token_of_the_model_ends_a_row_cut_by_an_abort(tmp_path, tok):
     dock = one_row_dock(ends)
     RoundHooks(dock, 0).on_answers(dock.take_rows(), [answer([12, 13, other_end])], stopping=True)
     assert dock.complete[0] and dock.stopped[0]
+
+
+def test_a_final_stop_string_split_by_a_cut_ends_a_multi_turn_row(tok):
+    """Multi-turn rows (rollout/drivers/tool_turns.py ToolTurns.on_answer) end where a rollout.stop string completes
+    across the cut, as single-turn rows do. No env runs: no tool call starts."""
+    from spillover.infra.config.rollout import RolloutConfig
+    from spillover.rollout.drivers.tool_turns import ToolTurns
+
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    cfg = RolloutConfig(global_batch_size=1, n_samples_per_prompt=2, max_tokens=32, max_model_len=64, max_split=4,
+                        env_path="spillover.rollout.builtin.calculator.CalculatorEnv", tool_call_stop=["=+"],
+                        stop=["!?"])
+    dock = TransferDock.from_config(cfg, [int(tok.eos_token_id)])
+    dock.load_groups(np.asarray([0]), [[5, 6]], ["label"])
+    hooks = ToolTurns(dock, 0, cfg, envs=None, tokenizer=tok, loop=None)
+    rows = dock.take_rows()  # the group's two rows
+    hooks.on_answers(rows, [answer(enc("ab!")), answer(enc("xy"))], stopping=True)  # cut after '!': no '!?' yet
+    assert not dock.complete[0]
+    kept = hooks.on_answers(dock.take_rows()[:1], [answer(enc("?cd=+"), finish="length")], stopping=False)
+    assert kept == 1 and dock.complete[0] and dock.stopped[0] and not dock.awaiting_tool[0]
+    assert tok.decode(dock.responses.gather(np.asarray([0]), "tokens").tolist()) == "ab!?"
